@@ -1,0 +1,83 @@
+// LibTorch glue of the CUDA paths: device guard, current stream, raw pointers, error checks.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+#include "ops/cuda/kernels.h"
+#include "ops/detail/cuda_ops.h"
+
+#define AMP8_CUDA_CHECK(expr)                                                                \
+  do {                                                                                       \
+    const int amp8_err_ = (expr);                                                            \
+    TORCH_CHECK(amp8_err_ == 0, "CUDA error at ", __FILE__, ":", __LINE__, ": ",             \
+                cudaGetErrorString(static_cast<cudaError_t>(amp8_err_)), " (", #expr, ")"); \
+  } while (0)
+
+namespace amp8::detail {
+namespace {
+
+cuda::InputType input_type(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return cuda::InputType::kFloat;
+    case at::kBFloat16: return cuda::InputType::kBFloat16;
+    case at::kHalf: return cuda::InputType::kHalf;
+    default: TORCH_CHECK(false, "expected float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+}
+
+cuda::Stream current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+
+}  // namespace
+
+void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                   const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  AMP8_CUDA_CHECK(cuda::launch_quantize(x.const_data_ptr(), input_type(x), out.mutable_data_ptr(),
+                                        x.numel(), scale.const_data_ptr<float>(),
+                                        scale_inv_out.mutable_data_ptr<float>(), amax,
+                                        format == Fp8Format::kE5M2, current_stream()));
+}
+
+void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                         const at::Tensor& out, const at::Tensor& out_t,
+                         const at::Tensor& scale_inv_out, float* amax) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  AMP8_CUDA_CHECK(cuda::launch_cast_transpose(
+      x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
+      x.size(0), x.size(1), scale.const_data_ptr<float>(),
+      scale_inv_out.mutable_data_ptr<float>(), amax, format == Fp8Format::kE5M2,
+      current_stream()));
+}
+
+void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  AMP8_CUDA_CHECK(cuda::launch_amax(x.const_data_ptr(), input_type(x), x.numel(),
+                                    amax_out.mutable_data_ptr<float>(), current_stream()));
+}
+
+void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,
+                        const at::Tensor& scale_out) {
+  const c10::cuda::CUDAGuard guard(amax.device());
+  AMP8_CUDA_CHECK(cuda::launch_current_scale(amax.const_data_ptr<float>(),
+                                             scale_out.mutable_data_ptr<float>(), fp8_max,
+                                             margin_divisor, current_stream()));
+}
+
+void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups, float fp8_max,
+                                 float margin_divisor, AmaxComputeAlgo algo) {
+  const c10::cuda::CUDAGuard guard(groups.front().amax_history.device());
+  std::vector<cuda::ScalingGroupPointers> pointers;
+  pointers.reserve(groups.size());
+  for (const auto& g : groups) {
+    pointers.push_back({g.amax_history.mutable_data_ptr<float>(), g.scale.mutable_data_ptr<float>(),
+                        g.scale_inv.mutable_data_ptr<float>(), g.amax_history.size(1)});
+  }
+  AMP8_CUDA_CHECK(cuda::launch_delayed_scaling_update(
+      pointers.data(), static_cast<int>(pointers.size()), groups.front().amax_history.size(0),
+      algo == AmaxComputeAlgo::kMostRecent, fp8_max, margin_divisor, current_stream()));
+}
+
+}  // namespace amp8::detail

@@ -1,0 +1,256 @@
+// Saturating FP8 quantization, fused cast+transpose and amax kernels.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "ops/cuda/fp8_convert.cuh"
+#include "ops/cuda/kernels.h"
+#include "ops/detail/scale_formula.h"
+
+namespace amp8::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+int max_resident_blocks() {
+  static const int value = [] {
+    int device = 0, sms = 132;
+    if (cudaGetDevice(&device) == cudaSuccess) {
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    return sms * 8;
+  }();
+  return value;
+}
+
+int grid_for(int64_t work) {
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, max_resident_blocks())));
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Elementwise quantization over n elements; 8 per thread-iteration where `vectorized`.
+template <typename T, bool kE5M2, bool kWriteOutput>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, int64_t n,
+                    int64_t n_packs, const float* __restrict__ scale_ptr,
+                    float* __restrict__ scale_inv, float* __restrict__ amax) {
+  const float scale = kWriteOutput ? *scale_ptr : 1.0f;
+  if (kWriteOutput && scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    *scale_inv = 1.0f / scale;
+  }
+  uint32_t max_bits = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = tid; i < n_packs; i += stride) {
+    const Pack8<T> pack = reinterpret_cast<const Pack8<T>*>(x)[i];
+    uint64_t packed = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = to_float(pack.v[j]);
+      max_bits = max(max_bits, abs_bits(v));
+      if (kWriteOutput) packed |= static_cast<uint64_t>(saturating_cast<kE5M2>(v, scale)) << (8 * j);
+    }
+    if (kWriteOutput) reinterpret_cast<uint64_t*>(out)[i] = packed;
+  }
+  for (int64_t i = n_packs * 8 + tid; i < n; i += stride) {
+    const float v = to_float(x[i]);
+    max_bits = max(max_bits, abs_bits(v));
+    if (kWriteOutput) out[i] = saturating_cast<kE5M2>(v, scale);
+  }
+  if (amax != nullptr) block_amax_to_global(max_bits, amax);
+}
+
+// Fast cast+transpose: 64x64 tiles, 16-byte loads, 8-byte row-major stores and 16-byte
+// transposed stores. Needs cols % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers.
+constexpr int kTile = 64;
+constexpr int kTilePad = 8;  // keeps 8-byte smem stores aligned
+
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
+                          uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
+                          const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
+                          float* __restrict__ amax) {
+  __shared__ alignas(16) uint8_t tile[kTile][kTile + kTilePad];
+  const float scale = *scale_ptr;
+  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *scale_inv = 1.0f / scale;
+  }
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  uint32_t max_bits = 0;
+
+  const int chunk = threadIdx.x % 8;  // 8 consecutive columns
+  const int row_in_pass = threadIdx.x / 8;
+  const int64_t gc = col0 + chunk * 8;
+  Pack8<T> packs[kTile / 32];
+#pragma unroll
+  for (int pass = 0; pass < kTile / 32; ++pass) {
+    const int64_t gr = row0 + row_in_pass + pass * 32;
+    if (gr < rows && gc < cols) packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+  }
+#pragma unroll
+  for (int pass = 0; pass < kTile / 32; ++pass) {
+    const int r = row_in_pass + pass * 32;
+    const int64_t gr = row0 + r;
+    uint64_t packed = 0;
+    if (gr < rows && gc < cols) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float v = to_float(packs[pass].v[j]);
+        max_bits = max(max_bits, abs_bits(v));
+        packed |= static_cast<uint64_t>(saturating_cast<kE5M2>(v, scale)) << (8 * j);
+      }
+      *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
+    }
+    *reinterpret_cast<uint64_t*>(&tile[r][chunk * 8]) = packed;
+  }
+  __syncthreads();
+  // Transposed: thread t writes out_t[col0 + c][row0 + 16*k .. +16).
+  const int c = threadIdx.x % kTile;
+  const int k = threadIdx.x / kTile;  // 0..3
+  const int64_t out_row = col0 + c;
+  const int64_t out_col = row0 + k * 16;
+  if (out_row < cols && out_col < rows) {
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(tile[k * 16 + w * 4 + b][c]) << (8 * b);
+      words[w] = word;
+    }
+    *reinterpret_cast<uint4*>(out_t + out_row * rows + out_col) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  if (amax != nullptr) block_amax_to_global(max_bits, amax);
+}
+
+// Any shape: 32x32 tiles, one element per thread-iteration.
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads)
+    cast_transpose_general_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
+                                  uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
+                                  const float* __restrict__ scale_ptr,
+                                  float* __restrict__ scale_inv, float* __restrict__ amax) {
+  __shared__ uint8_t tile[32][33];
+  const float scale = *scale_ptr;
+  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 &&
+      threadIdx.y == 0) {
+    *scale_inv = 1.0f / scale;
+  }
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 32;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 32;
+  uint32_t max_bits = 0;
+  for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+    const int64_t gr = row0 + r, gc = col0 + threadIdx.x;
+    if (gr < rows && gc < cols) {
+      const float v = to_float(x[gr * cols + gc]);
+      max_bits = max(max_bits, abs_bits(v));
+      const uint8_t q = saturating_cast<kE5M2>(v, scale);
+      out[gr * cols + gc] = q;
+      tile[r][threadIdx.x] = q;
+    }
+  }
+  __syncthreads();
+  for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+    const int64_t out_row = col0 + r, out_col = row0 + threadIdx.x;
+    if (out_row < cols && out_col < rows) out_t[out_row * rows + out_col] = tile[threadIdx.x][r];
+  }
+  if (amax != nullptr) block_amax_to_global(max_bits, amax);
+}
+
+__global__ void current_scale_kernel(const float* amax, float* scale, float fp8_max,
+                                     float margin_divisor) {
+  *scale = detail::scale_from_amax(*amax, 1.0f, fp8_max, margin_divisor);
+}
+
+template <typename F>
+int dispatch_input(InputType type, F&& f) {
+  switch (type) {
+    case InputType::kFloat: return f(float{});
+    case InputType::kBFloat16: return f(__nv_bfloat16{});
+    case InputType::kHalf: return f(__half{});
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace
+
+int launch_quantize(const void* x, InputType type, void* out, int64_t n, const float* scale,
+                    float* scale_inv, float* amax, bool e5m2, Stream stream) {
+  if (amax != nullptr) {
+    if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
+  }
+  return dispatch_input(type, [&](auto tag) {
+    using T = decltype(tag);
+    const bool vectorized = aligned16(x) && aligned16(out);
+    const int64_t n_packs = vectorized ? n / 8 : 0;
+    const int grid = grid_for(vectorized ? std::max<int64_t>(n_packs, 1) : n);
+    const auto* in = static_cast<const T*>(x);
+    auto* o = static_cast<uint8_t*>(out);
+    if (e5m2) {
+      quantize_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(in, o, n, n_packs, scale, scale_inv, amax);
+    } else {
+      quantize_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(in, o, n, n_packs, scale, scale_inv, amax);
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream stream) {
+  if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
+  return dispatch_input(type, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t n_packs = aligned16(x) ? n / 8 : 0;
+    const int grid = grid_for(n_packs > 0 ? n_packs : n);
+    quantize_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(
+        static_cast<const T*>(x), nullptr, n, n_packs, nullptr, nullptr, amax);
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
+                          int64_t cols, const float* scale, float* scale_inv, float* amax,
+                          bool e5m2, Stream stream) {
+  if (amax != nullptr) {
+    if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
+  }
+  return dispatch_input(type, [&](auto tag) {
+    using T = decltype(tag);
+    const auto* in = static_cast<const T*>(x);
+    auto* o = static_cast<uint8_t*>(out);
+    auto* ot = static_cast<uint8_t*>(out_t);
+    const bool fast = cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) &&
+                      aligned16(out_t);
+    if (fast) {
+      const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile);
+      if (e5m2) {
+        cast_transpose_kernel<T, true><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+      } else {
+        cast_transpose_kernel<T, false><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+      }
+    } else {
+      const dim3 grid((cols + 31) / 32, (rows + 31) / 32);
+      const dim3 block(32, kThreads / 32);
+      if (e5m2) {
+        cast_transpose_general_kernel<T, true><<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+      } else {
+        cast_transpose_general_kernel<T, false><<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+      }
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+int launch_current_scale(const float* amax, float* scale, float fp8_max, float margin_divisor,
+                         Stream stream) {
+  current_scale_kernel<<<1, 1, 0, stream>>>(amax, scale, fp8_max, margin_divisor);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace amp8::cuda

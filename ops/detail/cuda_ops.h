@@ -1,0 +1,29 @@
+#pragma once
+// CUDA paths of the ops, defined in ops/cuda/*.cc when amp8 is built with CUDA
+// (AMP8_WITH_CUDA). Arguments are already checked by the public entry points.
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "ops/fp8_format.h"
+#include "ops/scaling.h"
+
+namespace amp8::detail {
+
+// Writes fp8(clamp(x * scale)) into `out` (x's shape, FP8 dtype), 1/scale into scale_inv_out,
+// and max|x| into `amax` when non-null.
+void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                   const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax);
+// The same plus out_t = outᵀ for a 2-D x, from one read of x.
+void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                         const at::Tensor& out, const at::Tensor& out_t,
+                         const at::Tensor& scale_inv_out, float* amax);
+void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
+// scale_out[0] = scale_from_amax(amax[0], 1, fp8_max, 2^margin).
+void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,
+                        const at::Tensor& scale_out);
+void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups, float fp8_max,
+                                 float margin_divisor, AmaxComputeAlgo algo);
+
+}  // namespace amp8::detail

@@ -1,0 +1,173 @@
+#include "ops/quantize.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "ops/detail/checks.h"
+#include "ops/detail/cuda_ops.h"
+#include "ops/detail/fp8_cpu.h"
+#include "ops/detail/scale_formula.h"
+
+namespace amp8 {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;
+
+#ifndef AMP8_WITH_CUDA
+[[noreturn]] void no_cuda(std::string_view op) {
+  TORCH_CHECK(false, op, ": got a CUDA tensor but amp8 was built without CUDA");
+}
+#endif
+
+template <typename T>
+float amax_cpu_typed(const T* x, int64_t n) {
+  return at::parallel_reduce(
+      0, n, kGrain, 0.0f,
+      [&](int64_t begin, int64_t end, float acc) {
+        for (int64_t i = begin; i < end; ++i) {
+          acc = detail::nan_max(acc, std::fabs(static_cast<float>(x[i])));
+        }
+        return acc;
+      },
+      detail::nan_max);
+}
+
+template <typename T, typename Fp8T>
+float quantize_cpu_typed(const T* x, Fp8T* out, int64_t n, float scale, float fp8_max) {
+  return at::parallel_reduce(
+      0, n, kGrain, 0.0f,
+      [&](int64_t begin, int64_t end, float acc) {
+        for (int64_t i = begin; i < end; ++i) {
+          const float v = static_cast<float>(x[i]);
+          acc = detail::nan_max(acc, std::fabs(v));
+          out[i] = detail::saturating_cast_cpu<Fp8T>(v, scale, fp8_max);
+        }
+        return acc;
+      },
+      detail::nan_max);
+}
+
+// Quantizes x into out (same numel), returns max|x|.
+float quantize_cpu(const at::Tensor& x, float scale, Fp8Format format, const at::Tensor& out) {
+  float result = 0.0f;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_quantize", [&] {
+    const auto* in = x.const_data_ptr<scalar_t>();
+    if (format == Fp8Format::kE4M3) {
+      result = quantize_cpu_typed(in, out.mutable_data_ptr<c10::Float8_e4m3fn>(), x.numel(), scale,
+                                  fp8_max(format));
+    } else {
+      result = quantize_cpu_typed(in, out.mutable_data_ptr<c10::Float8_e5m2>(), x.numel(), scale,
+                                  fp8_max(format));
+    }
+  });
+  return result;
+}
+
+float amax_cpu(const at::Tensor& x) {
+  float result = 0.0f;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_amax", [&] {
+    result = amax_cpu_typed(x.const_data_ptr<scalar_t>(), x.numel());
+  });
+  return result;
+}
+
+void check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax_out,
+                         std::string_view op) {
+  detail::check_high_precision_input(x, op);
+  TORCH_CHECK(scale.defined(), op, ": scale must be a defined tensor");
+  detail::check_scalar_slot(scale, x, op, "scale");
+  if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, op, "amax_out");
+}
+
+float* amax_ptr(const at::Tensor& amax_out) {
+  return amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
+}
+
+}  // namespace
+
+Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                   const at::Tensor& amax_out) {
+  check_quantize_args(x, scale, amax_out, "quantize");
+  auto out = at::empty(x.sizes(), x.options().dtype(fp8_dtype(format)));
+  auto scale_inv = at::empty({1}, scale.options());
+  if (x.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::quantize_cuda(x, scale, format, out, scale_inv, amax_ptr(amax_out));
+#else
+    no_cuda("quantize");
+#endif
+  } else {
+    const float s = scale.item<float>();
+    const float m = quantize_cpu(x, s, format, out);
+    scale_inv.fill_(1.0f / s);
+    if (amax_out.defined()) amax_out.fill_(m);
+  }
+  return Fp8Tensor(out, scale_inv, format);
+}
+
+Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                                const at::Tensor& amax_out) {
+  check_quantize_args(x, scale, amax_out, "cast_transpose");
+  TORCH_CHECK(x.dim() == 2, "cast_transpose: x must be 2-D [rows, cols], got shape ", x.sizes());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto options = x.options().dtype(fp8_dtype(format));
+  auto out = at::empty({rows, cols}, options);
+  auto scale_inv = at::empty({1}, scale.options());
+  at::Tensor out_t;
+  if (x.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    out_t = at::empty({cols, rows}, options);
+    detail::cast_transpose_cuda(x, scale, format, out, out_t, scale_inv, amax_ptr(amax_out));
+#else
+    no_cuda("cast_transpose");
+#endif
+  } else {
+    const float s = scale.item<float>();
+    const float m = quantize_cpu(x, s, format, out);
+    out_t = out.t().contiguous();
+    scale_inv.fill_(1.0f / s);
+    if (amax_out.defined()) amax_out.fill_(m);
+  }
+  return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
+}
+
+at::Tensor compute_amax(const at::Tensor& x) {
+  detail::check_high_precision_input(x, "compute_amax");
+  auto result = at::empty({1}, x.options().dtype(at::kFloat));
+  if (x.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::amax_cuda(x, result);
+#else
+    no_cuda("compute_amax");
+#endif
+  } else {
+    result.fill_(amax_cpu(x));
+  }
+  return result;
+}
+
+Fp8Tensor quantize_current_scaling(const at::Tensor& x, Fp8Format format, int margin,
+                                   const at::Tensor& amax_out, const at::Tensor& scale_out) {
+  detail::check_high_precision_input(x, "quantize_current_scaling");
+  TORCH_CHECK(margin >= 0 && margin < 127,
+              "quantize_current_scaling: margin must be in [0, 126], got ", margin);
+  if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, "quantize_current_scaling", "amax_out");
+  if (scale_out.defined()) detail::check_scalar_slot(scale_out, x, "quantize_current_scaling", "scale_out");
+  const float margin_divisor = std::ldexp(1.0f, margin);
+  auto amax_value = compute_amax(x);
+  auto scale = at::empty({1}, amax_value.options());
+  if (x.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::current_scale_cuda(amax_value, fp8_max(format), margin_divisor, scale);
+#endif
+  } else {
+    scale.fill_(detail::scale_from_amax(amax_value.item<float>(), 1.0f, fp8_max(format),
+                                        margin_divisor));
+  }
+  if (amax_out.defined()) amax_out.copy_(amax_value.reshape(amax_out.sizes()));
+  if (scale_out.defined()) scale_out.copy_(scale.reshape(scale_out.sizes()));
+  return quantize(x, scale, format);
+}
+
+}  // namespace amp8

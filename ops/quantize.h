@@ -1,0 +1,49 @@
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "ops/fp8_tensor.h"
+
+namespace amp8 {
+
+// Quantization to FP8. Every function here runs on CPU (the reference, in plain C++ over
+// ATen storage) and on CUDA (fused kernels); both produce identical bytes, amax and scale_inv.
+//
+// Common rules:
+//  * `x` is float32, bfloat16 or float16, contiguous, non-empty.
+//  * `scale` is a float32 tensor of one element on x's device (no host sync is made).
+//  * Quantization saturates: q = fp8(clamp(float(x) * scale, -fp8_max, fp8_max)), rounding to
+//    nearest even; NaN stays NaN (sign kept).
+//  * `amax_out`, when defined, is a float32 tensor of one element on x's device, e.g. a view
+//    of an amax-history row; it is overwritten with max|x| taken before scaling. A NaN in x
+//    makes it NaN; an infinity makes it inf.
+//  * The returned scale_inv is 1 / scale, computed in float32, in a new tensor.
+
+/// Saturating quantization of `x` (any shape) into `format`.
+Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                   const at::Tensor& amax_out = {});
+
+/// A 2-D tensor quantized row-major and transposed, from one read of the input.
+/// `data` is [rows, cols] and `transposed.data` is [cols, rows]; they share scale_inv.
+struct Fp8CastTranspose {
+  Fp8Tensor data;
+  Fp8Tensor transposed;
+};
+
+/// Fused cast + transpose + amax of a 2-D `x` [rows, cols]: what Hopper's TN-only FP8 GEMMs
+/// need to compute both y = x·Wᵀ and the backward GEMMs without a separate transpose.
+Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                                const at::Tensor& amax_out = {});
+
+/// max|x| as a float32 tensor of one element on x's device (NaN if x holds a NaN).
+at::Tensor compute_amax(const at::Tensor& x);
+
+/// Current (per-tensor, just-in-time) scaling: amax of x, then
+/// scale = (fp8_max / amax) / 2^margin (1 when amax is 0 or not finite; FLT_MAX when the
+/// quotient overflows), then quantize with it. `amax_out`/`scale_out`, when defined, receive
+/// the amax and the scale used.
+Fp8Tensor quantize_current_scaling(const at::Tensor& x, Fp8Format format, int margin = 0,
+                                   const at::Tensor& amax_out = {},
+                                   const at::Tensor& scale_out = {});
+
+}  // namespace amp8

@@ -1,0 +1,326 @@
+#include "ops/quantize.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::BytesEqual;
+using testing::item;
+using testing::SameFloat;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+at::Tensor scalar(float v) { return at::full({1}, v, at::kFloat); }
+
+std::vector<float> dequantized(const Fp8Tensor& t) {
+  auto values = t.data.to(at::kFloat).contiguous();
+  return std::vector<float>(values.data_ptr<float>(), values.data_ptr<float>() + values.numel());
+}
+
+class QuantizeTest : public testing::SeededTest {};
+
+TEST_F(QuantizeTest, E4M3SaturatesAt448) {
+  auto x = at::tensor({447.0f, 448.0f, 449.0f, -1e6f, 1e6f, 464.0f, -447.0f});
+  auto q = quantize(x, scalar(1.0f), Fp8Format::kE4M3);
+  // 447 rounds to 448 (E4M3's spacing is 32 there); everything larger clamps to ±448.
+  EXPECT_THAT(dequantized(q),
+              ::testing::ElementsAre(448.0f, 448.0f, 448.0f, -448.0f, 448.0f, 448.0f, -448.0f));
+}
+
+TEST_F(QuantizeTest, E5M2SaturatesAt57344) {
+  auto x = at::tensor({57344.0f, 60000.0f, 61440.0f, -1e9f, 49152.0f});
+  auto q = quantize(x, scalar(1.0f), Fp8Format::kE5M2);
+  // A plain cast would round 61440 (the midpoint to 65536) up to infinity; we clamp first.
+  EXPECT_THAT(dequantized(q),
+              ::testing::ElementsAre(57344.0f, 57344.0f, 57344.0f, -57344.0f, 49152.0f));
+}
+
+TEST_F(QuantizeTest, NonFiniteValues) {
+  auto x = at::tensor({kNaN, -kNaN, kInf, -kInf});
+  for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    auto amax = at::zeros({1});
+    auto q = quantize(x, scalar(2.0f), format, amax);
+    auto v = dequantized(q);
+    EXPECT_TRUE(std::isnan(v[0])) << format;
+    EXPECT_TRUE(std::isnan(v[1])) << format;
+    EXPECT_EQ(v[2], fp8_max(format)) << format;  // infinities saturate
+    EXPECT_EQ(v[3], -fp8_max(format)) << format;
+    EXPECT_TRUE(std::isnan(item(amax))) << "a NaN in x must show in amax";
+  }
+  auto amax = at::zeros({1});
+  quantize(at::tensor({1.0f, -kInf}), scalar(1.0f), Fp8Format::kE4M3, amax);
+  EXPECT_EQ(item(amax), kInf);
+}
+
+TEST_F(QuantizeTest, ScaleIsAppliedBeforeRoundingToNearestEven) {
+  // 1 * 100 = 100 lies halfway between 96 and 104 (spacing 8 in [64, 128)): ties to even, 96.
+  // 1.01 * 100 = 101 rounds to 104 after the multiply; 3 * 100 = 300 -> 288 (spacing 32);
+  // -0.5 * 100 = -50 ties between -48 and -52 (spacing 4): even mantissa, -48.
+  auto x = at::tensor({1.0f, 1.01f, 3.0f, -0.5f});
+  auto q = quantize(x, scalar(100.0f), Fp8Format::kE4M3);
+  EXPECT_THAT(dequantized(q), ::testing::ElementsAre(96.0f, 104.0f, 288.0f, -48.0f));
+  EXPECT_EQ(item(q.scale_inv), 1.0f / 100.0f);
+}
+
+TEST_F(QuantizeTest, Denormals) {
+  // E4M3's smallest subnormal is 2^-9, E5M2's 2^-16. Half of it ties to zero (even);
+  // three quarters rounds up to it; the subnormal itself is exact.
+  const float e4 = std::ldexp(1.0f, -9), e5 = std::ldexp(1.0f, -16);
+  auto q4 = quantize(at::tensor({e4, e4 / 2, e4 * 0.75f, 3 * e4, -e4}), scalar(1.0f), Fp8Format::kE4M3);
+  EXPECT_THAT(dequantized(q4), ::testing::ElementsAre(e4, 0.0f, e4, 3 * e4, -e4));
+  auto q5 = quantize(at::tensor({e5, e5 / 2, e5 * 0.75f, 3 * e5}), scalar(1.0f), Fp8Format::kE5M2);
+  EXPECT_THAT(dequantized(q5), ::testing::ElementsAre(e5, 0.0f, e5, 3 * e5));
+  // A float32 subnormal input (3 * 2^-140) scaled by 2^126 into E5M2's normal range.
+  const float tiny = 3 * std::ldexp(1.0f, -140);
+  ASSERT_EQ(std::fpclassify(tiny), FP_SUBNORMAL);
+  auto q = quantize(at::tensor({tiny}), scalar(std::ldexp(1.0f, 126)), Fp8Format::kE5M2);
+  EXPECT_EQ(dequantized(q)[0], 3 * std::ldexp(1.0f, -14));
+}
+
+TEST_F(QuantizeTest, EveryRepresentableValueRoundTrips) {
+  for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    auto codes = at::arange(256, at::kInt).to(at::kByte).view(fp8_dtype(format));
+    auto values = codes.to(at::kFloat);
+    auto finite = at::isfinite(values);
+    auto q = quantize(values, scalar(1.0f), format);
+    auto expected = at::where(finite, codes.view(at::kByte),
+                              at::full_like(codes.view(at::kByte), 0));
+    auto actual = at::where(finite, q.data.view(at::kByte), at::full_like(codes.view(at::kByte), 0));
+    EXPECT_TRUE(BytesEqual(actual, expected)) << format;
+  }
+}
+
+TEST_F(QuantizeTest, AmaxIsTakenBeforeScalingIntoTheGivenSlot) {
+  auto x = testing::random_wide({37, 53}, at::kFloat);
+  auto history = at::full({4, 3}, 7.0f);
+  auto slot = history[0][1];
+  quantize(x, scalar(0.001f), Fp8Format::kE4M3, slot);
+  EXPECT_EQ(item(history[0][1]), x.abs().max().item<float>());
+  // Every other entry is untouched.
+  history[0][1] = 7.0f;
+  EXPECT_TRUE(BytesEqual(history, at::full({4, 3}, 7.0f)));
+}
+
+TEST_F(QuantizeTest, HalfInputsQuantizeLikeTheirFloatValues) {
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    auto x = testing::random_wide({129, 31}, dtype);
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      auto a1 = at::zeros({1}), a2 = at::zeros({1});
+      auto from_half = quantize(x, scalar(3.0f), format, a1);
+      auto from_float = quantize(x.to(at::kFloat), scalar(3.0f), format, a2);
+      EXPECT_TRUE(BytesEqual(from_half.data, from_float.data)) << dtype << " " << format;
+      EXPECT_TRUE(SameFloat(item(a1), item(a2)));
+    }
+  }
+}
+
+TEST_F(QuantizeTest, DequantizeErrorIsWithinHalfAnUlp) {
+  // Relative rounding error of a normal value is at most 2^-(mantissa bits + 1).
+  auto x = testing::random_wide({1000}, at::kFloat) * 0.01;
+  for (auto [format, bound] : {std::pair{Fp8Format::kE4M3, 1.0 / 16}, std::pair{Fp8Format::kE5M2, 1.0 / 8}}) {
+    auto scale = scalar(fp8_max(format) / x.abs().max().item<float>());
+    auto q = quantize(x, scale, format);
+    auto relative = ((q.dequantize() - x).abs() / x.abs());
+    // Elements that land in FP8's subnormal range have absolute, not relative, error.
+    auto normal = (x.abs() * scale) >= (format == Fp8Format::kE4M3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14));
+    EXPECT_LE(relative.masked_select(normal).max().item<double>(), bound) << format;
+  }
+}
+
+TEST_F(QuantizeTest, AmaxOp) {
+  auto x = testing::random_wide({3221}, at::kBFloat16);
+  EXPECT_EQ(item(compute_amax(x)), x.to(at::kFloat).abs().max().item<float>());
+  EXPECT_TRUE(std::isnan(item(compute_amax(at::tensor({1.0f, kNaN, 2.0f})))));
+}
+
+TEST_F(QuantizeTest, CurrentScaling) {
+  auto x = at::tensor({0.5f, -2.0f, 1.0f});
+  auto amax = at::zeros({1}), scale = at::zeros({1});
+  auto q = quantize_current_scaling(x, Fp8Format::kE4M3, /*margin=*/1, amax, scale);
+  EXPECT_EQ(item(amax), 2.0f);
+  EXPECT_EQ(item(scale), 448.0f / 2.0f / 2.0f);
+  EXPECT_EQ(item(q.scale_inv), 1.0f / 112.0f);
+  EXPECT_THAT(dequantized(q), ::testing::ElementsAre(56.0f, -224.0f, 112.0f));
+  // All zeros: amax 0, so the scale falls back to 1.
+  auto zq = quantize_current_scaling(at::zeros({5}), Fp8Format::kE5M2, 0, amax, scale);
+  EXPECT_EQ(item(scale), 1.0f);
+  EXPECT_EQ(item(zq.scale_inv), 1.0f);
+  // The largest element lands exactly on fp8_max.
+  auto y = testing::random_wide({777}, at::kFloat);
+  auto yq = quantize_current_scaling(y, Fp8Format::kE5M2);
+  EXPECT_EQ(yq.data.to(at::kFloat).abs().max().item<float>(), 57344.0f);
+}
+
+TEST_F(QuantizeTest, BadInputsAreNamed) {
+  auto expect_error = [](auto&& fn, const std::string& text) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error containing: " << text;
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(text));
+    }
+  };
+  auto s = scalar(1.0f);
+  expect_error([&] { quantize(at::ones({4}, at::kInt), s, Fp8Format::kE4M3); },
+               "quantize: x must be float32, bfloat16 or float16, got Int");
+  expect_error([&] { quantize(at::ones({4}, at::kDouble), s, Fp8Format::kE4M3); },
+               "x must be float32, bfloat16 or float16, got Double");
+  expect_error([&] { quantize(at::ones({4, 6}).t(), s, Fp8Format::kE4M3); },
+               "quantize: x must be contiguous");
+  expect_error([&] { quantize(at::ones({0, 3}), s, Fp8Format::kE4M3); },
+               "quantize: x must be non-empty, got shape [0, 3]");
+  expect_error([&] { quantize(at::ones({4}), at::ones({2}), Fp8Format::kE4M3); },
+               "quantize: scale must hold exactly one element");
+  expect_error([&] { quantize(at::ones({4}), at::ones({1}, at::kHalf), Fp8Format::kE4M3); },
+               "quantize: scale must be float32, got Half");
+  expect_error([&] { quantize(at::ones({4}), s, Fp8Format::kE4M3, at::ones({1}, at::kDouble)); },
+               "quantize: amax_out must be float32, got Double");
+  expect_error([&] { quantize(at::Tensor(), s, Fp8Format::kE4M3); },
+               "quantize: x must be a defined tensor");
+  expect_error([&] { cast_transpose(at::ones({2, 3, 4}), s, Fp8Format::kE4M3); },
+               "cast_transpose: x must be 2-D [rows, cols], got shape [2, 3, 4]");
+  expect_error([&] { quantize_current_scaling(at::ones({4}), Fp8Format::kE4M3, -1); },
+               "quantize_current_scaling: margin must be in [0, 126], got -1");
+}
+
+TEST_F(QuantizeTest, CastTransposeOnCpuMatchesQuantizeAndItsTranspose) {
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 3221}, {1481, 677}, {2333, 1}, {64, 48}}) {
+    auto x = testing::random_wide({rows, cols}, at::kBFloat16);
+    auto amax = at::zeros({1});
+    auto ct = cast_transpose(x, scalar(0.75f), Fp8Format::kE5M2, amax);
+    auto q = quantize(x, scalar(0.75f), Fp8Format::kE5M2);
+    EXPECT_TRUE(BytesEqual(ct.data.data, q.data));
+    EXPECT_EQ(ct.transposed.sizes(), (at::IntArrayRef{cols, rows}));
+    EXPECT_TRUE(BytesEqual(ct.transposed.data, q.data.t().contiguous()));
+    EXPECT_EQ(item(amax), x.to(at::kFloat).abs().max().item<float>());
+    EXPECT_EQ(item(ct.transposed.scale_inv), 1.0f / 0.75f);
+  }
+}
+
+}  // namespace
+}  // namespace amp8
+
+// ---- CUDA vs the CPU reference: identical bytes, amax and scale_inv. ----
+
+namespace amp8 {
+namespace {
+
+struct GpuCase {
+  int64_t rows, cols;
+  at::ScalarType dtype;
+  Fp8Format format;
+};
+
+std::string case_name(const ::testing::TestParamInfo<GpuCase>& info) {
+  return testing::shape_name(info.param.rows, info.param.cols) + "_" +
+         std::string(c10::toString(info.param.dtype)) + "_" + fp8_format_name(info.param.format);
+}
+
+std::vector<GpuCase> gpu_cases() {
+  std::vector<GpuCase> cases;
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {1, 3221}, {1481, 677}, {2333, 1}, {8192, 8192}, {16, 8}, {48, 136}, {1000, 1024}};
+  for (auto [rows, cols] : shapes) {
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+        cases.push_back({rows, cols, dtype, format});
+      }
+    }
+  }
+  return cases;
+}
+
+class QuantizeGpuTest : public ::testing::TestWithParam<GpuCase> {
+ protected:
+  void SetUp() override { at::manual_seed(7); }
+};
+
+TEST_P(QuantizeGpuTest, MatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto x = testing::random_wide({p.rows, p.cols}, p.dtype);
+  // A scale that sends the top of the range into saturation and the bottom into subnormals.
+  auto scale = scalar(fp8_max(p.format) / x.to(at::kFloat).abs().max().item<float>() * 4.0f);
+  auto amax_cpu = at::zeros({1}), amax_gpu = at::zeros({1}, at::kCUDA);
+  auto cpu = quantize(x, scale, p.format, amax_cpu);
+  auto gpu = quantize(x.cuda(), scale.cuda(), p.format, amax_gpu);
+  EXPECT_TRUE(BytesEqual(gpu.data, cpu.data));
+  EXPECT_TRUE(SameFloat(item(amax_gpu), item(amax_cpu)));
+  EXPECT_TRUE(SameFloat(item(gpu.scale_inv), item(cpu.scale_inv)));
+}
+
+TEST_P(QuantizeGpuTest, CastTransposeMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto x = testing::random_wide({p.rows, p.cols}, p.dtype);
+  auto scale = scalar(fp8_max(p.format) / x.to(at::kFloat).abs().max().item<float>() * 4.0f);
+  auto amax_cpu = at::zeros({1}), amax_gpu = at::full({1}, -1.0f, at::kCUDA);
+  auto cpu = cast_transpose(x, scale, p.format, amax_cpu);
+  auto gpu = cast_transpose(x.cuda(), scale.cuda(), p.format, amax_gpu);
+  EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data));
+  EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data));
+  EXPECT_TRUE(SameFloat(item(amax_gpu), item(amax_cpu)));
+  EXPECT_TRUE(SameFloat(item(gpu.data.scale_inv), item(cpu.data.scale_inv)));
+}
+
+TEST_P(QuantizeGpuTest, CurrentScalingMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto x = testing::random_wide({p.rows, p.cols}, p.dtype);
+  auto cpu = quantize_current_scaling(x, p.format, 2);
+  auto gpu = quantize_current_scaling(x.cuda(), p.format, 2);
+  EXPECT_TRUE(BytesEqual(gpu.data, cpu.data));
+  EXPECT_TRUE(SameFloat(item(gpu.scale_inv), item(cpu.scale_inv)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeGpuTest, ::testing::ValuesIn(gpu_cases()), case_name);
+
+TEST(QuantizeSpecialValuesTest, EveryRoundingBoundaryMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  // For every pair of neighbouring FP8 values: the midpoint and the floats just beside it,
+  // both signs; plus NaN, infinities, zeros and float32 subnormals.
+  for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    auto codes = at::arange(0, 128, at::kInt).to(at::kByte).view(fp8_dtype(format)).to(at::kFloat);
+    codes = codes.masked_select(at::isfinite(codes));
+    auto lo = codes.slice(0, 0, -1), hi = codes.slice(0, 1);
+    auto mid = (lo + hi) / 2;
+    auto below = at::nextafter(mid, lo), above = at::nextafter(mid, hi);
+    auto specials = at::tensor({0.0f, -0.0f, kNaN, -kNaN, kInf, -kInf, 1e-45f, -1e-40f,
+                                fp8_max(format) * 1.0001f, fp8_max(format) * 1.5f});
+    auto x = at::cat({codes, mid, below, above, -codes, -mid, -below, -above, specials});
+    for (float scale : {1.0f, 0.5f, 3.0f}) {
+      auto cpu = quantize(x, scalar(scale), format);
+      auto gpu = quantize(x.cuda(), scalar(scale).cuda(), format);
+      EXPECT_TRUE(BytesEqual(gpu.data, cpu.data)) << format << " scale " << scale;
+      auto x2 = x.reshape({1, -1});
+      auto gpu_t = cast_transpose(x2.cuda(), scalar(scale).cuda(), format);
+      EXPECT_TRUE(BytesEqual(gpu_t.transposed.data.reshape({-1}), cpu.data)) << format;
+    }
+  }
+}
+
+TEST(QuantizeDeviceTest, WrongDeviceArgumentsAreNamed_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  auto x = at::ones({8}, at::kCUDA);
+  try {
+    quantize(x, scalar(1.0f), Fp8Format::kE4M3);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("quantize: scale must be on cuda:0 like x, got cpu"));
+  }
+  EXPECT_THROW(quantize(x, scalar(1.0f).cuda(), Fp8Format::kE4M3, at::zeros({1})), c10::Error);
+}
+
+}  // namespace
+}  // namespace amp8

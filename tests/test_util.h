@@ -1,0 +1,103 @@
+#pragma once
+// Shared helpers of the amp8 test suites.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+
+namespace amp8::testing {
+
+inline bool cuda_available() { return torch::cuda::is_available(); }
+
+#define AMP8_REQUIRE_CUDA()                                          \
+  do {                                                               \
+    if (!::amp8::testing::cuda_available()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+// A seeded fixture: every test draws its own random data from a fixed seed.
+class SeededTest : public ::testing::Test {
+ protected:
+  void SetUp() override { at::manual_seed(20261129); }
+};
+
+// Byte-for-byte equality of two tensors of the same dtype and shape (FP8 or float). On a
+// mismatch reports the count, the first index and both values.
+inline ::testing::AssertionResult BytesEqual(const at::Tensor& actual, const at::Tensor& expected) {
+  if (actual.sizes() != expected.sizes() || actual.scalar_type() != expected.scalar_type()) {
+    return ::testing::AssertionFailure()
+           << "shape/dtype differ: " << actual.sizes() << " " << actual.scalar_type() << " vs "
+           << expected.sizes() << " " << expected.scalar_type();
+  }
+  auto a = actual.cpu().contiguous();
+  auto e = expected.cpu().contiguous();
+  const auto* pa = static_cast<const uint8_t*>(a.const_data_ptr());
+  const auto* pe = static_cast<const uint8_t*>(e.const_data_ptr());
+  const int64_t item = a.element_size();
+  const int64_t n = a.numel();
+  int64_t mismatches = 0, first = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::memcmp(pa + i * item, pe + i * item, item) != 0) {
+      if (first < 0) first = i;
+      ++mismatches;
+    }
+  }
+  if (mismatches == 0) return ::testing::AssertionSuccess();
+  auto af = a.reshape({-1}).to(at::kFloat), ef = e.reshape({-1}).to(at::kFloat);
+  uint32_t ab = 0, eb = 0;
+  std::memcpy(&ab, pa + first * item, item);
+  std::memcpy(&eb, pe + first * item, item);
+  return ::testing::AssertionFailure()
+         << mismatches << " of " << n << " elements differ; first at flat index " << first
+         << ": actual " << af[first].item<float>() << " (0x" << std::hex << ab << ") vs expected "
+         << ef[first].item<float>() << " (0x" << eb << ")" << std::dec;
+}
+
+// Float equality where NaN equals NaN (amax and scales can legitimately be NaN).
+inline ::testing::AssertionResult SameFloat(float actual, float expected) {
+  if ((std::isnan(actual) && std::isnan(expected)) ||
+      std::memcmp(&actual, &expected, sizeof(float)) == 0) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "actual " << actual << " vs expected " << expected;
+}
+
+// A float32 matrix from rows written inline: matrix({{1, 2}, {3, 4}}).
+inline at::Tensor matrix(std::initializer_list<std::initializer_list<float>> rows) {
+  const int64_t r = static_cast<int64_t>(rows.size());
+  const int64_t c = r ? static_cast<int64_t>(rows.begin()->size()) : 0;
+  auto out = at::empty({r, c}, at::kFloat);
+  int64_t i = 0;
+  for (const auto& row : rows) {
+    TORCH_CHECK(static_cast<int64_t>(row.size()) == c, "matrix: ragged rows");
+    int64_t j = 0;
+    for (float v : row) out[i][j++] = v;
+    ++i;
+  }
+  return out;
+}
+
+inline float item(const at::Tensor& t) { return t.cpu().reshape({}).item<float>(); }
+
+// Random, non-zero data with a wide dynamic range: normal values times powers of two in
+// [2^-8, 2^8], plus a sign; no element is zero.
+inline at::Tensor random_wide(at::IntArrayRef shape, at::ScalarType dtype) {
+  auto normal = at::randn(shape, at::kFloat);
+  auto exponent = at::randint(-8, 9, shape, at::kFloat);
+  auto x = normal * at::pow(2.0, exponent);
+  x = at::where(x == 0, at::full_like(x, 0.5f), x);
+  return x.to(dtype);
+}
+
+inline std::string shape_name(int64_t rows, int64_t cols) {
+  std::ostringstream os;
+  os << rows << "x" << cols;
+  return os.str();
+}
+
+}  // namespace amp8::testing
