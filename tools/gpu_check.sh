@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# gpu_check.sh OUTDIR: on a GPU machine with no network, build amp8 with CMake, run the whole
+# test suite (the _CUDA cases included) and every benchmark, and write logs and results to
+# OUTDIR:
+#   OUTDIR/gpu_check.log            build + test + benchmark log (also on stdout)
+#   OUTDIR/ctest.xml                JUnit report of ctest
+#   OUTDIR/<benchmark>.jsonl        one JSON object per benchmark case
+# GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
+# or from an installed GTest when there is none. Exits non-zero if anything fails.
+set -uo pipefail
+OUT="${1:?usage: tools/gpu_check.sh OUTDIR}"
+mkdir -p "$OUT"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUILD="${AMP8_GPU_BUILD_DIR:-build-gpu}"
+LOG="$OUT/gpu_check.log"
+export PATH="/usr/local/cuda/bin:$PATH"
+status=0
+
+{
+  echo "== gpu_check $(date -u +%FT%TZ) on $(hostname)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  nvcc --version | tail -2
+  cmake --version | head -1
+} 2>&1 | tee "$LOG"
+
+GTEST_ARGS=()
+[[ -f .gtest/CMakeLists.txt ]] && GTEST_ARGS=(-DAMP8_GTEST_SOURCE_DIR="$ROOT/.gtest")
+TORCH_PREFIX="$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')"
+
+echo "== configure + build" | tee -a "$LOG"
+start=$SECONDS
+if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+         -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" "${GTEST_ARGS[@]}" &&
+       cmake --build "$BUILD" -j"$(nproc)"; } >>"$LOG" 2>&1; then
+  tail -n 60 "$LOG"
+  echo "gpu_check: BUILD FAILED" | tee -a "$LOG"
+  exit 1
+fi
+echo "build took $((SECONDS - start)) s" | tee -a "$LOG"
+
+echo "== benchmarks" | tee -a "$LOG"
+for bench in cast_transpose_bench scale_update_bench; do
+  if [[ -x "$BUILD/$bench" ]]; then
+    "$BUILD/$bench" | tee "$OUT/$bench.jsonl" || status=1
+  else
+    echo "missing $BUILD/$bench" | tee -a "$LOG"; status=1
+  fi
+done
+echo "== tests" | tee -a "$LOG"
+start=$SECONDS
+ctest --test-dir "$BUILD" --output-on-failure -j4 --output-junit "$OUT/ctest.xml" >>"$LOG" 2>&1 || status=1
+grep -E "tests passed|tests failed|Total Test time" "$LOG" | tail -3
+grep -cE "\(Skipped\)" "$LOG" | sed 's/^/skipped: /'
+grep -E "\*\*\*Failed|\(Failed\)|Exception" "$LOG" | head -20
+echo "tests took $((SECONDS - start)) s" | tee -a "$LOG"
+
+cat "$OUT"/*.jsonl >>"$LOG"
+echo "gpu_check: exit $status" | tee -a "$LOG"
+exit $status
