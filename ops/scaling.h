@@ -43,7 +43,7 @@ struct DelayedScalingUpdateOptions {
 };
 
 /// The delayed-scaling update over every slot of every group at once (one kernel launch on
-/// CUDA for up to 256 groups). For each slot:
+/// CUDA for up to 960 groups). For each slot:
 ///   amax  = max over the history column ("max") or its row 0 ("most_recent");
 ///   the history is rolled one row towards the front (row 0 moves to the last row) and row 0
 ///   is zeroed, ready for the next step's amax;

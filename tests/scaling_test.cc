@@ -171,11 +171,12 @@ std::vector<DelayedScalingGroup> to_cuda(const std::vector<DelayedScalingGroup>&
 
 TEST(DelayedScalingGpuTest, MatchesCpuBitForBit_CUDA) {
   AMP8_REQUIRE_CUDA();
+  // 10 groups take the small parameter table, 1000 the large one and two launches (960 each).
+  for (int num_groups : {10, 1000}) {
   for (int64_t len : {1, 4, 1024, 1000}) {
     for (auto algo : {AmaxComputeAlgo::kMax, AmaxComputeAlgo::kMostRecent}) {
       for (int margin : {0, 1, 3}) {
-        // 300 groups: more than one launch's worth (256).
-        auto cpu = random_groups(300, len, len * 10 + margin);
+        auto cpu = random_groups(num_groups, len, len * 10 + margin);
         auto gpu = to_cuda(cpu);
         const DelayedScalingUpdateOptions options{Fp8Format::kE5M2, margin, algo};
         for (int step = 0; step < 3; ++step) {
@@ -189,6 +190,7 @@ TEST(DelayedScalingGpuTest, MatchesCpuBitForBit_CUDA) {
         }
       }
     }
+  }
   }
 }
 

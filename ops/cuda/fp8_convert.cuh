@@ -31,6 +31,24 @@ __device__ __forceinline__ uint8_t saturating_cast(float v, float scale) {
       __nv_cvt_float_to_fp8(y, __NV_SATFINITE, Fp8Traits<kE5M2>::kInterpretation));
 }
 
+// The NaN rules of saturating_cast applied to one byte of a paired conversion.
+__device__ __forceinline__ uint32_t fix_nan(uint32_t converted, float v, float y) {
+  if (isnan(v)) return signbit(v) ? 0xFFu : 0x7Fu;
+  if (isnan(y)) return 0x7Fu;
+  return converted;
+}
+
+// Two elements at once through the paired hardware conversion; byte 0 holds v0.
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t saturating_cast2(float v0, float v1, float scale) {
+  constexpr float kMax = Fp8Traits<kE5M2>::kMax;
+  const float y0 = v0 * scale, y1 = v1 * scale;
+  const float2 clamped = make_float2(fminf(fmaxf(y0, -kMax), kMax), fminf(fmaxf(y1, -kMax), kMax));
+  const uint32_t pair = __nv_cvt_float2_to_fp8x2(clamped, __NV_SATFINITE,
+                                                 Fp8Traits<kE5M2>::kInterpretation);
+  return fix_nan(pair & 0xFFu, v0, y0) | (fix_nan(pair >> 8, v1, y1) << 8);
+}
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -59,5 +77,19 @@ template <typename T>
 struct alignas(sizeof(T) * 8 > 16 ? 16 : sizeof(T) * 8) Pack8 {
   T v[8];
 };
+
+// Quantizes 8 elements into 8 bytes (element j in byte j), folding |v| into max_bits.
+template <bool kE5M2, typename T>
+__device__ __forceinline__ uint64_t saturating_cast8(const Pack8<T>& pack, float scale,
+                                                     uint32_t& max_bits) {
+  uint64_t packed = 0;
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    const float v0 = to_float(pack.v[j]), v1 = to_float(pack.v[j + 1]);
+    max_bits = max(max_bits, max(abs_bits(v0), abs_bits(v1)));
+    packed |= static_cast<uint64_t>(saturating_cast2<kE5M2>(v0, v1, scale)) << (8 * j);
+  }
+  return packed;
+}
 
 }  // namespace amp8::cuda

@@ -45,16 +45,29 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t max_bits = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = tid; i < n_packs; i += stride) {
-    const Pack8<T> pack = reinterpret_cast<const Pack8<T>*>(x)[i];
-    uint64_t packed = 0;
+  // Two independent 16-byte loads in flight per thread.
+  int64_t i = tid;
+  for (; i + stride < n_packs; i += 2 * stride) {
+    const Pack8<T> a = reinterpret_cast<const Pack8<T>*>(x)[i];
+    const Pack8<T> b = reinterpret_cast<const Pack8<T>*>(x)[i + stride];
+    if (kWriteOutput) {
+      reinterpret_cast<uint64_t*>(out)[i] = saturating_cast8<kE5M2>(a, scale, max_bits);
+      reinterpret_cast<uint64_t*>(out)[i + stride] = saturating_cast8<kE5M2>(b, scale, max_bits);
+    } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float v = to_float(pack.v[j]);
-      max_bits = max(max_bits, abs_bits(v));
-      if (kWriteOutput) packed |= static_cast<uint64_t>(saturating_cast<kE5M2>(v, scale)) << (8 * j);
+      for (int j = 0; j < 8; ++j) {
+        max_bits = max(max_bits, max(abs_bits(to_float(a.v[j])), abs_bits(to_float(b.v[j]))));
+      }
     }
-    if (kWriteOutput) reinterpret_cast<uint64_t*>(out)[i] = packed;
+  }
+  for (; i < n_packs; i += stride) {
+    const Pack8<T> a = reinterpret_cast<const Pack8<T>*>(x)[i];
+    if (kWriteOutput) {
+      reinterpret_cast<uint64_t*>(out)[i] = saturating_cast8<kE5M2>(a, scale, max_bits);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) max_bits = max(max_bits, abs_bits(to_float(a.v[j])));
+    }
   }
   for (int64_t i = n_packs * 8 + tid; i < n; i += stride) {
     const float v = to_float(x[i]);
@@ -64,10 +77,14 @@ __global__ void __launch_bounds__(kThreads)
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
-// Fast cast+transpose: 64x64 tiles, 16-byte loads, 8-byte row-major stores and 16-byte
-// transposed stores. Needs cols % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers.
-constexpr int kTile = 64;
+// Fast cast+transpose: 128x64 tiles; four 16-byte loads in flight per thread, 8-byte
+// row-major stores and 16-byte transposed stores. Needs cols % 8 == 0, rows % 16 == 0 and
+// 16-byte aligned pointers; partial tiles are handled chunk by chunk.
+constexpr int kTileRows = 128;
+constexpr int kTileCols = 64;
 constexpr int kTilePad = 8;  // keeps 8-byte smem stores aligned
+constexpr int kLoadPasses = kTileRows / (kThreads / (kTileCols / 8));       // 4
+constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;        // 2
 
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads)
@@ -75,57 +92,58 @@ __global__ void __launch_bounds__(kThreads)
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
                           float* __restrict__ amax) {
-  __shared__ alignas(16) uint8_t tile[kTile][kTile + kTilePad];
+  __shared__ alignas(16) uint8_t tile[kTileRows][kTileCols + kTilePad];
   const float scale = *scale_ptr;
   if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
     *scale_inv = 1.0f / scale;
   }
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   uint32_t max_bits = 0;
 
-  const int chunk = threadIdx.x % 8;  // 8 consecutive columns
-  const int row_in_pass = threadIdx.x / 8;
+  constexpr int kRowsPerPass = kThreads / (kTileCols / 8);  // 32
+  const int chunk = threadIdx.x % (kTileCols / 8);          // 8 consecutive columns
+  const int row_in_pass = threadIdx.x / (kTileCols / 8);
   const int64_t gc = col0 + chunk * 8;
-  Pack8<T> packs[kTile / 32];
+  Pack8<T> packs[kLoadPasses];
 #pragma unroll
-  for (int pass = 0; pass < kTile / 32; ++pass) {
-    const int64_t gr = row0 + row_in_pass + pass * 32;
+  for (int pass = 0; pass < kLoadPasses; ++pass) {
+    const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
     if (gr < rows && gc < cols) packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
   }
 #pragma unroll
-  for (int pass = 0; pass < kTile / 32; ++pass) {
-    const int r = row_in_pass + pass * 32;
+  for (int pass = 0; pass < kLoadPasses; ++pass) {
+    const int r = row_in_pass + pass * kRowsPerPass;
     const int64_t gr = row0 + r;
     uint64_t packed = 0;
     if (gr < rows && gc < cols) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float v = to_float(packs[pass].v[j]);
-        max_bits = max(max_bits, abs_bits(v));
-        packed |= static_cast<uint64_t>(saturating_cast<kE5M2>(v, scale)) << (8 * j);
-      }
+      packed = saturating_cast8<kE5M2>(packs[pass], scale, max_bits);
       *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
     }
     *reinterpret_cast<uint64_t*>(&tile[r][chunk * 8]) = packed;
   }
   __syncthreads();
-  // Transposed: thread t writes out_t[col0 + c][row0 + 16*k .. +16).
-  const int c = threadIdx.x % kTile;
-  const int k = threadIdx.x / kTile;  // 0..3
-  const int64_t out_row = col0 + c;
-  const int64_t out_col = row0 + k * 16;
-  if (out_row < cols && out_col < rows) {
-    uint32_t words[4];
+  // Transposed: 16-byte chunk k of output row c is out_t[col0 + c][row0 + 16k .. +16).
+  // Consecutive threads take consecutive c, so their shared-memory reads share no bank.
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      uint32_t word = 0;
+  for (int pass = 0; pass < kStorePasses; ++pass) {
+    const int index = threadIdx.x + pass * kThreads;
+    const int c = index % kTileCols;
+    const int k = index / kTileCols;
+    const int64_t out_row = col0 + c;
+    const int64_t out_col = row0 + k * 16;
+    if (out_row < cols && out_col < rows) {
+      uint32_t words[4];
 #pragma unroll
-      for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(tile[k * 16 + w * 4 + b][c]) << (8 * b);
-      words[w] = word;
+      for (int w = 0; w < 4; ++w) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(tile[k * 16 + w * 4 + b][c]) << (8 * b);
+        words[w] = word;
+      }
+      *reinterpret_cast<uint4*>(out_t + out_row * rows + out_col) =
+          make_uint4(words[0], words[1], words[2], words[3]);
     }
-    *reinterpret_cast<uint4*>(out_t + out_row * rows + out_col) =
-        make_uint4(words[0], words[1], words[2], words[3]);
   }
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
@@ -228,7 +246,7 @@ int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t,
     const bool fast = cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) &&
                       aligned16(out_t);
     if (fast) {
-      const dim3 grid((cols + kTile - 1) / kTile, (rows + kTile - 1) / kTile);
+      const dim3 grid((cols + kTileCols - 1) / kTileCols, (rows + kTileRows - 1) / kTileRows);
       if (e5m2) {
         cast_transpose_kernel<T, true><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
       } else {

@@ -1,5 +1,5 @@
 // Bulk delayed-scaling update: amax from history, history roll, scale and scale_inv, for every
-// slot of up to kMaxGroups groups in one launch.
+// slot of up to kLargeCapacity groups in one launch.
 
 #include <cuda_runtime.h>
 
@@ -12,25 +12,34 @@
 namespace amp8::cuda {
 namespace {
 
-constexpr int kMaxGroups = 256;     // kernel parameters stay under 9 KB (CUDA >= 12.1 allows 32 KB)
-constexpr int kSlotsPerBlock = 32;  // one warp-row of consecutive slots: coalesced history rows
+// The group table travels as kernel parameters (no copy to the device first). Two sizes, so
+// that a call with few groups does not pay for passing a 30 KB table; CUDA >= 12.1 allows up
+// to 32764 bytes of parameters.
+constexpr int kSmallCapacity = 64;
+constexpr int kLargeCapacity = 960;
+// 8 consecutive float slots are one 32-byte sector: each history row is read in whole sectors,
+// and 1000 slots spread over 125 blocks.
+constexpr int kSlotsPerBlock = 8;
 constexpr int kRowThreads = 32;
 constexpr int kRowsPerThread = 8;
 constexpr int kRowsPerPass = kRowThreads * kRowsPerThread;
 
+template <int kCapacity>
 struct BulkParams {
-  float* amax_history[kMaxGroups];
-  float* scale[kMaxGroups];
-  float* scale_inv[kMaxGroups];
-  int slots[kMaxGroups];
-  int first_slot[kMaxGroups + 1];  // prefix sums of slots
+  float* amax_history[kCapacity];
+  float* scale[kCapacity];
+  float* scale_inv[kCapacity];
+  int slots[kCapacity];
+  int first_slot[kCapacity + 1];  // prefix sums of slots
   int num_groups;
   int history_len;
 };
+static_assert(sizeof(BulkParams<kLargeCapacity>) + 16 < 32764, "kernel parameters too large");
 
+template <int kCapacity>
 __global__ void __launch_bounds__(kSlotsPerBlock * kRowThreads)
-    delayed_scaling_kernel(const __grid_constant__ BulkParams p, bool most_recent, float fp8_max,
-                           float margin_divisor) {
+    delayed_scaling_kernel(const __grid_constant__ BulkParams<kCapacity> p, bool most_recent,
+                           float fp8_max, float margin_divisor) {
   __shared__ float partial[kRowThreads][kSlotsPerBlock];
   const int lane = threadIdx.x % kSlotsPerBlock;
   const int row_thread = threadIdx.x / kSlotsPerBlock;
@@ -89,14 +98,12 @@ __global__ void __launch_bounds__(kSlotsPerBlock * kRowThreads)
   }
 }
 
-}  // namespace
-
-int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_groups,
-                                  int64_t history_len, bool most_recent, float fp8_max,
-                                  float margin_divisor, Stream stream) {
-  for (int begin = 0; begin < num_groups; begin += kMaxGroups) {
-    BulkParams params{};
-    params.num_groups = std::min(kMaxGroups, num_groups - begin);
+template <int kCapacity>
+int launch_chunks(const ScalingGroupPointers* groups, int num_groups, int64_t history_len,
+                  bool most_recent, float fp8_max, float margin_divisor, Stream stream) {
+  for (int begin = 0; begin < num_groups; begin += kCapacity) {
+    BulkParams<kCapacity> params{};
+    params.num_groups = std::min(kCapacity, num_groups - begin);
     params.history_len = static_cast<int>(history_len);
     params.first_slot[0] = 0;
     for (int i = 0; i < params.num_groups; ++i) {
@@ -110,11 +117,24 @@ int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_gr
     const int total = params.first_slot[params.num_groups];
     if (total == 0) continue;
     const int blocks = (total + kSlotsPerBlock - 1) / kSlotsPerBlock;
-    delayed_scaling_kernel<<<blocks, kSlotsPerBlock * kRowThreads, 0, stream>>>(
+    delayed_scaling_kernel<kCapacity><<<blocks, kSlotsPerBlock * kRowThreads, 0, stream>>>(
         params, most_recent, fp8_max, margin_divisor);
     if (auto err = cudaGetLastError()) return static_cast<int>(err);
   }
   return static_cast<int>(cudaSuccess);
+}
+
+}  // namespace
+
+int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_groups,
+                                  int64_t history_len, bool most_recent, float fp8_max,
+                                  float margin_divisor, Stream stream) {
+  if (num_groups <= kSmallCapacity) {
+    return launch_chunks<kSmallCapacity>(groups, num_groups, history_len, most_recent, fp8_max,
+                                         margin_divisor, stream);
+  }
+  return launch_chunks<kLargeCapacity>(groups, num_groups, history_len, most_recent, fp8_max,
+                                       margin_divisor, stream);
 }
 
 }  // namespace amp8::cuda
