@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "bench/bench_util.h"
+#include "ops/cuda/kernels.h"
 #include "ops/quantize.h"
 
 int main(int argc, char** argv) {
@@ -50,6 +51,27 @@ int main(int argc, char** argv) {
         .set("copy_gbps", copy_gbps)
         .set("fraction_of_copy", gbps / copy_gbps)
         .print();
+
+    // Tile widths of the fused kernel, same run (tuning record).
+    {
+      auto out = at::empty({rows, cols}, cuda.dtype(at::kFloat8_e4m3fn));
+      auto out_t = at::empty({cols, rows}, cuda.dtype(at::kFloat8_e4m3fn));
+      auto scale_inv = at::empty({1}, cuda.dtype(at::kFloat));
+      auto stream = at::cuda::getCurrentCUDAStream().stream();
+      for (int tile_cols : {64, 128}) {
+        const double ms = bench::median_ms([&] {
+          cuda::launch_cast_transpose_tiled(x.data_ptr(), cuda::InputType::kBFloat16,
+                                            out.data_ptr(), out_t.data_ptr(), rows, cols,
+                                            scale.data_ptr<float>(), scale_inv.data_ptr<float>(),
+                                            amax_slot.data_ptr<float>(), false, tile_cols, stream);
+        });
+        bench::Record("cast_transpose_tile" + std::to_string(tile_cols), shape, cmd)
+            .timing(ms, "cast_transpose (default tile)", ours_ms)
+            .set("gbps", bytes / ms / 1e6)
+            .set("fraction_of_copy", bytes / ms / 1e6 / copy_gbps)
+            .print();
+      }
+    }
 
     const double quant_ms =
         bench::median_ms([&] { quantize(x, scale, Fp8Format::kE4M3, amax_slot); });

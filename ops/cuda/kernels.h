@@ -19,6 +19,13 @@ int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t,
                           int64_t cols, const float* scale, float* scale_inv, float* amax,
                           bool e5m2, Stream stream);
 
+// The same with an explicit tile width (64 or 128 columns) for tuning; launch_cast_transpose
+// uses kDefaultCastTransposeTileCols.
+inline constexpr int kDefaultCastTransposeTileCols = 64;
+int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t,
+                                int64_t rows, int64_t cols, const float* scale, float* scale_inv,
+                                float* amax, bool e5m2, int tile_cols, Stream stream);
+
 int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream stream);
 
 int launch_current_scale(const float* amax, float* scale, float fp8_max, float margin_divisor,

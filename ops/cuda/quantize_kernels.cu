@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/cuda/fp8_convert.cuh"
 #include "ops/cuda/kernels.h"
@@ -81,12 +82,9 @@ __global__ void __launch_bounds__(kThreads)
 // row-major stores and 16-byte transposed stores. Needs cols % 8 == 0, rows % 16 == 0 and
 // 16-byte aligned pointers; partial tiles are handled chunk by chunk.
 constexpr int kTileRows = 128;
-constexpr int kTileCols = 64;
 constexpr int kTilePad = 8;  // keeps 8-byte smem stores aligned
-constexpr int kLoadPasses = kTileRows / (kThreads / (kTileCols / 8));       // 4
-constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;        // 2
 
-template <typename T, bool kE5M2>
+template <typename T, bool kE5M2, int kTileCols>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
@@ -101,7 +99,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   uint32_t max_bits = 0;
 
-  constexpr int kRowsPerPass = kThreads / (kTileCols / 8);  // 32
+  constexpr int kLoadPasses = kTileRows / (kThreads / (kTileCols / 8));
+  constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;
+  constexpr int kRowsPerPass = kThreads / (kTileCols / 8);
   const int chunk = threadIdx.x % (kTileCols / 8);          // 8 consecutive columns
   const int row_in_pass = threadIdx.x / (kTileCols / 8);
   const int64_t gc = col0 + chunk * 8;
@@ -232,9 +232,9 @@ int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream st
   });
 }
 
-int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
-                          int64_t cols, const float* scale, float* scale_inv, float* amax,
-                          bool e5m2, Stream stream) {
+int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t,
+                                int64_t rows, int64_t cols, const float* scale, float* scale_inv,
+                                float* amax, bool e5m2, int tile_cols, Stream stream) {
   if (amax != nullptr) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
@@ -246,11 +246,19 @@ int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t,
     const bool fast = cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) &&
                       aligned16(out_t);
     if (fast) {
-      const dim3 grid((cols + kTileCols - 1) / kTileCols, (rows + kTileRows - 1) / kTileRows);
-      if (e5m2) {
-        cast_transpose_kernel<T, true><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+      auto launch = [&](auto tile_tag) {
+        constexpr int kCols = decltype(tile_tag)::value;
+        const dim3 grid((cols + kCols - 1) / kCols, (rows + kTileRows - 1) / kTileRows);
+        if (e5m2) {
+          cast_transpose_kernel<T, true, kCols><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+        } else {
+          cast_transpose_kernel<T, false, kCols><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+        }
+      };
+      if (tile_cols == 128) {
+        launch(std::integral_constant<int, 128>{});
       } else {
-        cast_transpose_kernel<T, false><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+        launch(std::integral_constant<int, 64>{});
       }
     } else {
       const dim3 grid((cols + 31) / 32, (rows + 31) / 32);
@@ -263,6 +271,13 @@ int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t,
     }
     return static_cast<int>(cudaGetLastError());
   });
+}
+
+int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
+                          int64_t cols, const float* scale, float* scale_inv, float* amax,
+                          bool e5m2, Stream stream) {
+  return launch_cast_transpose_tiled(x, type, out, out_t, rows, cols, scale, scale_inv, amax,
+                                     e5m2, kDefaultCastTransposeTileCols, stream);
 }
 
 int launch_current_scale(const float* amax, float* scale, float fp8_max, float margin_divisor,
