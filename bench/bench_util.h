@@ -21,21 +21,26 @@
 
 namespace amp8::bench {
 
-// Median milliseconds of `fn` over `reps` timed runs, each bracketed by CUDA events, after
-// `warmup` untimed runs.
+// Median milliseconds of `fn` over `reps` timed runs after `warmup` untimed ones. Each run is
+// bracketed by its own pair of CUDA events; the host does not wait between runs (it syncs once
+// at the end), so host-side launch overhead overlaps earlier GPU work, as in a training loop.
 inline double median_ms(const std::function<void()>& fn, int warmup = 10, int reps = 50) {
   for (int i = 0; i < warmup; ++i) fn();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  std::vector<at::cuda::CUDAEvent> starts(reps), stops(reps);
+  for (int i = 0; i < reps; ++i) {
+    starts[i] = at::cuda::CUDAEvent(cudaEventDefault);
+    stops[i] = at::cuda::CUDAEvent(cudaEventDefault);
+  }
+  for (int i = 0; i < reps; ++i) {
+    starts[i].record(stream);
+    fn();
+    stops[i].record(stream);
+  }
+  stream.synchronize();
   std::vector<double> times;
   times.reserve(reps);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  for (int i = 0; i < reps; ++i) {
-    at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
-    start.record(stream);
-    fn();
-    stop.record(stream);
-    stop.synchronize();
-    times.push_back(start.elapsed_time(stop));
-  }
+  for (int i = 0; i < reps; ++i) times.push_back(starts[i].elapsed_time(stops[i]));
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }

@@ -78,11 +78,18 @@ __global__ void __launch_bounds__(kThreads)
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
-// Fast cast+transpose: 128x64 tiles; four 16-byte loads in flight per thread, 8-byte
-// row-major stores and 16-byte transposed stores. Needs cols % 8 == 0, rows % 16 == 0 and
-// 16-byte aligned pointers; partial tiles are handled chunk by chunk.
-constexpr int kTileRows = 128;
-constexpr int kTilePad = 8;  // keeps 8-byte smem stores aligned
+// Fast cast+transpose: kTileRows x kTileCols tiles, 256 threads. Each thread loads 16-byte
+// chunks (four in flight), writes the row-major FP8 bytes with 8-byte stores, and drops them
+// into a transposed shared tile; the transposed output then leaves as whole 128-byte lines
+// (8 threads per output row, 16 bytes each). The shared tile is XOR-swizzled in 16-byte
+// chunks so that neither the byte stores nor the 16-byte reads conflict on banks.
+// Needs cols % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers; partial tiles are
+// handled chunk by chunk.
+constexpr int kTileRows = 128;  // = bytes per transposed row in shared memory
+
+__device__ __forceinline__ int swizzled(int t_row, int t_col) {
+  return t_row * kTileRows + ((((t_col >> 4) ^ (t_row >> 3)) & 7) << 4) + (t_col & 15);
+}
 
 template <typename T, bool kE5M2, int kTileCols>
 __global__ void __launch_bounds__(kThreads)
@@ -90,7 +97,12 @@ __global__ void __launch_bounds__(kThreads)
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
                           float* __restrict__ amax) {
-  __shared__ alignas(16) uint8_t tile[kTileRows][kTileCols + kTilePad];
+  constexpr int kChunksPerRow = kTileCols / 8;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kLoadPasses = kTileRows / kRowsPerPass;
+  constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;
+  __shared__ alignas(16) uint8_t tile_t[kTileCols * kTileRows];  // [col][row], swizzled
+
   const float scale = *scale_ptr;
   if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
     *scale_inv = 1.0f / scale;
@@ -99,11 +111,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   uint32_t max_bits = 0;
 
-  constexpr int kLoadPasses = kTileRows / (kThreads / (kTileCols / 8));
-  constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;
-  constexpr int kRowsPerPass = kThreads / (kTileCols / 8);
-  const int chunk = threadIdx.x % (kTileCols / 8);          // 8 consecutive columns
-  const int row_in_pass = threadIdx.x / (kTileCols / 8);
+  const int chunk = threadIdx.x % kChunksPerRow;
+  const int row_in_pass = threadIdx.x / kChunksPerRow;
   const int64_t gc = col0 + chunk * 8;
   Pack8<T> packs[kLoadPasses];
 #pragma unroll
@@ -120,29 +129,22 @@ __global__ void __launch_bounds__(kThreads)
       packed = saturating_cast8<kE5M2>(packs[pass], scale, max_bits);
       *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
     }
-    *reinterpret_cast<uint64_t*>(&tile[r][chunk * 8]) = packed;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      tile_t[swizzled(chunk * 8 + j, r)] = static_cast<uint8_t>(packed >> (8 * j));
+    }
   }
   __syncthreads();
-  // Transposed: 16-byte chunk k of output row c is out_t[col0 + c][row0 + 16k .. +16).
-  // Consecutive threads take consecutive c, so their shared-memory reads share no bank.
 #pragma unroll
   for (int pass = 0; pass < kStorePasses; ++pass) {
     const int index = threadIdx.x + pass * kThreads;
-    const int c = index % kTileCols;
-    const int k = index / kTileCols;
+    const int c = index / (kTileRows / 16);  // transposed row within the tile
+    const int q = index % (kTileRows / 16);  // 16-byte chunk of that row
     const int64_t out_row = col0 + c;
-    const int64_t out_col = row0 + k * 16;
+    const int64_t out_col = row0 + q * 16;
     if (out_row < cols && out_col < rows) {
-      uint32_t words[4];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>(tile[k * 16 + w * 4 + b][c]) << (8 * b);
-        words[w] = word;
-      }
       *reinterpret_cast<uint4*>(out_t + out_row * rows + out_col) =
-          make_uint4(words[0], words[1], words[2], words[3]);
+          *reinterpret_cast<const uint4*>(&tile_t[swizzled(c, q * 16)]);
     }
   }
   if (amax != nullptr) block_amax_to_global(max_bits, amax);

@@ -20,7 +20,8 @@ constexpr int kLargeCapacity = 960;
 // 8 consecutive float slots are one 32-byte sector: each history row is read in whole sectors,
 // and 1000 slots spread over 125 blocks.
 constexpr int kSlotsPerBlock = 8;
-constexpr int kRowThreads = 32;
+// 1024 threads: a history of up to 1024 rows is read in one pass, one load wave.
+constexpr int kRowThreads = 128;
 constexpr int kRowsPerThread = 8;
 constexpr int kRowsPerPass = kRowThreads * kRowsPerThread;
 
