@@ -84,7 +84,8 @@ int main(int argc, char** argv) {
                         at::ones({slots_per_group}, cuda), at::ones({slots_per_group}, cuda)});
     }
     const DelayedScalingUpdateOptions options{Fp8Format::kE4M3, 0, AmaxComputeAlgo::kMax};
-    const double ours_ms = bench::median_ms([&] { delayed_scaling_update(groups, options); }, 20, 200);
+    const double ours_ms =
+        bench::median_ms([&] { delayed_scaling_update(groups, options); }, 20, 200);
     const double eager_ms = bench::median_ms([&] { eager_update(groups, 448.0f); }, 3, 20);
     const double bytes = 2.0 * num_groups * slots_per_group * history_len * sizeof(float);
     bench::Record("delayed_scaling_update",

@@ -6,9 +6,7 @@
 
 namespace amp8 {
 
-float fp8_max(Fp8Format format) {
-  return format == Fp8Format::kE4M3 ? 448.0f : 57344.0f;
-}
+float fp8_max(Fp8Format format) { return format == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
 
 at::ScalarType fp8_dtype(Fp8Format format) {
   return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;

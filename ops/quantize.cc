@@ -152,8 +152,10 @@ Fp8Tensor quantize_current_scaling(const at::Tensor& x, Fp8Format format, int ma
   detail::check_high_precision_input(x, "quantize_current_scaling");
   TORCH_CHECK(margin >= 0 && margin < 127,
               "quantize_current_scaling: margin must be in [0, 126], got ", margin);
-  if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, "quantize_current_scaling", "amax_out");
-  if (scale_out.defined()) detail::check_scalar_slot(scale_out, x, "quantize_current_scaling", "scale_out");
+  if (amax_out.defined())
+    detail::check_scalar_slot(amax_out, x, "quantize_current_scaling", "amax_out");
+  if (scale_out.defined())
+    detail::check_scalar_slot(scale_out, x, "quantize_current_scaling", "scale_out");
   const float margin_divisor = std::ldexp(1.0f, margin);
   auto amax_value = compute_amax(x);
   auto scale = at::empty({1}, amax_value.options());
@@ -162,8 +164,8 @@ Fp8Tensor quantize_current_scaling(const at::Tensor& x, Fp8Format format, int ma
     detail::current_scale_cuda(amax_value, fp8_max(format), margin_divisor, scale);
 #endif
   } else {
-    scale.fill_(detail::scale_from_amax(amax_value.item<float>(), 1.0f, fp8_max(format),
-                                        margin_divisor));
+    scale.fill_(
+        detail::scale_from_amax(amax_value.item<float>(), 1.0f, fp8_max(format), margin_divisor));
   }
   if (amax_out.defined()) amax_out.copy_(amax_value.reshape(amax_out.sizes()));
   if (scale_out.defined()) scale_out.copy_(scale.reshape(scale_out.sizes()));

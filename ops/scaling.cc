@@ -18,8 +18,9 @@ void check_group(const DelayedScalingGroup& g, size_t index, int64_t history_len
   auto name = [&](const char* field) {
     return std::string("groups[") + std::to_string(index) + "]." + field;
   };
-  for (auto [tensor, field] : {std::pair{&g.amax_history, "amax_history"},
-                               std::pair{&g.scale, "scale"}, std::pair{&g.scale_inv, "scale_inv"}}) {
+  for (auto [tensor, field] :
+       {std::pair{&g.amax_history, "amax_history"}, std::pair{&g.scale, "scale"},
+        std::pair{&g.scale_inv, "scale_inv"}}) {
     TORCH_CHECK(tensor->defined(), kOp, ": ", name(field), " must be a defined tensor");
     TORCH_CHECK(tensor->scalar_type() == at::kFloat, kOp, ": ", name(field),
                 " must be float32, got ", tensor->scalar_type());
@@ -35,8 +36,8 @@ void check_group(const DelayedScalingGroup& g, size_t index, int64_t history_len
   const int64_t slots = g.amax_history.size(1);
   TORCH_CHECK(g.scale.dim() == 1 && g.scale.size(0) == slots, kOp, ": ", name("scale"),
               " must have shape [", slots, "], got ", g.scale.sizes());
-  TORCH_CHECK(g.scale_inv.dim() == 1 && g.scale_inv.size(0) == slots, kOp, ": ",
-              name("scale_inv"), " must have shape [", slots, "], got ", g.scale_inv.sizes());
+  TORCH_CHECK(g.scale_inv.dim() == 1 && g.scale_inv.size(0) == slots, kOp, ": ", name("scale_inv"),
+              " must have shape [", slots, "], got ", g.scale_inv.sizes());
 }
 
 void update_group_cpu(const DelayedScalingGroup& g, float fp8_max, float margin_divisor,
@@ -94,7 +95,8 @@ void delayed_scaling_update(const std::vector<DelayedScalingGroup>& groups,
   TORCH_CHECK(groups[0].amax_history.defined(), kOp,
               ": groups[0].amax_history must be a defined tensor");
   const at::Device device = groups[0].amax_history.device();
-  const int64_t history_len = groups[0].amax_history.dim() == 2 ? groups[0].amax_history.size(0) : -1;
+  const int64_t history_len =
+      groups[0].amax_history.dim() == 2 ? groups[0].amax_history.size(0) : -1;
   TORCH_CHECK(history_len >= 1, kOp,
               ": groups[0].amax_history must be 2-D [history_len >= 1, slots], got shape ",
               groups[0].amax_history.sizes());

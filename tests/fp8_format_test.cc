@@ -41,7 +41,8 @@ TEST(Fp8FormatTest, UnknownNamesNameTheParameterAndTheAcceptedValues) {
     fp8_format_of(at::kBFloat16);
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("Float8_e4m3fn or Float8_e5m2, got BFloat16"));
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("Float8_e4m3fn or Float8_e5m2, got BFloat16"));
   }
 }
 

@@ -13,8 +13,8 @@
 namespace amp8 {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::BytesEqual;
+using ::testing::HasSubstr;
 using testing::item;
 using testing::SameFloat;
 
@@ -77,7 +77,8 @@ TEST_F(QuantizeTest, Denormals) {
   // E4M3's smallest subnormal is 2^-9, E5M2's 2^-16. Half of it ties to zero (even);
   // three quarters rounds up to it; the subnormal itself is exact.
   const float e4 = std::ldexp(1.0f, -9), e5 = std::ldexp(1.0f, -16);
-  auto q4 = quantize(at::tensor({e4, e4 / 2, e4 * 0.75f, 3 * e4, -e4}), scalar(1.0f), Fp8Format::kE4M3);
+  auto q4 =
+      quantize(at::tensor({e4, e4 / 2, e4 * 0.75f, 3 * e4, -e4}), scalar(1.0f), Fp8Format::kE4M3);
   EXPECT_THAT(dequantized(q4), ::testing::ElementsAre(e4, 0.0f, e4, 3 * e4, -e4));
   auto q5 = quantize(at::tensor({e5, e5 / 2, e5 * 0.75f, 3 * e5}), scalar(1.0f), Fp8Format::kE5M2);
   EXPECT_THAT(dequantized(q5), ::testing::ElementsAre(e5, 0.0f, e5, 3 * e5));
@@ -94,9 +95,10 @@ TEST_F(QuantizeTest, EveryRepresentableValueRoundTrips) {
     auto values = codes.to(at::kFloat);
     auto finite = at::isfinite(values);
     auto q = quantize(values, scalar(1.0f), format);
-    auto expected = at::where(finite, codes.view(at::kByte),
-                              at::full_like(codes.view(at::kByte), 0));
-    auto actual = at::where(finite, q.data.view(at::kByte), at::full_like(codes.view(at::kByte), 0));
+    auto expected =
+        at::where(finite, codes.view(at::kByte), at::full_like(codes.view(at::kByte), 0));
+    auto actual =
+        at::where(finite, q.data.view(at::kByte), at::full_like(codes.view(at::kByte), 0));
     EXPECT_TRUE(BytesEqual(actual, expected)) << format;
   }
 }
@@ -128,12 +130,14 @@ TEST_F(QuantizeTest, HalfInputsQuantizeLikeTheirFloatValues) {
 TEST_F(QuantizeTest, DequantizeErrorIsWithinHalfAnUlp) {
   // Relative rounding error of a normal value is at most 2^-(mantissa bits + 1).
   auto x = testing::random_wide({1000}, at::kFloat) * 0.01;
-  for (auto [format, bound] : {std::pair{Fp8Format::kE4M3, 1.0 / 16}, std::pair{Fp8Format::kE5M2, 1.0 / 8}}) {
+  for (auto [format, bound] :
+       {std::pair{Fp8Format::kE4M3, 1.0 / 16}, std::pair{Fp8Format::kE5M2, 1.0 / 8}}) {
     auto scale = scalar(fp8_max(format) / x.abs().max().item<float>());
     auto q = quantize(x, scale, format);
     auto relative = ((q.dequantize() - x).abs() / x.abs());
     // Elements that land in FP8's subnormal range have absolute, not relative, error.
-    auto normal = (x.abs() * scale) >= (format == Fp8Format::kE4M3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14));
+    auto normal = (x.abs() * scale) >=
+                  (format == Fp8Format::kE4M3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14));
     EXPECT_LE(relative.masked_select(normal).max().item<double>(), bound) << format;
   }
 }
@@ -176,10 +180,16 @@ TEST_F(QuantizeTest, BadInputsAreNamed) {
                "quantize: x must be float32, bfloat16 or float16, got Int");
   expect_error([&] { quantize(at::ones({4}, at::kDouble), s, Fp8Format::kE4M3); },
                "x must be float32, bfloat16 or float16, got Double");
-  expect_error([&] { quantize(at::ones({4, 6}).t(), s, Fp8Format::kE4M3); },
-               "quantize: x must be contiguous");
-  expect_error([&] { quantize(at::ones({0, 3}), s, Fp8Format::kE4M3); },
-               "quantize: x must be non-empty, got shape [0, 3]");
+  expect_error(
+      [&] {
+        quantize(at::ones({4, 6}).t(), s, Fp8Format::kE4M3);
+      },
+      "quantize: x must be contiguous");
+  expect_error(
+      [&] {
+        quantize(at::ones({0, 3}), s, Fp8Format::kE4M3);
+      },
+      "quantize: x must be non-empty, got shape [0, 3]");
   expect_error([&] { quantize(at::ones({4}), at::ones({2}), Fp8Format::kE4M3); },
                "quantize: scale must hold exactly one element");
   expect_error([&] { quantize(at::ones({4}), at::ones({1}, at::kHalf), Fp8Format::kE4M3); },
@@ -188,14 +198,18 @@ TEST_F(QuantizeTest, BadInputsAreNamed) {
                "quantize: amax_out must be float32, got Double");
   expect_error([&] { quantize(at::Tensor(), s, Fp8Format::kE4M3); },
                "quantize: x must be a defined tensor");
-  expect_error([&] { cast_transpose(at::ones({2, 3, 4}), s, Fp8Format::kE4M3); },
-               "cast_transpose: x must be 2-D [rows, cols], got shape [2, 3, 4]");
+  expect_error(
+      [&] {
+        cast_transpose(at::ones({2, 3, 4}), s, Fp8Format::kE4M3);
+      },
+      "cast_transpose: x must be 2-D [rows, cols], got shape [2, 3, 4]");
   expect_error([&] { quantize_current_scaling(at::ones({4}), Fp8Format::kE4M3, -1); },
                "quantize_current_scaling: margin must be in [0, 126], got -1");
 }
 
 TEST_F(QuantizeTest, CastTransposeOnCpuMatchesQuantizeAndItsTranspose) {
-  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 3221}, {1481, 677}, {2333, 1}, {64, 48}}) {
+  for (auto [rows, cols] :
+       {std::pair<int64_t, int64_t>{1, 3221}, {1481, 677}, {2333, 1}, {64, 48}}) {
     auto x = testing::random_wide({rows, cols}, at::kBFloat16);
     auto amax = at::zeros({1});
     auto ct = cast_transpose(x, scalar(0.75f), Fp8Format::kE5M2, amax);
@@ -317,7 +331,8 @@ TEST(QuantizeDeviceTest, WrongDeviceArgumentsAreNamed_CUDA) {
     quantize(x, scalar(1.0f), Fp8Format::kE4M3);
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("quantize: scale must be on cuda:0 like x, got cpu"));
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("quantize: scale must be on cuda:0 like x, got cpu"));
   }
   EXPECT_THROW(quantize(x, scalar(1.0f).cuda(), Fp8Format::kE4M3, at::zeros({1})), c10::Error);
 }

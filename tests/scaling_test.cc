@@ -12,8 +12,8 @@
 namespace amp8 {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::BytesEqual;
+using ::testing::HasSubstr;
 using testing::item;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -116,7 +116,8 @@ TEST(DelayedScalingTest, ManyGroupsInOneCall) {
   std::vector<DelayedScalingGroup> groups;
   for (int i = 1; i <= 3; ++i) groups.push_back(make_group(at::full({2, i}, float(i))));
   delayed_scaling_update(groups, {Fp8Format::kE4M3, 0, AmaxComputeAlgo::kMax});
-  for (int i = 1; i <= 3; ++i) EXPECT_TRUE(BytesEqual(groups[i - 1].scale, at::full({i}, 448.0f / i)));
+  for (int i = 1; i <= 3; ++i)
+    EXPECT_TRUE(BytesEqual(groups[i - 1].scale, at::full({i}, 448.0f / i)));
 }
 
 TEST(DelayedScalingTest, BadInputsAreNamed) {
@@ -129,16 +130,39 @@ TEST(DelayedScalingTest, BadInputsAreNamed) {
     }
   };
   DelayedScalingUpdateOptions options;
-  expect_error([&] { delayed_scaling_update(std::vector{make_group(at::ones({4, 2})), make_group(at::ones({3, 2}))}, options); },
-               "groups[1].amax_history must have history_len 4 like groups[0], got 3");
-  expect_error([&] { delayed_scaling_update(std::vector<DelayedScalingGroup>{{at::ones({4, 2}), at::ones({3}), at::ones({2})}}, options); },
-               "groups[0].scale must have shape [2], got [3]");
-  expect_error([&] { delayed_scaling_update(std::vector<DelayedScalingGroup>{{at::ones({4, 2}, at::kDouble), at::ones({2}), at::ones({2})}}, options); },
-               "groups[0].amax_history must be float32, got Double");
-  expect_error([&] { delayed_scaling_update(std::vector{make_group(at::ones({4, 2}))}, {Fp8Format::kE4M3, -2, AmaxComputeAlgo::kMax}); },
-               "fp8_margin must be in [0, 126], got -2");
-  expect_error([&] { delayed_scaling_update(std::vector<DelayedScalingGroup>{{at::ones({0, 2}), at::ones({2}), at::ones({2})}}, options); },
-               "history_len >= 1");
+  expect_error(
+      [&] {
+        delayed_scaling_update(
+            std::vector{make_group(at::ones({4, 2})), make_group(at::ones({3, 2}))}, options);
+      },
+      "groups[1].amax_history must have history_len 4 like groups[0], got 3");
+  expect_error(
+      [&] {
+        delayed_scaling_update(
+            std::vector<DelayedScalingGroup>{{at::ones({4, 2}), at::ones({3}), at::ones({2})}},
+            options);
+      },
+      "groups[0].scale must have shape [2], got [3]");
+  expect_error(
+      [&] {
+        delayed_scaling_update(std::vector<DelayedScalingGroup>{{at::ones({4, 2}, at::kDouble),
+                                                                 at::ones({2}), at::ones({2})}},
+                               options);
+      },
+      "groups[0].amax_history must be float32, got Double");
+  expect_error(
+      [&] {
+        delayed_scaling_update(std::vector{make_group(at::ones({4, 2}))},
+                               {Fp8Format::kE4M3, -2, AmaxComputeAlgo::kMax});
+      },
+      "fp8_margin must be in [0, 126], got -2");
+  expect_error(
+      [&] {
+        delayed_scaling_update(
+            std::vector<DelayedScalingGroup>{{at::ones({0, 2}), at::ones({2}), at::ones({2})}},
+            options);
+      },
+      "history_len >= 1");
   expect_error([&] { amax_compute_algo_from_string("mean"); },
                "fp8_amax_compute_algo must be \"max\" or \"most_recent\", got \"mean\"");
   EXPECT_EQ(amax_compute_algo_from_string("most_recent"), AmaxComputeAlgo::kMostRecent);
@@ -165,7 +189,8 @@ std::vector<DelayedScalingGroup> random_groups(int num_groups, int64_t len, uint
 
 std::vector<DelayedScalingGroup> to_cuda(const std::vector<DelayedScalingGroup>& groups) {
   std::vector<DelayedScalingGroup> out;
-  for (const auto& g : groups) out.push_back({g.amax_history.cuda(), g.scale.cuda(), g.scale_inv.cuda()});
+  for (const auto& g : groups)
+    out.push_back({g.amax_history.cuda(), g.scale.cuda(), g.scale_inv.cuda()});
   return out;
 }
 
@@ -173,24 +198,24 @@ TEST(DelayedScalingGpuTest, MatchesCpuBitForBit_CUDA) {
   AMP8_REQUIRE_CUDA();
   // 10 groups take the small parameter table, 1000 the large one and two launches (960 each).
   for (int num_groups : {10, 1000}) {
-  for (int64_t len : {1, 4, 1024, 1000}) {
-    for (auto algo : {AmaxComputeAlgo::kMax, AmaxComputeAlgo::kMostRecent}) {
-      for (int margin : {0, 1, 3}) {
-        auto cpu = random_groups(num_groups, len, len * 10 + margin);
-        auto gpu = to_cuda(cpu);
-        const DelayedScalingUpdateOptions options{Fp8Format::kE5M2, margin, algo};
-        for (int step = 0; step < 3; ++step) {
-          delayed_scaling_update(cpu, options);
-          delayed_scaling_update(gpu, options);
-        }
-        for (size_t i = 0; i < cpu.size(); ++i) {
-          ASSERT_TRUE(BytesEqual(gpu[i].scale, cpu[i].scale)) << "group " << i << " len " << len;
-          ASSERT_TRUE(BytesEqual(gpu[i].scale_inv, cpu[i].scale_inv)) << "group " << i;
-          ASSERT_TRUE(BytesEqual(gpu[i].amax_history, cpu[i].amax_history)) << "group " << i;
+    for (int64_t len : {1, 4, 1024, 1000}) {
+      for (auto algo : {AmaxComputeAlgo::kMax, AmaxComputeAlgo::kMostRecent}) {
+        for (int margin : {0, 1, 3}) {
+          auto cpu = random_groups(num_groups, len, len * 10 + margin);
+          auto gpu = to_cuda(cpu);
+          const DelayedScalingUpdateOptions options{Fp8Format::kE5M2, margin, algo};
+          for (int step = 0; step < 3; ++step) {
+            delayed_scaling_update(cpu, options);
+            delayed_scaling_update(gpu, options);
+          }
+          for (size_t i = 0; i < cpu.size(); ++i) {
+            ASSERT_TRUE(BytesEqual(gpu[i].scale, cpu[i].scale)) << "group " << i << " len " << len;
+            ASSERT_TRUE(BytesEqual(gpu[i].scale_inv, cpu[i].scale_inv)) << "group " << i;
+            ASSERT_TRUE(BytesEqual(gpu[i].amax_history, cpu[i].amax_history)) << "group " << i;
+          }
         }
       }
     }
-  }
   }
 }
 

@@ -15,8 +15,8 @@ namespace amp8::testing {
 
 inline bool cuda_available() { return torch::cuda::is_available(); }
 
-#define AMP8_REQUIRE_CUDA()                                          \
-  do {                                                               \
+#define AMP8_REQUIRE_CUDA()                                                   \
+  do {                                                                        \
     if (!::amp8::testing::cuda_available()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 

@@ -1,5 +1,7 @@
 // LibTorch glue of the CUDA paths: device guard, current stream, raw pointers, error checks.
 
+#include "ops/detail/cuda_ops.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
@@ -7,12 +9,11 @@
 #include <vector>
 
 #include "ops/cuda/kernels.h"
-#include "ops/detail/cuda_ops.h"
 
-#define AMP8_CUDA_CHECK(expr)                                                                \
-  do {                                                                                       \
-    const int amp8_err_ = (expr);                                                            \
-    TORCH_CHECK(amp8_err_ == 0, "CUDA error at ", __FILE__, ":", __LINE__, ": ",             \
+#define AMP8_CUDA_CHECK(expr)                                                               \
+  do {                                                                                      \
+    const int amp8_err_ = (expr);                                                           \
+    TORCH_CHECK(amp8_err_ == 0, "CUDA error at ", __FILE__, ":", __LINE__, ": ",            \
                 cudaGetErrorString(static_cast<cudaError_t>(amp8_err_)), " (", #expr, ")"); \
   } while (0)
 
@@ -21,10 +22,14 @@ namespace {
 
 cuda::InputType input_type(const at::Tensor& x) {
   switch (x.scalar_type()) {
-    case at::kFloat: return cuda::InputType::kFloat;
-    case at::kBFloat16: return cuda::InputType::kBFloat16;
-    case at::kHalf: return cuda::InputType::kHalf;
-    default: TORCH_CHECK(false, "expected float32, bfloat16 or float16, got ", x.scalar_type());
+    case at::kFloat:
+      return cuda::InputType::kFloat;
+    case at::kBFloat16:
+      return cuda::InputType::kBFloat16;
+    case at::kHalf:
+      return cuda::InputType::kHalf;
+    default:
+      TORCH_CHECK(false, "expected float32, bfloat16 or float16, got ", x.scalar_type());
   }
 }
 
@@ -47,9 +52,8 @@ void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format
   const c10::cuda::CUDAGuard guard(x.device());
   AMP8_CUDA_CHECK(cuda::launch_cast_transpose(
       x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
-      x.size(0), x.size(1), scale.const_data_ptr<float>(),
-      scale_inv_out.mutable_data_ptr<float>(), amax, format == Fp8Format::kE5M2,
-      current_stream()));
+      x.size(0), x.size(1), scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(),
+      amax, format == Fp8Format::kE5M2, current_stream()));
 }
 
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {

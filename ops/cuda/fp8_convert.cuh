@@ -44,8 +44,8 @@ __device__ __forceinline__ uint32_t saturating_cast2(float v0, float v1, float s
   constexpr float kMax = Fp8Traits<kE5M2>::kMax;
   const float y0 = v0 * scale, y1 = v1 * scale;
   const float2 clamped = make_float2(fminf(fmaxf(y0, -kMax), kMax), fminf(fmaxf(y1, -kMax), kMax));
-  const uint32_t pair = __nv_cvt_float2_to_fp8x2(clamped, __NV_SATFINITE,
-                                                 Fp8Traits<kE5M2>::kInterpretation);
+  const uint32_t pair =
+      __nv_cvt_float2_to_fp8x2(clamped, __NV_SATFINITE, Fp8Traits<kE5M2>::kInterpretation);
   return fix_nan(pair & 0xFFu, v0, y0) | (fix_nan(pair >> 8, v1, y1) << 8);
 }
 

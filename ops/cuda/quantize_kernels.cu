@@ -36,9 +36,9 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // Elementwise quantization over n elements; 8 per thread-iteration where `vectorized`.
 template <typename T, bool kE5M2, bool kWriteOutput>
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, int64_t n,
-                    int64_t n_packs, const float* __restrict__ scale_ptr,
-                    float* __restrict__ scale_inv, float* __restrict__ amax) {
+    quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, int64_t n, int64_t n_packs,
+                    const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
+                    float* __restrict__ amax) {
   const float scale = kWriteOutput ? *scale_ptr : 1.0f;
   if (kWriteOutput && scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
     *scale_inv = 1.0f / scale;
@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int pass = 0; pass < kLoadPasses; ++pass) {
     const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols) packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+    if (gr < rows && gc < cols)
+      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
   }
 #pragma unroll
   for (int pass = 0; pass < kLoadPasses; ++pass) {
@@ -192,9 +193,12 @@ __global__ void current_scale_kernel(const float* amax, float* scale, float fp8_
 template <typename F>
 int dispatch_input(InputType type, F&& f) {
   switch (type) {
-    case InputType::kFloat: return f(float{});
-    case InputType::kBFloat16: return f(__nv_bfloat16{});
-    case InputType::kHalf: return f(__half{});
+    case InputType::kFloat:
+      return f(float{});
+    case InputType::kBFloat16:
+      return f(__nv_bfloat16{});
+    case InputType::kHalf:
+      return f(__half{});
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
@@ -214,9 +218,11 @@ int launch_quantize(const void* x, InputType type, void* out, int64_t n, const f
     const auto* in = static_cast<const T*>(x);
     auto* o = static_cast<uint8_t*>(out);
     if (e5m2) {
-      quantize_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(in, o, n, n_packs, scale, scale_inv, amax);
+      quantize_kernel<T, true, true>
+          <<<grid, kThreads, 0, stream>>>(in, o, n, n_packs, scale, scale_inv, amax);
     } else {
-      quantize_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(in, o, n, n_packs, scale, scale_inv, amax);
+      quantize_kernel<T, false, true>
+          <<<grid, kThreads, 0, stream>>>(in, o, n, n_packs, scale, scale_inv, amax);
     }
     return static_cast<int>(cudaGetLastError());
   });
@@ -234,9 +240,9 @@ int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream st
   });
 }
 
-int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t,
-                                int64_t rows, int64_t cols, const float* scale, float* scale_inv,
-                                float* amax, bool e5m2, int tile_cols, Stream stream) {
+int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t, int64_t rows,
+                                int64_t cols, const float* scale, float* scale_inv, float* amax,
+                                bool e5m2, int tile_cols, Stream stream) {
   if (amax != nullptr) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
@@ -245,16 +251,18 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
     const auto* in = static_cast<const T*>(x);
     auto* o = static_cast<uint8_t*>(out);
     auto* ot = static_cast<uint8_t*>(out_t);
-    const bool fast = cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) &&
-                      aligned16(out_t);
+    const bool fast =
+        cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) && aligned16(out_t);
     if (fast) {
       auto launch = [&](auto tile_tag) {
         constexpr int kCols = decltype(tile_tag)::value;
         const dim3 grid((cols + kCols - 1) / kCols, (rows + kTileRows - 1) / kTileRows);
         if (e5m2) {
-          cast_transpose_kernel<T, true, kCols><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+          cast_transpose_kernel<T, true, kCols>
+              <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
         } else {
-          cast_transpose_kernel<T, false, kCols><<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+          cast_transpose_kernel<T, false, kCols>
+              <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
         }
       };
       if (tile_cols == 128) {
@@ -266,9 +274,11 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
       const dim3 grid((cols + 31) / 32, (rows + 31) / 32);
       const dim3 block(32, kThreads / 32);
       if (e5m2) {
-        cast_transpose_general_kernel<T, true><<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+        cast_transpose_general_kernel<T, true>
+            <<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
       } else {
-        cast_transpose_general_kernel<T, false><<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+        cast_transpose_general_kernel<T, false>
+            <<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
       }
     }
     return static_cast<int>(cudaGetLastError());
@@ -278,8 +288,8 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
 int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                           int64_t cols, const float* scale, float* scale_inv, float* amax,
                           bool e5m2, Stream stream) {
-  return launch_cast_transpose_tiled(x, type, out, out_t, rows, cols, scale, scale_inv, amax,
-                                     e5m2, kDefaultCastTransposeTileCols, stream);
+  return launch_cast_transpose_tiled(x, type, out, out_t, rows, cols, scale, scale_inv, amax, e5m2,
+                                     kDefaultCastTransposeTileCols, stream);
 }
 
 int launch_current_scale(const float* amax, float* scale, float fp8_max, float margin_divisor,

@@ -38,7 +38,7 @@ struct BulkParams {
 static_assert(sizeof(BulkParams<kLargeCapacity>) + 16 < 32764, "kernel parameters too large");
 
 template <int kCapacity>
-__global__ void __launch_bounds__(kSlotsPerBlock * kRowThreads)
+__global__ void __launch_bounds__(kSlotsPerBlock* kRowThreads)
     delayed_scaling_kernel(const __grid_constant__ BulkParams<kCapacity> p, bool most_recent,
                            float fp8_max, float margin_divisor) {
   __shared__ float partial[kRowThreads][kSlotsPerBlock];
@@ -50,7 +50,10 @@ __global__ void __launch_bounds__(kSlotsPerBlock * kRowThreads)
   int group = 0;  // the last group whose first slot is <= global_slot
   for (int hi = p.num_groups - 1; group < hi;) {
     const int mid = (group + hi + 1) / 2;
-    if (p.first_slot[mid] <= global_slot) group = mid; else hi = mid - 1;
+    if (p.first_slot[mid] <= global_slot)
+      group = mid;
+    else
+      hi = mid - 1;
   }
   float* history = p.amax_history[group];
   const int slots = p.slots[group];
@@ -71,7 +74,8 @@ __global__ void __launch_bounds__(kSlotsPerBlock * kRowThreads)
       const int r = base + row_thread * kRowsPerThread + i;
       values[i] = 0.0f;
       if (active && r < history_len) {
-        values[i] = r + 1 < history_len ? history[static_cast<int64_t>(r + 1) * slots + slot] : newest;
+        values[i] =
+            r + 1 < history_len ? history[static_cast<int64_t>(r + 1) * slots + slot] : newest;
         if (!most_recent) amax = detail::nan_max(amax, values[i]);
       }
     }

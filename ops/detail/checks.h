@@ -24,8 +24,8 @@ inline void check_scalar_slot(const at::Tensor& t, const at::Tensor& x, std::str
               t.scalar_type());
   TORCH_CHECK(t.numel() == 1, op, ": ", name, " must hold exactly one element, got shape ",
               t.sizes());
-  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x.device(),
-              " like x, got ", t.device());
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x.device(), " like x, got ",
+              t.device());
 }
 
 }  // namespace amp8::detail

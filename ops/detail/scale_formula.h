@@ -23,8 +23,6 @@ AMP8_HOST_DEVICE inline float scale_from_amax(float amax, float fallback, float 
 }
 
 // NaN-propagating max (torch.max semantics).
-AMP8_HOST_DEVICE inline float nan_max(float a, float b) {
-  return (a > b || std::isnan(a)) ? a : b;
-}
+AMP8_HOST_DEVICE inline float nan_max(float a, float b) { return (a > b || std::isnan(a)) ? a : b; }
 
 }  // namespace amp8::detail
