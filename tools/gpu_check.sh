@@ -27,7 +27,7 @@ status=0
 
 GTEST_ARGS=()
 [[ -f .gtest/CMakeLists.txt ]] && GTEST_ARGS=(-DAMP8_GTEST_SOURCE_DIR="$ROOT/.gtest")
-TORCH_PREFIX="$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')"
+TORCH_PREFIX="$(python3 -W ignore -c 'import torch;print(torch.utils.cmake_prefix_path)')"
 
 echo "== configure + build" | tee -a "$LOG"
 start=$SECONDS
@@ -41,7 +41,7 @@ fi
 echo "build took $((SECONDS - start)) s" | tee -a "$LOG"
 
 echo "== benchmarks" | tee -a "$LOG"
-for bench in cast_transpose_bench scale_update_bench; do
+for bench in cast_transpose_bench fp8_gemm_bench scale_update_bench; do
   if [[ -x "$BUILD/$bench" ]]; then
     "$BUILD/$bench" | tee "$OUT/$bench.jsonl" || status=1
   else

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "ops/fp8_format.h"
+#include "ops/fp8_gemm.h"
+#include "ops/fp8_tensor.h"
 #include "ops/scaling.h"
 
 namespace amp8::detail {
@@ -25,5 +27,9 @@ void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divi
                         const at::Tensor& scale_out);
 void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups, float fp8_max,
                                  float margin_divisor, AmaxComputeAlgo algo);
+
+// cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
+at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
+                         const Fp8GemmOptions& options);
 
 }  // namespace amp8::detail

@@ -1,0 +1,181 @@
+// FP8 GEMM through cuBLASLt: LibTorch's handle, workspace and current stream; descriptors in
+// RAII holders; one heuristic query per (shape, dtypes, flags), cached.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "ops/detail/cuda_ops.h"
+
+#define AMP8_CUBLAS_CHECK(expr)                                                         \
+  do {                                                                                  \
+    const cublasStatus_t amp8_status_ = (expr);                                         \
+    TORCH_CHECK(amp8_status_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt error at ", __FILE__, \
+                ":", __LINE__, ": ", cublasLtGetStatusString(amp8_status_), " (", #expr, ")"); \
+  } while (0)
+
+namespace amp8::detail {
+namespace {
+
+template <typename T, cublasStatus_t (*Destroy)(T)>
+class LtObject {
+ public:
+  LtObject() = default;
+  LtObject(const LtObject&) = delete;
+  LtObject& operator=(const LtObject&) = delete;
+  ~LtObject() {
+    if (handle_ != nullptr) Destroy(handle_);
+  }
+  T* out() { return &handle_; }
+  T get() const { return handle_; }
+
+ private:
+  T handle_ = nullptr;
+};
+
+using MatmulDesc = LtObject<cublasLtMatmulDesc_t, &cublasLtMatmulDescDestroy>;
+using MatrixLayout = LtObject<cublasLtMatrixLayout_t, &cublasLtMatrixLayoutDestroy>;
+using Preference = LtObject<cublasLtMatmulPreference_t, &cublasLtMatmulPreferenceDestroy>;
+
+cudaDataType_t cuda_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    case at::kHalf: return CUDA_R_16F;
+    case at::kFloat8_e4m3fn: return CUDA_R_8F_E4M3;
+    case at::kFloat8_e5m2: return CUDA_R_8F_E5M2;
+    default: TORCH_CHECK(false, "fp8_gemm: no cuBLASLt type for ", t);
+  }
+}
+
+template <typename V>
+void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
+  AMP8_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+}
+
+void make_layout(MatrixLayout& layout, cudaDataType_t type, int64_t rows, int64_t cols,
+                 int64_t ld) {
+  AMP8_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(layout.out(), type, rows, cols, ld));
+}
+
+void check_aligned(const void* p, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "fp8_gemm: ", name,
+              " must be 16-byte aligned for cuBLASLt FP8");
+}
+
+using AlgoKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, int>;
+
+struct AlgoCache {
+  std::mutex mutex;
+  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+};
+
+AlgoCache& algo_cache() {
+  static AlgoCache cache;
+  return cache;
+}
+
+}  // namespace
+
+at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
+                         const Fp8GemmOptions& o) {
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
+  const bool fp8_out = out_dtype == at::kFloat8_e4m3fn || out_dtype == at::kFloat8_e5m2;
+  at::Tensor out = o.out.defined() ? o.out : at::empty({m, n}, a.data.options().dtype(out_dtype));
+  if (m == 0) return out;
+  check_aligned(a.data.const_data_ptr(), "a");
+  check_aligned(b.data.const_data_ptr(), "b");
+  check_aligned(out.const_data_ptr(), "out");
+
+  // Row-major Y[M,N] = A[M,K]·B[N,K]ᵀ is column-major Yᵀ[N,M] = op(B)·A with op = transpose:
+  // cuBLASLt's "TN" layout, the only one Hopper's FP8 kernels take.
+  MatmulDesc desc;
+  AMP8_CUBLAS_CHECK(cublasLtMatmulDescCreate(desc.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(CUBLAS_OP_T));
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(CUBLAS_OP_N));
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scale_inv.const_data_ptr<float>());
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scale_inv.const_data_ptr<float>());
+  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(o.use_fast_accum));
+  if (fp8_out) {
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, o.out_scale.const_data_ptr<float>());
+    if (o.out_amax.defined()) {
+      set_attr(desc.get(), CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, o.out_amax.mutable_data_ptr<float>());
+    }
+  }
+  at::ScalarType bias_dtype = at::kFloat;
+  if (o.bias.defined()) {
+    bias_dtype = o.bias.scalar_type();
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+             static_cast<int32_t>(cuda_dtype(bias_dtype)));
+  }
+
+  // C is read only when accumulating; with an FP8 D it must be a 16-bit type.
+  const at::ScalarType c_dtype = fp8_out ? at::kBFloat16 : out_dtype;
+  MatrixLayout a_layout, b_layout, c_layout, d_layout;
+  make_layout(a_layout, cuda_dtype(b.data.scalar_type()), k, n, k);
+  make_layout(b_layout, cuda_dtype(a.data.scalar_type()), k, m, k);
+  make_layout(c_layout, cuda_dtype(c_dtype), n, m, n);
+  make_layout(d_layout, cuda_dtype(out_dtype), n, m, n);
+
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+
+  const AlgoKey key{m,
+                    n,
+                    k,
+                    static_cast<int>(a.data.scalar_type()),
+                    static_cast<int>(b.data.scalar_type()),
+                    static_cast<int>(out_dtype),
+                    static_cast<int>(o.bias.defined() ? bias_dtype : at::kFloat),
+                    static_cast<int>(o.use_fast_accum),
+                    static_cast<int>(o.accumulate),
+                    o.out_amax.defined(),
+                    static_cast<int>(a.device().index())};
+  cublasLtMatmulAlgo_t algo;
+  {
+    auto& cache = algo_cache();
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    auto it = cache.algos.find(key);
+    if (it != cache.algos.end()) {
+      algo = it->second;
+    } else {
+      Preference preference;
+      AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(preference.out()));
+      const uint64_t max_workspace = workspace_size;
+      AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+          sizeof(max_workspace)));
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), a_layout.get(),
+                                                       b_layout.get(), c_layout.get(),
+                                                       d_layout.get(), preference.get(), 1,
+                                                       &result, &found));
+      TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
+                  " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
+                  o.bias.defined() ? " with bias" : "");
+      algo = result.algo;
+      cache.algos.emplace(key, algo);
+    }
+  }
+
+  const float alpha = 1.0f;
+  const float beta = o.accumulate ? 1.0f : 0.0f;
+  AMP8_CUBLAS_CHECK(cublasLtMatmul(handle, desc.get(), &alpha, b.data.const_data_ptr(),
+                                   a_layout.get(), a.data.const_data_ptr(), b_layout.get(), &beta,
+                                   out.const_data_ptr(), c_layout.get(), out.mutable_data_ptr(),
+                                   d_layout.get(), &algo, workspace, workspace_size,
+                                   at::cuda::getCurrentCUDAStream().stream()));
+  return out;
+}
+
+}  // namespace amp8::detail

@@ -1,0 +1,178 @@
+#include "ops/fp8_gemm.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "ops/quantize.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::item;
+
+// Quantized operand with current scaling, on `device`.
+Fp8Tensor operand(int64_t rows, int64_t cols, Fp8Format format, at::Device device) {
+  auto x = at::randn({rows, cols}).to(device);
+  return quantize_current_scaling(x, format);
+}
+
+// fp64 reference of what the tensor cores compute.
+at::Tensor reference(const Fp8Tensor& a, const Fp8Tensor& b, const at::Tensor& bias = {}) {
+  auto ad = a.data.cpu().to(at::kDouble) * a.scale_inv.cpu().to(at::kDouble);
+  auto bd = b.data.cpu().to(at::kDouble) * b.scale_inv.cpu().to(at::kDouble);
+  auto y = at::matmul(ad, bd.t());
+  if (bias.defined()) y = y + bias.cpu().to(at::kDouble);
+  return y;
+}
+
+double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
+  auto a = actual.cpu().to(at::kDouble);
+  auto e = expected.cpu().to(at::kDouble);
+  return ((a - e).norm() / e.norm()).item<double>();
+}
+
+// Per-dtype tolerance of ‖out − ref‖ / ‖ref‖: fp32 sums of exact products (K ≤ 1024) land far
+// below 1e-5; bf16/fp16 outputs add one rounding of the result (2^-9 / 2^-12 relative).
+double tolerance(at::ScalarType out_dtype) {
+  switch (out_dtype) {
+    case at::kFloat: return 1e-5;
+    case at::kBFloat16: return 4e-3;
+    case at::kHalf: return 5e-4;
+    default: return 0;
+  }
+}
+
+struct Case {
+  at::ScalarType out_dtype;
+  bool bias;
+};
+
+class Fp8GemmTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override { at::manual_seed(11); }
+  void run(at::Device device) {
+    const auto [out_dtype, with_bias] = GetParam();
+    auto a = operand(48, 160, Fp8Format::kE4M3, device);
+    auto b = operand(96, 160, Fp8Format::kE5M2, device);
+    Fp8GemmOptions options;
+    at::Tensor bias;
+    if (with_bias) options.bias = bias = at::randn({96}).to(at::kBFloat16).to(device);
+    auto y = fp8_gemm(a, b, out_dtype, options);
+    EXPECT_EQ(y.scalar_type(), out_dtype);
+    EXPECT_EQ(y.sizes(), (at::IntArrayRef{48, 96}));
+    const double err = relative_error(y, reference(a, b, bias));
+    EXPECT_LE(err, tolerance(out_dtype)) << out_dtype << " bias=" << with_bias;
+
+    // Accumulate into an existing output.
+    auto start = at::randn({48, 96}).to(out_dtype).to(device);
+    Fp8GemmOptions acc = options;
+    acc.out = start.clone();
+    acc.accumulate = true;
+    auto z = fp8_gemm(a, b, out_dtype, acc);
+    EXPECT_EQ(z.data_ptr(), acc.out.data_ptr());
+    const double acc_err = relative_error(z, reference(a, b, bias) + start.cpu().to(at::kDouble));
+    EXPECT_LE(acc_err, tolerance(out_dtype)) << "accumulate " << out_dtype;
+  }
+};
+
+TEST_P(Fp8GemmTest, MatchesFp64Reference) { run(at::kCPU); }
+
+TEST_P(Fp8GemmTest, MatchesFp64Reference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  run(at::kCUDA);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    OutputDtypes, Fp8GemmTest,
+    ::testing::Values(Case{at::kFloat, false}, Case{at::kFloat, true}, Case{at::kBFloat16, false},
+                      Case{at::kBFloat16, true}, Case{at::kHalf, false}, Case{at::kHalf, true}),
+    [](const auto& info) {
+      return std::string(c10::toString(info.param.out_dtype)) + (info.param.bias ? "_bias" : "");
+    });
+
+void fp8_output_case(at::Device device) {
+  at::manual_seed(5);
+  auto a = operand(64, 128, Fp8Format::kE4M3, device);
+  auto b = operand(32, 128, Fp8Format::kE4M3, device);
+  auto ref = reference(a, b);
+  const float ref_amax = ref.abs().max().item<float>();
+  Fp8GemmOptions options;
+  options.out_scale = at::full({1}, 448.0f / ref_amax * 0.5f).to(device);
+  options.out_amax = at::zeros({1}).to(device);
+  auto y = fp8_gemm(a, b, at::kFloat8_e4m3fn, options);
+  EXPECT_EQ(y.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_NEAR(item(options.out_amax), ref_amax, ref_amax * 1e-5);
+  auto deq = y.to(at::kFloat).cpu() / options.out_scale.cpu();
+  // One E4M3 rounding of the result: relative error per element ≤ 2^-4.
+  EXPECT_LE(relative_error(deq, ref), 1.0 / 16);
+}
+
+TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmax) { fp8_output_case(at::kCPU); }
+
+TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmax_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  fp8_output_case(at::kCUDA);
+}
+
+TEST(Fp8GemmScaledMmTest, MatchesScaledMm_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  at::manual_seed(9);
+  for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{256, 512, 384}, {1024, 1024, 1024},
+                         {16, 4096, 2048}}) {
+    for (bool fast : {false, true}) {
+      for (auto out_dtype : {at::kBFloat16, at::kFloat}) {
+        auto a = operand(m, k, Fp8Format::kE4M3, at::kCUDA);
+        auto b = operand(n, k, Fp8Format::kE4M3, at::kCUDA);
+        auto bias = at::randn({n}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+        Fp8GemmOptions options;
+        options.use_fast_accum = fast;
+        options.bias = bias;
+        auto ours = fp8_gemm(a, b, out_dtype, options);
+        auto theirs = at::_scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv, bias,
+                                     std::nullopt, out_dtype, fast);
+        // Same library, same inputs: equal up to cuBLASLt's choice of accumulation order.
+        EXPECT_LE(relative_error(ours, theirs), out_dtype == at::kFloat ? 1e-6 : 4e-3)
+            << m << "x" << k << "x" << n << " fast=" << fast << " " << out_dtype;
+      }
+    }
+  }
+}
+
+TEST(Fp8GemmErrorsTest, BadShapesAndOptionsAreNamed) {
+  auto expect_error = [](auto&& fn, const std::string& text) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error containing: " << text;
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(text));
+    }
+  };
+  auto a = operand(8, 32, Fp8Format::kE4M3, at::kCPU);
+  auto b = operand(16, 32, Fp8Format::kE4M3, at::kCPU);
+  expect_error([&] { fp8_gemm(a, operand(16, 48, Fp8Format::kE4M3, at::kCPU), at::kFloat); },
+               "a [M, K] and b [N, K] must share K");
+  expect_error([&] { fp8_gemm(operand(8, 24, Fp8Format::kE4M3, at::kCPU),
+                              operand(16, 24, Fp8Format::kE4M3, at::kCPU), at::kFloat); },
+               "K and N must be multiples of 16 for FP8 GEMMs, got M=8 K=24 N=16");
+  expect_error([&] { fp8_gemm(operand(8, 32, Fp8Format::kE5M2, at::kCPU),
+                              operand(16, 32, Fp8Format::kE5M2, at::kCPU), at::kFloat); },
+               "e5m2 x e5m2 is not supported");
+  expect_error([&] { fp8_gemm(a, b, at::kDouble); }, "out_dtype must be Float, BFloat16, Half");
+  expect_error([&] { fp8_gemm(operand(16, 32, Fp8Format::kE4M3, at::kCPU), b, at::kFloat8_e4m3fn); },
+               "an FP8 output needs out_scale");
+  Fp8GemmOptions bad_bias;
+  bad_bias.bias = at::ones({15});
+  expect_error([&] { fp8_gemm(a, b, at::kFloat, bad_bias); }, "bias must have shape [16], got [15]");
+  Fp8GemmOptions no_out;
+  no_out.accumulate = true;
+  expect_error([&] { fp8_gemm(a, b, at::kFloat, no_out); }, "accumulate needs `out`");
+  Fp8GemmOptions wrong_out;
+  wrong_out.out = at::zeros({8, 16}, at::kHalf);
+  expect_error([&] { fp8_gemm(a, b, at::kFloat, wrong_out); },
+               "out must be a contiguous [8, 16] Float tensor");
+}
+
+}  // namespace
+}  // namespace amp8
