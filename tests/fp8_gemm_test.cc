@@ -33,13 +33,17 @@ double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
   return ((a - e).norm() / e.norm()).item<double>();
 }
 
-// Per-dtype tolerance of ‖out − ref‖ / ‖ref‖: fp32 sums of exact products (K ≤ 1024) land far
-// below 1e-5; bf16/fp16 outputs add one rounding of the result (2^-9 / 2^-12 relative).
-double tolerance(at::ScalarType out_dtype) {
+// Per-dtype tolerance of ‖out − ref‖ / ‖ref‖. The products of FP8 values are exact; what
+// differs is the sum. On the CPU it is a true fp32 sum (K ≤ 1024: far below 1e-5). Hopper's FP8
+// tensor cores keep fewer accumulator bits than fp32 between promotions (about 14 mantissa
+// bits, measured in DeepSeek-V3's report, §3.3.2), so the GPU's fp32 output carries an error
+// of order 2^-14 per partial sum: 2.5e-4 bounds it. A bf16/fp16 output adds one rounding of
+// the result (2^-9 / 2^-12 relative), which dominates on both devices.
+double tolerance(at::ScalarType out_dtype, at::Device device) {
   switch (out_dtype) {
-    case at::kFloat: return 1e-5;
+    case at::kFloat: return device.is_cuda() ? 2.5e-4 : 1e-5;
     case at::kBFloat16: return 4e-3;
-    case at::kHalf: return 5e-4;
+    case at::kHalf: return device.is_cuda() ? 7e-4 : 5e-4;
     default: return 0;
   }
 }
@@ -63,7 +67,7 @@ class Fp8GemmTest : public ::testing::TestWithParam<Case> {
     EXPECT_EQ(y.scalar_type(), out_dtype);
     EXPECT_EQ(y.sizes(), (at::IntArrayRef{48, 96}));
     const double err = relative_error(y, reference(a, b, bias));
-    EXPECT_LE(err, tolerance(out_dtype)) << out_dtype << " bias=" << with_bias;
+    EXPECT_LE(err, tolerance(out_dtype, device)) << out_dtype << " bias=" << with_bias;
 
     // Accumulate into an existing output.
     auto start = at::randn({48, 96}).to(out_dtype).to(device);
@@ -73,7 +77,7 @@ class Fp8GemmTest : public ::testing::TestWithParam<Case> {
     auto z = fp8_gemm(a, b, out_dtype, acc);
     EXPECT_EQ(z.data_ptr(), acc.out.data_ptr());
     const double acc_err = relative_error(z, reference(a, b, bias) + start.cpu().to(at::kDouble));
-    EXPECT_LE(acc_err, tolerance(out_dtype)) << "accumulate " << out_dtype;
+    EXPECT_LE(acc_err, tolerance(out_dtype, device)) << "accumulate " << out_dtype;
   }
 };
 
@@ -125,12 +129,17 @@ TEST(Fp8GemmScaledMmTest, MatchesScaledMm_CUDA) {
       for (auto out_dtype : {at::kBFloat16, at::kFloat}) {
         auto a = operand(m, k, Fp8Format::kE4M3, at::kCUDA);
         auto b = operand(n, k, Fp8Format::kE4M3, at::kCUDA);
-        auto bias = at::randn({n}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+        // _scaled_mm takes a bias only for 16-bit outputs.
+        at::Tensor bias;
+        if (out_dtype == at::kBFloat16) {
+          bias = at::randn({n}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+        }
         Fp8GemmOptions options;
         options.use_fast_accum = fast;
         options.bias = bias;
         auto ours = fp8_gemm(a, b, out_dtype, options);
-        auto theirs = at::_scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv, bias,
+        auto theirs = at::_scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv,
+                                     bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                                      std::nullopt, out_dtype, fast);
         // Same library, same inputs: equal up to cuBLASLt's choice of accumulation order.
         EXPECT_LE(relative_error(ours, theirs), out_dtype == at::kFloat ? 1e-6 : 4e-3)

@@ -117,8 +117,10 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
              static_cast<int32_t>(cuda_dtype(bias_dtype)));
   }
 
-  // C is read only when accumulating; with an FP8 D it must be a 16-bit type.
-  const at::ScalarType c_dtype = fp8_out ? at::kBFloat16 : out_dtype;
+  // C is read only when accumulating. With an FP8 D it must be a 16-bit type: the bias type,
+  // or fp16 without a bias (LibTorch's _scaled_mm makes the same choice).
+  const at::ScalarType c_dtype =
+      fp8_out ? (o.bias.defined() ? bias_dtype : at::kHalf) : out_dtype;
   MatrixLayout a_layout, b_layout, c_layout, d_layout;
   make_layout(a_layout, cuda_dtype(b.data.scalar_type()), k, n, k);
   make_layout(b_layout, cuda_dtype(a.data.scalar_type()), k, m, k);
