@@ -43,7 +43,7 @@ double tolerance(at::ScalarType out_dtype, at::Device device) {
   switch (out_dtype) {
     case at::kFloat: return device.is_cuda() ? 2.5e-4 : 1e-5;
     case at::kBFloat16: return 4e-3;
-    case at::kHalf: return device.is_cuda() ? 7e-4 : 5e-4;
+    case at::kHalf: return 5e-4;
     default: return 0;
   }
 }
