@@ -172,9 +172,12 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
 
   const float alpha = 1.0f;
   const float beta = o.accumulate ? 1.0f : 0.0f;
+  // cuBLASLt rejects C == D with different descriptors, which an FP8 D always has; C is not
+  // read at beta = 0, so it gets no pointer then.
+  const void* c_ptr = fp8_out ? nullptr : out.const_data_ptr();
   AMP8_CUBLAS_CHECK(cublasLtMatmul(handle, desc.get(), &alpha, b.data.const_data_ptr(),
                                    a_layout.get(), a.data.const_data_ptr(), b_layout.get(), &beta,
-                                   out.const_data_ptr(), c_layout.get(), out.mutable_data_ptr(),
+                                   c_ptr, c_layout.get(), out.mutable_data_ptr(),
                                    d_layout.get(), &algo, workspace, workspace_size,
                                    at::cuda::getCurrentCUDAStream().stream()));
   return out;
