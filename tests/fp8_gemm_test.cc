@@ -107,7 +107,9 @@ void fp8_output_case(at::Device device) {
   options.out_amax = at::zeros({1}).to(device);
   auto y = fp8_gemm(a, b, at::kFloat8_e4m3fn, options);
   EXPECT_EQ(y.scalar_type(), at::kFloat8_e4m3fn);
-  EXPECT_NEAR(item(options.out_amax), ref_amax, ref_amax * 1e-5);
+  // amax of the fp32 result before scaling: exact sums on CPU, Hopper's accumulator on GPU.
+  EXPECT_NEAR(item(options.out_amax), ref_amax,
+              ref_amax * tolerance(at::kFloat, device));
   auto deq = y.to(at::kFloat).cpu() / options.out_scale.cpu();
   // One E4M3 rounding of the result: relative error per element ≤ 2^-4.
   EXPECT_LE(relative_error(deq, ref), 1.0 / 16);
