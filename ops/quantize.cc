@@ -147,26 +147,34 @@ at::Tensor compute_amax(const at::Tensor& x) {
   return result;
 }
 
+at::Tensor compute_current_scale(const at::Tensor& amax, Fp8Format format, int margin) {
+  TORCH_CHECK(amax.defined() && amax.scalar_type() == at::kFloat && amax.numel() == 1,
+              "compute_current_scale: amax must be one float32");
+  TORCH_CHECK(margin >= 0 && margin < 127, "compute_current_scale: margin must be in [0, 126], got ",
+              margin);
+  const float margin_divisor = std::ldexp(1.0f, margin);
+  auto scale = at::empty({1}, amax.options());
+  if (amax.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::current_scale_cuda(amax.reshape({1}), fp8_max(format), margin_divisor, scale);
+#else
+    no_cuda("compute_current_scale");
+#endif
+  } else {
+    scale.fill_(detail::scale_from_amax(amax.item<float>(), 1.0f, fp8_max(format), margin_divisor));
+  }
+  return scale;
+}
+
 Fp8Tensor quantize_current_scaling(const at::Tensor& x, Fp8Format format, int margin,
                                    const at::Tensor& amax_out, const at::Tensor& scale_out) {
   detail::check_high_precision_input(x, "quantize_current_scaling");
   TORCH_CHECK(margin >= 0 && margin < 127,
               "quantize_current_scaling: margin must be in [0, 126], got ", margin);
-  if (amax_out.defined())
-    detail::check_scalar_slot(amax_out, x, "quantize_current_scaling", "amax_out");
-  if (scale_out.defined())
-    detail::check_scalar_slot(scale_out, x, "quantize_current_scaling", "scale_out");
-  const float margin_divisor = std::ldexp(1.0f, margin);
+  if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, "quantize_current_scaling", "amax_out");
+  if (scale_out.defined()) detail::check_scalar_slot(scale_out, x, "quantize_current_scaling", "scale_out");
   auto amax_value = compute_amax(x);
-  auto scale = at::empty({1}, amax_value.options());
-  if (x.is_cuda()) {
-#ifdef AMP8_WITH_CUDA
-    detail::current_scale_cuda(amax_value, fp8_max(format), margin_divisor, scale);
-#endif
-  } else {
-    scale.fill_(
-        detail::scale_from_amax(amax_value.item<float>(), 1.0f, fp8_max(format), margin_divisor));
-  }
+  auto scale = compute_current_scale(amax_value, format, margin);
   if (amax_out.defined()) amax_out.copy_(amax_value.reshape(amax_out.sizes()));
   if (scale_out.defined()) scale_out.copy_(scale.reshape(scale_out.sizes()));
   return quantize(x, scale, format);

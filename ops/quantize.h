@@ -38,6 +38,10 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
 /// max|x| as a float32 tensor of one element on x's device (NaN if x holds a NaN).
 at::Tensor compute_amax(const at::Tensor& x);
 
+/// The current-scaling scale for a measured amax (one float32 on any device):
+/// (fp8_max / amax) / 2^margin, 1 when amax is 0 or not finite, FLT_MAX on overflow.
+at::Tensor compute_current_scale(const at::Tensor& amax, Fp8Format format, int margin = 0);
+
 /// Current (per-tensor, just-in-time) scaling: amax of x, then
 /// scale = (fp8_max / amax) / 2^margin (1 when amax is 0 or not finite; FLT_MAX when the
 /// quotient overflows), then quantize with it. `amax_out`/`scale_out`, when defined, receive

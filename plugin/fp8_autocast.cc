@@ -1,0 +1,111 @@
+#include "plugin/fp8_autocast.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <unordered_set>
+#include <vector>
+
+#include "plugin/detail/fp8_state.h"
+
+namespace amp8 {
+
+struct Fp8Autocast::Region {
+  bool enabled;
+  Fp8RecipeOptions recipe;
+  std::vector<DelayedScalingGroup> forward_groups;
+  std::unordered_set<const void*> owners;
+};
+
+namespace {
+
+thread_local std::vector<Fp8Autocast::Region*> region_stack;
+
+// Backward groups wait here, per (format, margin, algo), until the backward pass ends. The
+// autograd engine may run backward functions on its own threads, hence a mutex.
+struct PendingBackward {
+  std::mutex mutex;
+  std::map<std::tuple<int, int, int>, std::vector<DelayedScalingGroup>> groups;
+  std::unordered_set<const void*> owners;
+  bool callback_queued = false;
+};
+
+PendingBackward& pending_backward() {
+  static PendingBackward pending;
+  return pending;
+}
+
+void run_backward_updates() {
+  auto& pending = pending_backward();
+  std::map<std::tuple<int, int, int>, std::vector<DelayedScalingGroup>> groups;
+  {
+    std::lock_guard<std::mutex> lock(pending.mutex);
+    groups.swap(pending.groups);
+    pending.owners.clear();
+    pending.callback_queued = false;
+  }
+  for (auto& [key, list] : groups) {
+    const auto [format, margin, algo] = key;
+    delayed_scaling_update(list, {static_cast<Fp8Format>(format), margin,
+                                  static_cast<AmaxComputeAlgo>(algo)});
+  }
+}
+
+}  // namespace
+
+Fp8Autocast::Fp8Autocast(const Fp8RecipeOptions& recipe, bool enabled)
+    : region_(std::make_unique<Region>(Region{enabled, recipe, {}, {}})) {
+  if (enabled) recipe.validate();
+  region_stack.push_back(region_.get());
+}
+
+Fp8Autocast::~Fp8Autocast() {
+  TORCH_INTERNAL_ASSERT(!region_stack.empty() && region_stack.back() == region_.get(),
+                        "Fp8Autocast regions must close in reverse order of opening");
+  region_stack.pop_back();
+  if (!region_->enabled || region_->forward_groups.empty() || !region_->recipe.delayed()) return;
+  const auto& r = region_->recipe;
+  delayed_scaling_update(region_->forward_groups,
+                         {r.forward_format(), r.fp8_margin(), r.amax_compute_algo()});
+}
+
+bool Fp8Autocast::is_enabled() { return !region_stack.empty() && region_stack.back()->enabled; }
+
+const Fp8RecipeOptions& Fp8Autocast::current_recipe() {
+  TORCH_CHECK(is_enabled(), "Fp8Autocast::current_recipe: no enabled Fp8Autocast region");
+  return region_stack.back()->recipe;
+}
+
+namespace detail {
+
+void register_forward_group(const void* owner, const DelayedScalingGroup& group) {
+  if (region_stack.empty()) return;
+  auto* region = region_stack.back();
+  if (region->owners.insert(owner).second) region->forward_groups.push_back(group);
+}
+
+void register_backward_group(const void* owner, const DelayedScalingGroup& group,
+                             const Fp8RecipeOptions& recipe) {
+  auto& pending = pending_backward();
+  bool queue = false;
+  {
+    std::lock_guard<std::mutex> lock(pending.mutex);
+    if (pending.owners.insert(owner).second) {
+      const auto key = std::make_tuple(static_cast<int>(recipe.backward_format()),
+                                       recipe.fp8_margin(),
+                                       static_cast<int>(recipe.amax_compute_algo()));
+      pending.groups[key].push_back(group);
+    }
+    if (!pending.callback_queued) {
+      pending.callback_queued = true;
+      queue = true;
+    }
+  }
+  if (queue) torch::autograd::Engine::get_default_engine().queue_callback(run_backward_updates);
+}
+
+}  // namespace detail
+}  // namespace amp8

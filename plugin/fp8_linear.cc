@@ -1,0 +1,256 @@
+#include "plugin/fp8_linear.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+#include "ops/fp8_gemm.h"
+#include "ops/scaling.h"
+#include "plugin/detail/fp8_state.h"
+#include "plugin/fp8_autocast.h"
+
+namespace amp8 {
+namespace {
+
+constexpr int64_t kTokenAlign = 16;
+
+int64_t padded(int64_t rows) { return (rows + kTokenAlign - 1) / kTokenAlign * kTokenAlign; }
+
+at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows) {
+  if (x2d.size(0) == rows) return x2d.contiguous();
+  return at::constant_pad_nd(x2d, {0, 0, 0, rows - x2d.size(0)}).contiguous();
+}
+
+// The dtype GEMM outputs take: the autocast dtype where autocast is on, else the input's.
+at::ScalarType compute_dtype(const at::Tensor& input) {
+  const auto device_type = input.device().type();
+  if (at::autocast::is_autocast_enabled(device_type)) {
+    return at::autocast::get_autocast_dtype(device_type);
+  }
+  return input.scalar_type();
+}
+
+// Quantizes x for the recipe: delayed scaling uses `scale` and records max|x| into
+// `amax_slot` (accumulating over calls within one step, as the slot is zeroed by each update);
+// tensorwise scaling derives the scale from x itself.
+Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe,
+                              Fp8Format format, const at::Tensor& scale,
+                              const at::Tensor& amax_slot) {
+  if (recipe.delayed()) {
+    auto amax = at::empty({1}, amax_slot.options());
+    auto result = cast_transpose(x, scale, format, amax);
+    amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
+    return result;
+  }
+  auto amax = compute_amax(x);
+  amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
+  return cast_transpose(x, compute_current_scale(amax, format, recipe.fp8_margin()), format);
+}
+
+struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+                               const torch::Tensor& weight, const torch::Tensor& bias,
+                               Fp8LinearImpl* module, Fp8CastTranspose weight_q,
+                               Fp8RecipeOptions recipe) {
+    const int64_t in_features = weight.size(1), out_features = weight.size(0);
+    const auto out_dtype = compute_dtype(input);
+    auto x2d = input.reshape({-1, in_features});
+    const int64_t rows = x2d.size(0);
+    const int64_t rows_padded = padded(rows);
+    auto x = pad_rows(x2d, rows_padded);
+
+    auto x_q = quantize_for(x, recipe, recipe.forward_format(), module->fp8_fwd_scale.narrow(0, 0, 1),
+                            module->fp8_fwd_amax_history[0][0]);
+    Fp8GemmOptions gemm;
+    gemm.use_fast_accum = true;
+    if (bias.defined()) gemm.bias = bias;
+    auto y = fp8_gemm(x_q.data, weight_q.data, out_dtype, gemm);
+    if (rows_padded != rows) y = y.narrow(0, 0, rows);
+
+    ctx->saved_data["x_t"] = x_q.transposed.data;
+    ctx->saved_data["x_t_scale_inv"] = x_q.transposed.scale_inv;
+    ctx->saved_data["w_t"] = weight_q.transposed.data;
+    ctx->saved_data["w_t_scale_inv"] = weight_q.transposed.scale_inv;
+    ctx->saved_data["module"] = reinterpret_cast<int64_t>(module);
+    ctx->saved_data["rows"] = rows;
+    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["input_sizes"] = input.sizes().vec();
+    ctx->saved_data["recipe_fp8"] = recipe.fp8();
+    ctx->saved_data["recipe_margin"] = static_cast<int64_t>(recipe.fp8_margin());
+    ctx->saved_data["recipe_algo"] = recipe.fp8_amax_compute_algo();
+    ctx->saved_data["recipe_kind"] = recipe.fp8_recipe();
+    ctx->saved_data["recipe_history"] = recipe.fp8_amax_history_len();
+
+    auto out_sizes = input.sizes().vec();
+    out_sizes.back() = out_features;
+    return y.reshape(out_sizes);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_outputs) {
+    auto* module = reinterpret_cast<Fp8LinearImpl*>(ctx->saved_data["module"].toInt());
+    const Fp8RecipeOptions recipe = Fp8RecipeOptions()
+                                        .fp8(ctx->saved_data["recipe_fp8"].toStringRef())
+                                        .fp8_margin(ctx->saved_data["recipe_margin"].toInt())
+                                        .fp8_amax_compute_algo(ctx->saved_data["recipe_algo"].toStringRef())
+                                        .fp8_recipe(ctx->saved_data["recipe_kind"].toStringRef())
+                                        .fp8_amax_history_len(ctx->saved_data["recipe_history"].toInt());
+    const auto grad_format = recipe.backward_format();
+    const auto input_dtype = static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt());
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    const int64_t rows = ctx->saved_data["rows"].toInt();
+    const auto input_sizes = ctx->saved_data["input_sizes"].toIntVector();
+    const Fp8Tensor x_t(ctx->saved_data["x_t"].toTensor(), ctx->saved_data["x_t_scale_inv"].toTensor(),
+                        recipe.forward_format());
+    const Fp8Tensor w_t(ctx->saved_data["w_t"].toTensor(), ctx->saved_data["w_t_scale_inv"].toTensor(),
+                        recipe.forward_format());
+    const int64_t out_features = w_t.data.size(1);
+
+    auto grad = grad_outputs[0];
+    auto g2d = grad.reshape({-1, out_features});
+    auto g = pad_rows(g2d, padded(rows));
+    if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
+        g.scalar_type() != at::kHalf) {
+      g = g.to(at::kFloat);
+    }
+    auto g_q = quantize_for(g, recipe, grad_format, module->fp8_bwd_scale.narrow(0, 0, 1),
+                            module->fp8_bwd_amax_history[0][0]);
+    if (recipe.delayed()) {
+      detail::register_backward_group(module, {module->fp8_bwd_amax_history, module->fp8_bwd_scale,
+                                               module->fp8_bwd_scale_inv},
+                                      recipe);
+    }
+
+    torch::Tensor grad_input, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) {
+      // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
+      grad_input = fp8_gemm(g_q.data, w_t, input_dtype).narrow(0, 0, rows).reshape(input_sizes);
+    }
+    if (ctx->needs_input_grad(1)) {
+      // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
+      grad_weight = fp8_gemm(g_q.transposed, x_t, weight_dtype);
+    }
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
+      grad_bias = g2d.sum(0, /*keepdim=*/false, at::kFloat).to(weight_dtype);
+    }
+    return {grad_input, grad_weight, grad_bias, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+Fp8LinearImpl::Fp8LinearImpl(const Fp8LinearOptions& options_) : options(options_) { reset(); }
+
+void Fp8LinearImpl::reset() {
+  TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0,
+              "Fp8Linear: in_features and out_features must be positive, got ",
+              options.in_features(), " and ", options.out_features());
+  TORCH_CHECK(options.fp8_amax_history_len() >= 1,
+              "Fp8Linear: fp8_amax_history_len must be >= 1, got ", options.fp8_amax_history_len());
+  weight = register_parameter("weight",
+                              torch::empty({options.out_features(), options.in_features()}));
+  if (options.bias()) {
+    bias = register_parameter("bias", torch::empty(options.out_features()));
+  } else {
+    bias = register_parameter("bias", {}, /*requires_grad=*/false);
+  }
+  const int64_t h = options.fp8_amax_history_len();
+  fp8_fwd_amax_history = register_buffer("fp8_fwd_amax_history", torch::zeros({h, 2}));
+  fp8_fwd_scale = register_buffer("fp8_fwd_scale", torch::ones({2}));
+  fp8_fwd_scale_inv = register_buffer("fp8_fwd_scale_inv", torch::ones({2}));
+  fp8_bwd_amax_history = register_buffer("fp8_bwd_amax_history", torch::zeros({h, 1}));
+  fp8_bwd_scale = register_buffer("fp8_bwd_scale", torch::ones({1}));
+  fp8_bwd_scale_inv = register_buffer("fp8_bwd_scale_inv", torch::ones({1}));
+  weight_cache_.reset();
+  reset_parameters();
+}
+
+void Fp8LinearImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias.defined()) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+void Fp8LinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "amp8::Fp8Linear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
+         << options.bias() << ", fp8_eligible=" << fp8_eligible() << ")";
+}
+
+bool Fp8LinearImpl::fp8_eligible() const {
+  return options.in_features() % 16 == 0 && options.out_features() % 16 == 0;
+}
+
+void Fp8LinearImpl::ensure_history_len(int64_t history_len) {
+  if (fp8_fwd_amax_history.size(0) == history_len) return;
+  // In place (set_), so the registered buffers follow. Row 0 and the newest rows are kept.
+  torch::NoGradGuard no_grad;
+  auto resize = [&](torch::Tensor& buffer) {
+    auto resized = torch::zeros({history_len, buffer.size(1)}, buffer.options());
+    const int64_t keep = std::min(history_len, buffer.size(0));
+    resized.narrow(0, 0, 1).copy_(buffer.narrow(0, 0, 1));
+    if (keep > 1) {
+      resized.narrow(0, history_len - keep + 1, keep - 1)
+          .copy_(buffer.narrow(0, buffer.size(0) - keep + 1, keep - 1));
+    }
+    buffer.set_(resized);
+  };
+  resize(fp8_fwd_amax_history);
+  resize(fp8_bwd_amax_history);
+}
+
+Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe) {
+  const int64_t version = weight._version();
+  if (options.cache_fp8_weight() && weight_cache_ && weight_cache_version_ == version &&
+      weight_cache_data_ == weight.const_data_ptr()) {
+    return *weight_cache_;
+  }
+  torch::NoGradGuard no_grad;
+  auto q = quantize_for(weight.detach(), recipe, recipe.forward_format(),
+                        fp8_fwd_scale.narrow(0, 1, 1), fp8_fwd_amax_history[0][1]);
+  if (options.cache_fp8_weight()) {
+    weight_cache_ = q;
+    weight_cache_version_ = version;
+    weight_cache_data_ = weight.const_data_ptr();
+  } else {
+    weight_cache_.reset();
+  }
+  return q;
+}
+
+torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
+              "Fp8Linear: input must have in_features=", options.in_features(),
+              " as its last dimension, got shape ", input.sizes());
+  if (!Fp8Autocast::is_enabled() || input.numel() == 0) {
+    return torch::nn::functional::linear(input, weight, bias);
+  }
+  if (!fp8_eligible()) {
+    TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
+                    "): FP8 GEMMs need both dimensions divisible by 16; this layer runs in high "
+                    "precision.");
+    return torch::nn::functional::linear(input, weight, bias);
+  }
+  const auto compute = compute_dtype(input);
+  TORCH_CHECK(compute == at::kFloat || compute == at::kBFloat16 || compute == at::kHalf,
+              "Fp8Linear: in an FP8 region the input must be float32, bfloat16 or float16, got ",
+              compute);
+  const auto& recipe = Fp8Autocast::current_recipe();
+  ensure_history_len(recipe.fp8_amax_history_len());
+  if (recipe.delayed()) {
+    detail::register_forward_group(
+        this, {fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv});
+  }
+  auto weight_q = quantized_weight(recipe);
+  return Fp8LinearFunction::apply(input, weight, bias, this, weight_q, recipe);
+}
+
+}  // namespace amp8

@@ -1,0 +1,85 @@
+#pragma once
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+
+#include "ops/quantize.h"
+#include "plugin/fp8_recipe.h"
+
+namespace amp8 {
+
+/// Options of Fp8Linear, like torch::nn::LinearOptions:
+///   Fp8LinearOptions(1024, 4096).bias(false)
+struct Fp8LinearOptions {
+  Fp8LinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  /// Size of each input sample.
+  TORCH_ARG(int64_t, in_features);
+  /// Size of each output sample.
+  TORCH_ARG(int64_t, out_features);
+  /// Learn an additive bias. Default: true.
+  TORCH_ARG(bool, bias) = true;
+  /// Rows of amax history in the FP8 metadata buffers; a region whose recipe asks for another
+  /// length resizes them (the newest amaxes kept). Default: 1024.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+  /// Reuse the FP8 copy of the weight (and its transpose) while the weight tensor is unchanged
+  /// (same version counter): the micro-batches of one optimizer step quantize it once. An
+  /// explicit flag, never tied to gradient accumulation. Default: false.
+  TORCH_ARG(bool, cache_fp8_weight) = false;
+};
+
+/// A drop-in replacement for torch::nn::Linear (same parameters, names and initialisation)
+/// whose GEMMs run in FP8 inside an Fp8Autocast region:
+///   forward  y  = x·Wᵀ + b   E4M3 × E4M3, fast accumulation;
+///   backward dx = dy·W       dy in E5M2 ("hybrid") or E4M3, full accumulation;
+///            dW = dyᵀ·x      from the FP8 transposes made by cast_transpose in the forward
+///                            and backward passes (nothing is quantized twice);
+///            db = Σ dy       in high precision.
+/// Outside a region, or when in_features or out_features is not a multiple of 16 (a one-time
+/// warning), it computes exactly like torch::nn::Linear (honouring at::autocast). Any number of
+/// rows works: the token dimension is padded to a multiple of 16 internally.
+///
+/// FP8 metadata are buffers, so torch::save(module) keeps them:
+///   fp8_fwd_amax_history [H, 2] (slot 0: input, 1: weight), fp8_fwd_scale [2], fp8_fwd_scale_inv [2],
+///   fp8_bwd_amax_history [H, 1] (slot 0: grad_output),     fp8_bwd_scale [1], fp8_bwd_scale_inv [1].
+class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
+ public:
+  Fp8LinearImpl(int64_t in_features, int64_t out_features)
+      : Fp8LinearImpl(Fp8LinearOptions(in_features, out_features)) {}
+  explicit Fp8LinearImpl(const Fp8LinearOptions& options_);
+
+  void reset() override;
+  /// torch::nn::Linear's initialisation: kaiming_uniform(a = √5) weight, U(±1/√in) bias.
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Input [..., in_features] → output [..., out_features].
+  torch::Tensor forward(const torch::Tensor& input);
+
+  /// Whether the weight shape allows FP8 GEMMs (both dimensions multiples of 16).
+  bool fp8_eligible() const;
+
+  Fp8LinearOptions options;
+  torch::Tensor weight;
+  torch::Tensor bias;
+  torch::Tensor fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv;
+  torch::Tensor fp8_bwd_amax_history, fp8_bwd_scale, fp8_bwd_scale_inv;
+
+ private:
+  void ensure_history_len(int64_t history_len);
+  Fp8CastTranspose quantized_weight(const Fp8RecipeOptions& recipe);
+
+  std::optional<Fp8CastTranspose> weight_cache_;
+  int64_t weight_cache_version_ = -1;
+  const void* weight_cache_data_ = nullptr;
+};
+
+TORCH_MODULE(Fp8Linear);
+
+}  // namespace amp8

@@ -1,0 +1,38 @@
+#include "plugin/fp8_recipe.h"
+
+#include <c10/util/Exception.h>
+
+#include <ostream>
+
+namespace amp8 {
+
+void Fp8RecipeOptions::validate() const {
+  TORCH_CHECK(fp8_ == "hybrid" || fp8_ == "e4m3", "fp8 must be \"hybrid\" or \"e4m3\", got \"",
+              fp8_, "\"");
+  TORCH_CHECK(fp8_margin_ >= 0 && fp8_margin_ <= 126, "fp8_margin must be in [0, 126], got ",
+              fp8_margin_);
+  TORCH_CHECK(fp8_amax_history_len_ >= 1 && fp8_amax_history_len_ <= (1 << 20),
+              "fp8_amax_history_len must be in [1, 1048576], got ", fp8_amax_history_len_);
+  amax_compute_algo();
+  TORCH_CHECK(fp8_recipe_ == "delayed" || fp8_recipe_ == "tensorwise",
+              "fp8_recipe must be \"delayed\" or \"tensorwise\", got \"", fp8_recipe_, "\"");
+}
+
+Fp8Format Fp8RecipeOptions::forward_format() const { return Fp8Format::kE4M3; }
+
+Fp8Format Fp8RecipeOptions::backward_format() const {
+  return fp8_ == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+}
+
+AmaxComputeAlgo Fp8RecipeOptions::amax_compute_algo() const {
+  return amax_compute_algo_from_string(fp8_amax_compute_algo_, "fp8_amax_compute_algo");
+}
+
+std::ostream& operator<<(std::ostream& os, const Fp8RecipeOptions& r) {
+  return os << "Fp8Recipe(fp8=" << r.fp8() << ", fp8_recipe=" << r.fp8_recipe()
+            << ", fp8_margin=" << r.fp8_margin()
+            << ", fp8_amax_history_len=" << r.fp8_amax_history_len()
+            << ", fp8_amax_compute_algo=" << r.fp8_amax_compute_algo() << ")";
+}
+
+}  // namespace amp8

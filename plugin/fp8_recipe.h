@@ -1,0 +1,43 @@
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ops/fp8_format.h"
+#include "ops/scaling.h"
+
+namespace amp8 {
+
+/// The FP8 recipe: Transformer Engine's DelayedScaling knobs under NeMo's names. Defaults are
+/// TE's and NeMo's FP8 presets; Megatron's MixedPrecisionPlugin defaults (history 1,
+/// "most_recent") are the documented alternative.
+///
+///   Fp8RecipeOptions().fp8("hybrid").fp8_amax_history_len(1024).fp8_amax_compute_algo("max")
+struct Fp8RecipeOptions {
+  /// "hybrid": E4M3 for activations and weights (forward), E5M2 for gradients (backward);
+  /// "e4m3": E4M3 everywhere. Default: "hybrid".
+  TORCH_ARG(std::string, fp8) = "hybrid";
+  /// scale = (fp8_max / amax) / 2^fp8_margin; a margin leaves headroom. Default: 0.
+  TORCH_ARG(int, fp8_margin) = 0;
+  /// Steps of amax history per tensor. Default: 1024.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+  /// "max": the largest amax in the history; "most_recent": the last step's. Default: "max".
+  TORCH_ARG(std::string, fp8_amax_compute_algo) = "max";
+  /// "delayed": scales from the amax history (TE's DelayedScaling); "tensorwise": each tensor
+  /// scaled from its own amax just before it is quantized (current scaling). Default: "delayed".
+  TORCH_ARG(std::string, fp8_recipe) = "delayed";
+
+ public:
+  /// Throws c10::Error naming the first bad knob and its accepted values.
+  void validate() const;
+  Fp8Format forward_format() const;   ///< E4M3
+  Fp8Format backward_format() const;  ///< E5M2 under "hybrid", E4M3 under "e4m3"
+  AmaxComputeAlgo amax_compute_algo() const;
+  bool delayed() const { return fp8_recipe_ == "delayed"; }
+};
+
+std::ostream& operator<<(std::ostream& os, const Fp8RecipeOptions& recipe);
+
+}  // namespace amp8

@@ -1,0 +1,364 @@
+#include "plugin/fp8_linear.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "ops/scaling.h"
+#include "plugin/fp8_autocast.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::BytesEqual;
+
+double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
+  auto a = actual.detach().cpu().to(torch::kDouble);
+  auto e = expected.detach().cpu().to(torch::kDouble);
+  return ((a - e).norm() / e.norm()).item<double>();
+}
+
+std::vector<torch::Device> devices() {
+  std::vector<torch::Device> list{torch::kCPU};
+  if (testing::cuda_available()) list.emplace_back(torch::kCUDA);
+  return list;
+}
+
+class Fp8LinearTest : public testing::SeededTest {};
+
+TEST_F(Fp8LinearTest, HasLinearsParametersAndInitialisation) {
+  torch::manual_seed(1);
+  Fp8Linear fp8(64, 32);
+  torch::manual_seed(1);
+  torch::nn::Linear reference(64, 32);
+  EXPECT_TRUE(BytesEqual(fp8->weight, reference->weight));
+  EXPECT_TRUE(BytesEqual(fp8->bias, reference->bias));
+  auto names = fp8->named_parameters().keys();
+  EXPECT_THAT(names, ::testing::ElementsAre("weight", "bias"));
+  std::ostringstream os;
+  os << *fp8;
+  EXPECT_EQ(os.str(), "amp8::Fp8Linear(in_features=64, out_features=32, bias=true, fp8_eligible=true)");
+  EXPECT_FALSE(Fp8Linear(Fp8LinearOptions(64, 32).bias(false))->bias.defined());
+}
+
+TEST_F(Fp8LinearTest, OutsideAnFp8RegionItIsTorchLinear) {
+  Fp8Linear fp8(48, 80);
+  torch::nn::Linear reference(48, 80);
+  reference->weight.data().copy_(fp8->weight);
+  reference->bias.data().copy_(fp8->bias);
+  auto x = torch::randn({3, 7, 48});
+  EXPECT_TRUE(BytesEqual(fp8->forward(x), reference->forward(x)));
+}
+
+// Error bounds of one FP8 GEMM against fp64, relative in the Frobenius norm. Rounding to a
+// format with m mantissa bits leaves a relative error uniform within half a spacing, and the
+// spacing is at most 2^-m of the value: an RMS relative error of at most 2^-(m+1)/√3 per
+// element (E4M3: 0.036, E5M2: 0.072), with delayed scaling keeping values out of the
+// subnormal range. For random data the relative error of a product of two independently
+// rounded operands is the root-sum-square of the two:
+//   forward (E4M3 × E4M3):                √2 · 0.036          = 0.051
+//   dgrad/wgrad, "hybrid" (E5M2 × E4M3):  √(0.072² + 0.036²)  = 0.081
+//   dgrad/wgrad, "e4m3":                                        0.051
+// A wrong scale, transpose or format gives errors near 1.
+constexpr double kE4M3Rms = 0.0625 / 1.7320508;
+constexpr double kE5M2Rms = 0.125 / 1.7320508;
+const double kForwardBound = std::sqrt(2.0) * kE4M3Rms;
+const double kHybridGradBound = std::sqrt(kE5M2Rms * kE5M2Rms + kE4M3Rms * kE4M3Rms);
+
+void forward_backward_case(torch::Device device, const std::string& fp8) {
+  torch::manual_seed(3);
+  Fp8Linear layer(Fp8LinearOptions(128, 96).fp8_amax_history_len(4));
+  layer->to(device);
+  auto recipe = Fp8RecipeOptions().fp8(fp8).fp8_amax_history_len(4);
+  auto x = torch::randn({5, 13, 128}, device);  // 65 rows: padded to 80 internally
+  auto grad_y = torch::randn({5, 13, 96}, device);
+  // Step 1 records amaxes (scales still 1); step 2 runs with scales from the history.
+  for (int step = 0; step < 2; ++step) {
+    layer->zero_grad();
+    auto xr = x.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      Fp8Autocast region(recipe);
+      y = layer->forward(xr);
+    }
+    y.backward(grad_y);
+    if (step == 0) continue;
+    // fp64 reference on the same weights.
+    auto xd = x.to(torch::kDouble).requires_grad_(true);
+    auto wd = layer->weight.detach().to(torch::kDouble).requires_grad_(true);
+    auto bd = layer->bias.detach().to(torch::kDouble).requires_grad_(true);
+    auto yd = torch::nn::functional::linear(xd, wd, bd);
+    yd.backward(grad_y.to(torch::kDouble));
+    const double grad_bound = fp8 == "hybrid" ? kHybridGradBound : kForwardBound;
+    EXPECT_LE(relative_error(y, yd), kForwardBound) << device << " " << fp8;
+    EXPECT_LE(relative_error(xr.grad(), xd.grad()), grad_bound) << device << " dgrad " << fp8;
+    EXPECT_LE(relative_error(layer->weight.grad(), wd.grad()), grad_bound) << device << " wgrad";
+    EXPECT_LE(relative_error(layer->bias.grad(), bd.grad()), 1e-5) << device << " bias grad";
+    EXPECT_EQ(xr.grad().sizes(), x.sizes());
+  }
+}
+
+TEST_F(Fp8LinearTest, ForwardBackwardMatchFp64WithinFp8Bounds) {
+  forward_backward_case(torch::kCPU, "hybrid");
+  forward_backward_case(torch::kCPU, "e4m3");
+}
+
+TEST_F(Fp8LinearTest, ForwardBackwardMatchFp64WithinFp8Bounds_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  forward_backward_case(torch::kCUDA, "hybrid");
+  forward_backward_case(torch::kCUDA, "e4m3");
+}
+
+// With small-integer data every FP8 rounding is exact at scale 1 (the first step), so the FP8
+// backward must equal the derivative of the exact function, checked by central differences.
+TEST_F(Fp8LinearTest, BackwardMatchesFiniteDifferencesOnExactlyRepresentableData) {
+  Fp8Linear layer(Fp8LinearOptions(16, 16).fp8_amax_history_len(1));
+  torch::NoGradGuard no_grad;
+  layer->weight.copy_(torch::randint(-8, 9, {16, 16}));
+  layer->bias.copy_(torch::randint(-4, 5, {16}));
+  auto x = torch::randint(-8, 9, {3, 16}).to(torch::kFloat);
+  auto g = torch::randint(-4, 5, {3, 16}).to(torch::kFloat);  // exact in E5M2 too
+  torch::Tensor grad_x, grad_w, grad_b;
+  {
+    torch::AutoGradMode grad_on(true);
+    auto xr = x.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(1));
+      y = layer->forward(xr);
+    }
+    (y * g).sum().backward();
+    grad_x = xr.grad().clone();
+    grad_w = layer->weight.grad().clone();
+    grad_b = layer->bias.grad().clone();
+  }
+  auto loss = [&](const torch::Tensor& xx, const torch::Tensor& w, const torch::Tensor& b) {
+    return (torch::nn::functional::linear(xx, w, b) * g.to(torch::kDouble)).sum().item<double>();
+  };
+  auto xd = x.to(torch::kDouble), wd = layer->weight.to(torch::kDouble), bd = layer->bias.to(torch::kDouble);
+  const double h = 1e-3;
+  auto fd = [&](torch::Tensor& param, int64_t index) {
+    auto flat = param.view({-1});
+    const double saved = flat[index].item<double>();
+    flat[index] = saved + h;
+    const double up = loss(xd, wd, bd);
+    flat[index] = saved - h;
+    const double down = loss(xd, wd, bd);
+    flat[index] = saved;
+    return (up - down) / (2 * h);
+  };
+  for (int64_t i : {0, 7, 20, 47}) EXPECT_NEAR(grad_x.view({-1})[i].item<double>(), fd(xd, i), 1e-6);
+  for (int64_t i : {0, 33, 130, 255}) EXPECT_NEAR(grad_w.view({-1})[i].item<double>(), fd(wd, i), 1e-6);
+  for (int64_t i : {0, 9, 15}) EXPECT_NEAR(grad_b[i].item<double>(), fd(bd, i), 1e-6);
+}
+
+// Five steps: the metadata follow DESIGN.md's formula exactly.
+void five_step_case(torch::Device device) {
+  torch::manual_seed(4);
+  const int64_t history_len = 3;
+  Fp8Linear layer(Fp8LinearOptions(32, 48).fp8_amax_history_len(history_len));
+  layer->to(device);
+  auto recipe = Fp8RecipeOptions().fp8_amax_history_len(history_len).fp8_margin(1);
+  std::vector<float> x_amaxes, w_amaxes, g_amaxes;
+  for (int step = 0; step < 5; ++step) {
+    auto x = torch::randn({20, 32}, device) * std::pow(2.0, step - 2);
+    auto g = torch::randn({20, 48}, device) * std::pow(2.0, 2 - step);
+    x_amaxes.push_back(x.abs().max().item<float>());
+    w_amaxes.push_back(layer->weight.detach().abs().max().item<float>());
+    g_amaxes.push_back(g.abs().max().item<float>());
+    torch::Tensor y;
+    {
+      Fp8Autocast region(recipe);
+      y = layer->forward(x);
+    }
+    y.backward(g);
+    // Expected: scale = (fp8_max / max(last `history_len` amaxes)) / 2^margin.
+    auto window_max = [&](const std::vector<float>& v) {
+      float m = 0;
+      for (size_t i = v.size() > size_t(history_len) ? v.size() - history_len : 0; i < v.size(); ++i) m = std::max(m, v[i]);
+      return m;
+    };
+    auto fwd_scale = layer->fp8_fwd_scale.cpu();
+    auto bwd_scale = layer->fp8_bwd_scale.cpu();
+    EXPECT_EQ(fwd_scale[0].item<float>(), compute_scale(window_max(x_amaxes), 0, 448.0f, 1)) << "step " << step;
+    EXPECT_EQ(fwd_scale[1].item<float>(), compute_scale(window_max(w_amaxes), 0, 448.0f, 1)) << "step " << step;
+    EXPECT_EQ(bwd_scale[0].item<float>(), compute_scale(window_max(g_amaxes), 0, 57344.0f, 1)) << "step " << step;
+    EXPECT_EQ(layer->fp8_fwd_scale_inv.cpu()[0].item<float>(), 1.0f / fwd_scale[0].item<float>());
+    // Row 0 is zeroed for the next step; the last row holds this step's amax.
+    EXPECT_EQ(layer->fp8_fwd_amax_history.cpu()[0][0].item<float>(), 0.0f);
+    EXPECT_EQ(layer->fp8_fwd_amax_history.cpu()[history_len - 1][0].item<float>(), x_amaxes.back());
+    EXPECT_EQ(layer->fp8_bwd_amax_history.cpu()[history_len - 1][0].item<float>(), g_amaxes.back());
+  }
+}
+
+TEST_F(Fp8LinearTest, FiveStepsFollowTheDelayedScalingFormula) { five_step_case(torch::kCPU); }
+
+TEST_F(Fp8LinearTest, FiveStepsFollowTheDelayedScalingFormula_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  five_step_case(torch::kCUDA);
+}
+
+// A 3-layer MLP trained 200 steps in FP8 ends within 2% of the fp32 loss. The task is
+// language-model-like: labels are sampled from a teacher's softmax, so the loss settles at the
+// teacher's entropy instead of at zero, where FP8's rounding noise would be all that is left.
+// Returns {mean loss of the first 20 steps, mean loss of the last 20 steps}.
+std::pair<double, double> train_mlp(torch::Device device,
+                                    const std::optional<Fp8RecipeOptions>& recipe) {
+  torch::manual_seed(10);
+  auto teacher = torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                                       torch::nn::Linear(64, 16));
+  teacher->to(device);
+  torch::manual_seed(11);
+  auto model = torch::nn::Sequential(Fp8Linear(64, 128), torch::nn::GELU(), Fp8Linear(128, 128),
+                                     torch::nn::GELU(), Fp8Linear(128, 16));
+  model->to(device);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(3e-3));
+  torch::manual_seed(12);
+  double first_loss = 0, final_loss = 0;
+  for (int step = 0; step < 200; ++step) {
+    auto x = torch::randn({128, 64}, device);
+    torch::Tensor labels;
+    {
+      torch::NoGradGuard no_grad;
+      labels = torch::multinomial(torch::softmax(teacher->forward(x) * 4, -1), 1).squeeze(1);
+    }
+    torch::Tensor loss;
+    {
+      Fp8Autocast region(recipe.value_or(Fp8RecipeOptions()), recipe.has_value());
+      loss = torch::cross_entropy_loss(model->forward(x), labels);
+    }
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+    if (step < 20) first_loss += loss.item<double>() / 20;
+    if (step >= 180) final_loss += loss.item<double>() / 20;
+  }
+  return {first_loss, final_loss};
+}
+
+void mlp_case(torch::Device device) {
+  const auto [fp32_first, fp32] = train_mlp(device, std::nullopt);
+  const double hybrid = train_mlp(device, Fp8RecipeOptions().fp8_amax_history_len(16)).second;
+  const double e4m3 =
+      train_mlp(device, Fp8RecipeOptions().fp8("e4m3").fp8_amax_history_len(16)).second;
+  const double tensorwise = train_mlp(device, Fp8RecipeOptions().fp8_recipe("tensorwise")).second;
+  EXPECT_LT(fp32, 0.9 * fp32_first) << "the fp32 run itself must learn";
+  std::printf("MLP final loss (mean of last 20 steps): fp32 %.5f, hybrid %.5f, e4m3 %.5f, "
+              "tensorwise %.5f (first 20 steps: %.5f)\n",
+              fp32, hybrid, e4m3, tensorwise, fp32_first);
+  EXPECT_LE(std::abs(hybrid - fp32) / fp32, 0.02) << "hybrid " << hybrid << " vs fp32 " << fp32;
+  EXPECT_LE(std::abs(e4m3 - fp32) / fp32, 0.02) << "e4m3 " << e4m3 << " vs fp32 " << fp32;
+  EXPECT_LE(std::abs(tensorwise - fp32) / fp32, 0.02) << "tensorwise " << tensorwise << " vs " << fp32;
+}
+
+TEST_F(Fp8LinearTest, MlpTrainsLikeFp32) { mlp_case(torch::kCPU); }
+
+TEST_F(Fp8LinearTest, MlpTrainsLikeFp32_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  mlp_case(torch::kCUDA);
+}
+
+TEST_F(Fp8LinearTest, SaveLoadKeepsFp8Metadata) {
+  Fp8Linear layer(Fp8LinearOptions(32, 32).fp8_amax_history_len(8));
+  for (int step = 0; step < 3; ++step) {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(8));
+    layer->forward(torch::randn({16, 32}) * (step + 1)).sum().backward();
+  }
+  std::stringstream buffer;
+  torch::save(layer, buffer);
+  Fp8Linear restored(Fp8LinearOptions(32, 32).fp8_amax_history_len(8));
+  torch::load(restored, buffer);
+  for (const auto& name : {"fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
+                           "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv"}) {
+    EXPECT_TRUE(BytesEqual(*restored->named_buffers().find(name), *layer->named_buffers().find(name)))
+        << name;
+  }
+  EXPECT_NE(layer->fp8_fwd_scale[0].item<float>(), 1.0f) << "the scales did move";
+  EXPECT_TRUE(BytesEqual(restored->weight, layer->weight));
+}
+
+TEST_F(Fp8LinearTest, IneligibleShapesFallBackToHighPrecision) {
+  Fp8Linear layer(30, 20);
+  EXPECT_FALSE(layer->fp8_eligible());
+  auto x = torch::randn({4, 30});
+  Fp8Autocast region;
+  auto y = layer->forward(x);
+  EXPECT_TRUE(BytesEqual(y, torch::nn::functional::linear(x, layer->weight, layer->bias)));
+}
+
+TEST_F(Fp8LinearTest, WeightCacheQuantizesOncePerWeightVersion) {
+  const auto options = Fp8LinearOptions(32, 32).fp8_amax_history_len(4);
+  Fp8Linear cached(Fp8LinearOptions(options).cache_fp8_weight(true));
+  Fp8Linear plain(options);
+  {
+    torch::NoGradGuard no_grad;
+    plain->weight.copy_(cached->weight);
+    plain->bias.copy_(cached->bias);
+  }
+  const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4);
+  auto x = torch::randn({16, 32});
+  auto run = [&](Fp8Linear& layer) {
+    Fp8Autocast region(recipe);
+    return layer->forward(x);
+  };
+  auto y_cached = run(cached), y_plain = run(plain);
+  EXPECT_TRUE(BytesEqual(y_cached, y_plain));
+
+  // Writing through .data() does not bump the parameter's version: the cached FP8 weight is
+  // reused (stale on purpose here, to prove the reuse), the uncached layer sees the change.
+  cached->weight.data().mul_(0.5);
+  plain->weight.data().mul_(0.5);
+  auto y_cached_stale = run(cached), y_plain_half = run(plain);
+  EXPECT_LE(relative_error(y_cached_stale - cached->bias, y_cached - cached->bias), kForwardBound);
+  EXPECT_GT(relative_error(y_plain_half - plain->bias, y_cached - cached->bias), 0.3);
+
+  // An in-place update of the parameter, as optimizers make, bumps the version: re-quantized.
+  {
+    torch::NoGradGuard no_grad;
+    cached->weight.mul_(1.0);
+  }
+  auto y_cached_fresh = run(cached), y_plain_again = run(plain);
+  EXPECT_LE(relative_error(y_cached_fresh - cached->bias, y_plain_again - plain->bias),
+            2 * kForwardBound);
+  EXPECT_GT(relative_error(y_cached_fresh - cached->bias, y_cached - cached->bias), 0.3);
+}
+
+TEST_F(Fp8LinearTest, BadRecipesAreNamed) {
+  auto expect_error = [](const Fp8RecipeOptions& recipe, const std::string& text) {
+    try {
+      Fp8Autocast region(recipe);
+      ADD_FAILURE() << "expected an error containing: " << text;
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr(text));
+    }
+  };
+  expect_error(Fp8RecipeOptions().fp8("e5m2"), "fp8 must be \"hybrid\" or \"e4m3\", got \"e5m2\"");
+  expect_error(Fp8RecipeOptions().fp8_margin(-1), "fp8_margin must be in [0, 126], got -1");
+  expect_error(Fp8RecipeOptions().fp8_amax_history_len(0), "fp8_amax_history_len must be in [1, 1048576], got 0");
+  expect_error(Fp8RecipeOptions().fp8_amax_compute_algo("mean"),
+               "fp8_amax_compute_algo must be \"max\" or \"most_recent\", got \"mean\"");
+  expect_error(Fp8RecipeOptions().fp8_recipe("mxfp8"), "fp8_recipe must be \"delayed\" or \"tensorwise\"");
+  EXPECT_FALSE(Fp8Autocast::is_enabled()) << "a failed region must not stay open";
+  try {
+    Fp8Linear(0, 16);
+    ADD_FAILURE();
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("in_features and out_features must be positive"));
+  }
+  Fp8Linear layer(32, 16);
+  Fp8Autocast region;
+  try {
+    layer->forward(torch::randn({4, 31}));
+    ADD_FAILURE();
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("input must have in_features=32 as its last dimension, got shape [4, 31]"));
+  }
+}
+
+}  // namespace
+}  // namespace amp8
