@@ -27,8 +27,8 @@ int main(int argc, char** argv) {
       options.use_fast_accum = fast;
       const double ours = bench::median_ms([&] { fp8_gemm(xq, wq, at::kBFloat16, options); });
       const double scaled_mm = bench::median_ms([&] {
-        at::_scaled_mm(xq.data, wq.data.t(), xq.scale_inv, wq.scale_inv, std::nullopt,
-                       std::nullopt, at::kBFloat16, fast);
+        at::_scaled_mm(xq.data, wq.data.t(), xq.scale_inv, wq.scale_inv, std::nullopt, std::nullopt,
+                       at::kBFloat16, fast);
       });
       bench::Record(fast ? "fp8_gemm_fast_accum" : "fp8_gemm", shape + " e4m3 -> bf16", cmd)
           .timing(ours, "at::_scaled_mm, same operands", scaled_mm)

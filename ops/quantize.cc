@@ -150,8 +150,8 @@ at::Tensor compute_amax(const at::Tensor& x) {
 at::Tensor compute_current_scale(const at::Tensor& amax, Fp8Format format, int margin) {
   TORCH_CHECK(amax.defined() && amax.scalar_type() == at::kFloat && amax.numel() == 1,
               "compute_current_scale: amax must be one float32");
-  TORCH_CHECK(margin >= 0 && margin < 127, "compute_current_scale: margin must be in [0, 126], got ",
-              margin);
+  TORCH_CHECK(margin >= 0 && margin < 127,
+              "compute_current_scale: margin must be in [0, 126], got ", margin);
   const float margin_divisor = std::ldexp(1.0f, margin);
   auto scale = at::empty({1}, amax.options());
   if (amax.is_cuda()) {
@@ -171,8 +171,10 @@ Fp8Tensor quantize_current_scaling(const at::Tensor& x, Fp8Format format, int ma
   detail::check_high_precision_input(x, "quantize_current_scaling");
   TORCH_CHECK(margin >= 0 && margin < 127,
               "quantize_current_scaling: margin must be in [0, 126], got ", margin);
-  if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, "quantize_current_scaling", "amax_out");
-  if (scale_out.defined()) detail::check_scalar_slot(scale_out, x, "quantize_current_scaling", "scale_out");
+  if (amax_out.defined())
+    detail::check_scalar_slot(amax_out, x, "quantize_current_scaling", "amax_out");
+  if (scale_out.defined())
+    detail::check_scalar_slot(scale_out, x, "quantize_current_scaling", "scale_out");
   auto amax_value = compute_amax(x);
   auto scale = compute_current_scale(amax_value, format, margin);
   if (amax_out.defined()) amax_out.copy_(amax_value.reshape(amax_out.sizes()));

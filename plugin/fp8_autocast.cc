@@ -49,8 +49,8 @@ void run_backward_updates() {
   }
   for (auto& [key, list] : groups) {
     const auto [format, margin, algo] = key;
-    delayed_scaling_update(list, {static_cast<Fp8Format>(format), margin,
-                                  static_cast<AmaxComputeAlgo>(algo)});
+    delayed_scaling_update(
+        list, {static_cast<Fp8Format>(format), margin, static_cast<AmaxComputeAlgo>(algo)});
   }
 }
 
@@ -94,9 +94,9 @@ void register_backward_group(const void* owner, const DelayedScalingGroup& group
   {
     std::lock_guard<std::mutex> lock(pending.mutex);
     if (pending.owners.insert(owner).second) {
-      const auto key = std::make_tuple(static_cast<int>(recipe.backward_format()),
-                                       recipe.fp8_margin(),
-                                       static_cast<int>(recipe.amax_compute_algo()));
+      const auto key =
+          std::make_tuple(static_cast<int>(recipe.backward_format()), recipe.fp8_margin(),
+                          static_cast<int>(recipe.amax_compute_algo()));
       pending.groups[key].push_back(group);
     }
     if (!pending.callback_queued) {

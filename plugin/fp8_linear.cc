@@ -36,9 +36,8 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
 // Quantizes x for the recipe: delayed scaling uses `scale` and records max|x| into
 // `amax_slot` (accumulating over calls within one step, as the slot is zeroed by each update);
 // tensorwise scaling derives the scale from x itself.
-Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe,
-                              Fp8Format format, const at::Tensor& scale,
-                              const at::Tensor& amax_slot) {
+Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
+                              const at::Tensor& scale, const at::Tensor& amax_slot) {
   if (recipe.delayed()) {
     auto amax = at::empty({1}, amax_slot.options());
     auto result = cast_transpose(x, scale, format, amax);
@@ -62,8 +61,9 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const int64_t rows_padded = padded(rows);
     auto x = pad_rows(x2d, rows_padded);
 
-    auto x_q = quantize_for(x, recipe, recipe.forward_format(), module->fp8_fwd_scale.narrow(0, 0, 1),
-                            module->fp8_fwd_amax_history[0][0]);
+    auto x_q =
+        quantize_for(x, recipe, recipe.forward_format(), module->fp8_fwd_scale.narrow(0, 0, 1),
+                     module->fp8_fwd_amax_history[0][0]);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
     if (bias.defined()) gemm.bias = bias;
@@ -94,21 +94,22 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     auto* module = reinterpret_cast<Fp8LinearImpl*>(ctx->saved_data["module"].toInt());
-    const Fp8RecipeOptions recipe = Fp8RecipeOptions()
-                                        .fp8(ctx->saved_data["recipe_fp8"].toStringRef())
-                                        .fp8_margin(ctx->saved_data["recipe_margin"].toInt())
-                                        .fp8_amax_compute_algo(ctx->saved_data["recipe_algo"].toStringRef())
-                                        .fp8_recipe(ctx->saved_data["recipe_kind"].toStringRef())
-                                        .fp8_amax_history_len(ctx->saved_data["recipe_history"].toInt());
+    const Fp8RecipeOptions recipe =
+        Fp8RecipeOptions()
+            .fp8(ctx->saved_data["recipe_fp8"].toStringRef())
+            .fp8_margin(ctx->saved_data["recipe_margin"].toInt())
+            .fp8_amax_compute_algo(ctx->saved_data["recipe_algo"].toStringRef())
+            .fp8_recipe(ctx->saved_data["recipe_kind"].toStringRef())
+            .fp8_amax_history_len(ctx->saved_data["recipe_history"].toInt());
     const auto grad_format = recipe.backward_format();
     const auto input_dtype = static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt());
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     const int64_t rows = ctx->saved_data["rows"].toInt();
     const auto input_sizes = ctx->saved_data["input_sizes"].toIntVector();
-    const Fp8Tensor x_t(ctx->saved_data["x_t"].toTensor(), ctx->saved_data["x_t_scale_inv"].toTensor(),
-                        recipe.forward_format());
-    const Fp8Tensor w_t(ctx->saved_data["w_t"].toTensor(), ctx->saved_data["w_t_scale_inv"].toTensor(),
-                        recipe.forward_format());
+    const Fp8Tensor x_t(ctx->saved_data["x_t"].toTensor(),
+                        ctx->saved_data["x_t_scale_inv"].toTensor(), recipe.forward_format());
+    const Fp8Tensor w_t(ctx->saved_data["w_t"].toTensor(),
+                        ctx->saved_data["w_t_scale_inv"].toTensor(), recipe.forward_format());
     const int64_t out_features = w_t.data.size(1);
 
     auto grad = grad_outputs[0];
@@ -121,9 +122,9 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     auto g_q = quantize_for(g, recipe, grad_format, module->fp8_bwd_scale.narrow(0, 0, 1),
                             module->fp8_bwd_amax_history[0][0]);
     if (recipe.delayed()) {
-      detail::register_backward_group(module, {module->fp8_bwd_amax_history, module->fp8_bwd_scale,
-                                               module->fp8_bwd_scale_inv},
-                                      recipe);
+      detail::register_backward_group(
+          module, {module->fp8_bwd_amax_history, module->fp8_bwd_scale, module->fp8_bwd_scale_inv},
+          recipe);
     }
 
     torch::Tensor grad_input, grad_weight, grad_bias;
@@ -152,8 +153,8 @@ void Fp8LinearImpl::reset() {
               options.in_features(), " and ", options.out_features());
   TORCH_CHECK(options.fp8_amax_history_len() >= 1,
               "Fp8Linear: fp8_amax_history_len must be >= 1, got ", options.fp8_amax_history_len());
-  weight = register_parameter("weight",
-                              torch::empty({options.out_features(), options.in_features()}));
+  weight =
+      register_parameter("weight", torch::empty({options.out_features(), options.in_features()}));
   if (options.bias()) {
     bias = register_parameter("bias", torch::empty(options.out_features()));
   } else {
@@ -246,8 +247,7 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
   const auto& recipe = Fp8Autocast::current_recipe();
   ensure_history_len(recipe.fp8_amax_history_len());
   if (recipe.delayed()) {
-    detail::register_forward_group(
-        this, {fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv});
+    detail::register_forward_group(this, {fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv});
   }
   auto weight_q = quantized_weight(recipe);
   return Fp8LinearFunction::apply(input, weight, bias, this, weight_q, recipe);

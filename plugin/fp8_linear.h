@@ -46,8 +46,9 @@ struct Fp8LinearOptions {
 /// rows works: the token dimension is padded to a multiple of 16 internally.
 ///
 /// FP8 metadata are buffers, so torch::save(module) keeps them:
-///   fp8_fwd_amax_history [H, 2] (slot 0: input, 1: weight), fp8_fwd_scale [2], fp8_fwd_scale_inv [2],
-///   fp8_bwd_amax_history [H, 1] (slot 0: grad_output),     fp8_bwd_scale [1], fp8_bwd_scale_inv [1].
+///   fp8_fwd_amax_history [H, 2] (slot 0: input, 1: weight), fp8_fwd_scale [2], fp8_fwd_scale_inv
+///   [2], fp8_bwd_amax_history [H, 1] (slot 0: grad_output),     fp8_bwd_scale [1],
+///   fp8_bwd_scale_inv [1].
 class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
  public:
   Fp8LinearImpl(int64_t in_features, int64_t out_features)

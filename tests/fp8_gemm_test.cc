@@ -41,10 +41,14 @@ double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
 // the result (2^-9 / 2^-12 relative), which dominates on both devices.
 double tolerance(at::ScalarType out_dtype, at::Device device) {
   switch (out_dtype) {
-    case at::kFloat: return device.is_cuda() ? 2.5e-4 : 1e-5;
-    case at::kBFloat16: return 4e-3;
-    case at::kHalf: return 5e-4;
-    default: return 0;
+    case at::kFloat:
+      return device.is_cuda() ? 2.5e-4 : 1e-5;
+    case at::kBFloat16:
+      return 4e-3;
+    case at::kHalf:
+      return 5e-4;
+    default:
+      return 0;
   }
 }
 
@@ -88,13 +92,14 @@ TEST_P(Fp8GemmTest, MatchesFp64Reference_CUDA) {
   run(at::kCUDA);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    OutputDtypes, Fp8GemmTest,
-    ::testing::Values(Case{at::kFloat, false}, Case{at::kFloat, true}, Case{at::kBFloat16, false},
-                      Case{at::kBFloat16, true}, Case{at::kHalf, false}, Case{at::kHalf, true}),
-    [](const auto& info) {
-      return std::string(c10::toString(info.param.out_dtype)) + (info.param.bias ? "_bias" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(OutputDtypes, Fp8GemmTest,
+                         ::testing::Values(Case{at::kFloat, false}, Case{at::kFloat, true},
+                                           Case{at::kBFloat16, false}, Case{at::kBFloat16, true},
+                                           Case{at::kHalf, false}, Case{at::kHalf, true}),
+                         [](const auto& info) {
+                           return std::string(c10::toString(info.param.out_dtype)) +
+                                  (info.param.bias ? "_bias" : "");
+                         });
 
 void fp8_output_case(at::Device device) {
   at::manual_seed(5);
@@ -108,8 +113,7 @@ void fp8_output_case(at::Device device) {
   auto y = fp8_gemm(a, b, at::kFloat8_e4m3fn, options);
   EXPECT_EQ(y.scalar_type(), at::kFloat8_e4m3fn);
   // amax of the fp32 result before scaling: exact sums on CPU, Hopper's accumulator on GPU.
-  EXPECT_NEAR(item(options.out_amax), ref_amax,
-              ref_amax * tolerance(at::kFloat, device));
+  EXPECT_NEAR(item(options.out_amax), ref_amax, ref_amax * tolerance(at::kFloat, device));
   auto deq = y.to(at::kFloat).cpu() / options.out_scale.cpu();
   // One E4M3 rounding of the result: relative error per element ≤ 2^-4.
   EXPECT_LE(relative_error(deq, ref), 1.0 / 16);
@@ -125,7 +129,8 @@ TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmax_CUDA) {
 TEST(Fp8GemmScaledMmTest, MatchesScaledMm_CUDA) {
   AMP8_REQUIRE_CUDA();
   at::manual_seed(9);
-  for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{256, 512, 384}, {1024, 1024, 1024},
+  for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{256, 512, 384},
+                         {1024, 1024, 1024},
                          {16, 4096, 2048}}) {
     for (bool fast : {false, true}) {
       for (auto out_dtype : {at::kBFloat16, at::kFloat}) {
@@ -140,9 +145,10 @@ TEST(Fp8GemmScaledMmTest, MatchesScaledMm_CUDA) {
         options.use_fast_accum = fast;
         options.bias = bias;
         auto ours = fp8_gemm(a, b, out_dtype, options);
-        auto theirs = at::_scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv,
-                                     bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                                     std::nullopt, out_dtype, fast);
+        auto theirs =
+            at::_scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv,
+                           bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                           std::nullopt, out_dtype, fast);
         // Same library, same inputs: equal up to cuBLASLt's choice of accumulation order.
         EXPECT_LE(relative_error(ours, theirs), out_dtype == at::kFloat ? 1e-6 : 4e-3)
             << m << "x" << k << "x" << n << " fast=" << fast << " " << out_dtype;
@@ -164,18 +170,26 @@ TEST(Fp8GemmErrorsTest, BadShapesAndOptionsAreNamed) {
   auto b = operand(16, 32, Fp8Format::kE4M3, at::kCPU);
   expect_error([&] { fp8_gemm(a, operand(16, 48, Fp8Format::kE4M3, at::kCPU), at::kFloat); },
                "a [M, K] and b [N, K] must share K");
-  expect_error([&] { fp8_gemm(operand(8, 24, Fp8Format::kE4M3, at::kCPU),
-                              operand(16, 24, Fp8Format::kE4M3, at::kCPU), at::kFloat); },
-               "K and N must be multiples of 16 for FP8 GEMMs, got M=8 K=24 N=16");
-  expect_error([&] { fp8_gemm(operand(8, 32, Fp8Format::kE5M2, at::kCPU),
-                              operand(16, 32, Fp8Format::kE5M2, at::kCPU), at::kFloat); },
-               "e5m2 x e5m2 is not supported");
+  expect_error(
+      [&] {
+        fp8_gemm(operand(8, 24, Fp8Format::kE4M3, at::kCPU),
+                 operand(16, 24, Fp8Format::kE4M3, at::kCPU), at::kFloat);
+      },
+      "K and N must be multiples of 16 for FP8 GEMMs, got M=8 K=24 N=16");
+  expect_error(
+      [&] {
+        fp8_gemm(operand(8, 32, Fp8Format::kE5M2, at::kCPU),
+                 operand(16, 32, Fp8Format::kE5M2, at::kCPU), at::kFloat);
+      },
+      "e5m2 x e5m2 is not supported");
   expect_error([&] { fp8_gemm(a, b, at::kDouble); }, "out_dtype must be Float, BFloat16, Half");
-  expect_error([&] { fp8_gemm(operand(16, 32, Fp8Format::kE4M3, at::kCPU), b, at::kFloat8_e4m3fn); },
-               "an FP8 output needs out_scale");
+  expect_error(
+      [&] { fp8_gemm(operand(16, 32, Fp8Format::kE4M3, at::kCPU), b, at::kFloat8_e4m3fn); },
+      "an FP8 output needs out_scale");
   Fp8GemmOptions bad_bias;
   bad_bias.bias = at::ones({15});
-  expect_error([&] { fp8_gemm(a, b, at::kFloat, bad_bias); }, "bias must have shape [16], got [15]");
+  expect_error([&] { fp8_gemm(a, b, at::kFloat, bad_bias); },
+               "bias must have shape [16], got [15]");
   Fp8GemmOptions no_out;
   no_out.accumulate = true;
   expect_error([&] { fp8_gemm(a, b, at::kFloat, no_out); }, "accumulate needs `out`");

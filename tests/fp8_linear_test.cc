@@ -14,8 +14,8 @@
 namespace amp8 {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::BytesEqual;
+using ::testing::HasSubstr;
 
 double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
   auto a = actual.detach().cpu().to(torch::kDouble);
@@ -42,7 +42,8 @@ TEST_F(Fp8LinearTest, HasLinearsParametersAndInitialisation) {
   EXPECT_THAT(names, ::testing::ElementsAre("weight", "bias"));
   std::ostringstream os;
   os << *fp8;
-  EXPECT_EQ(os.str(), "amp8::Fp8Linear(in_features=64, out_features=32, bias=true, fp8_eligible=true)");
+  EXPECT_EQ(os.str(),
+            "amp8::Fp8Linear(in_features=64, out_features=32, bias=true, fp8_eligible=true)");
   EXPECT_FALSE(Fp8Linear(Fp8LinearOptions(64, 32).bias(false))->bias.defined());
 }
 
@@ -140,7 +141,8 @@ TEST_F(Fp8LinearTest, BackwardMatchesFiniteDifferencesOnExactlyRepresentableData
   auto loss = [&](const torch::Tensor& xx, const torch::Tensor& w, const torch::Tensor& b) {
     return (torch::nn::functional::linear(xx, w, b) * g.to(torch::kDouble)).sum().item<double>();
   };
-  auto xd = x.to(torch::kDouble), wd = layer->weight.to(torch::kDouble), bd = layer->bias.to(torch::kDouble);
+  auto xd = x.to(torch::kDouble), wd = layer->weight.to(torch::kDouble),
+       bd = layer->bias.to(torch::kDouble);
   const double h = 1e-3;
   auto fd = [&](torch::Tensor& param, int64_t index) {
     auto flat = param.view({-1});
@@ -152,8 +154,10 @@ TEST_F(Fp8LinearTest, BackwardMatchesFiniteDifferencesOnExactlyRepresentableData
     flat[index] = saved;
     return (up - down) / (2 * h);
   };
-  for (int64_t i : {0, 7, 20, 47}) EXPECT_NEAR(grad_x.view({-1})[i].item<double>(), fd(xd, i), 1e-6);
-  for (int64_t i : {0, 33, 130, 255}) EXPECT_NEAR(grad_w.view({-1})[i].item<double>(), fd(wd, i), 1e-6);
+  for (int64_t i : {0, 7, 20, 47})
+    EXPECT_NEAR(grad_x.view({-1})[i].item<double>(), fd(xd, i), 1e-6);
+  for (int64_t i : {0, 33, 130, 255})
+    EXPECT_NEAR(grad_w.view({-1})[i].item<double>(), fd(wd, i), 1e-6);
   for (int64_t i : {0, 9, 15}) EXPECT_NEAR(grad_b[i].item<double>(), fd(bd, i), 1e-6);
 }
 
@@ -180,14 +184,19 @@ void five_step_case(torch::Device device) {
     // Expected: scale = (fp8_max / max(last `history_len` amaxes)) / 2^margin.
     auto window_max = [&](const std::vector<float>& v) {
       float m = 0;
-      for (size_t i = v.size() > size_t(history_len) ? v.size() - history_len : 0; i < v.size(); ++i) m = std::max(m, v[i]);
+      for (size_t i = v.size() > size_t(history_len) ? v.size() - history_len : 0; i < v.size();
+           ++i)
+        m = std::max(m, v[i]);
       return m;
     };
     auto fwd_scale = layer->fp8_fwd_scale.cpu();
     auto bwd_scale = layer->fp8_bwd_scale.cpu();
-    EXPECT_EQ(fwd_scale[0].item<float>(), compute_scale(window_max(x_amaxes), 0, 448.0f, 1)) << "step " << step;
-    EXPECT_EQ(fwd_scale[1].item<float>(), compute_scale(window_max(w_amaxes), 0, 448.0f, 1)) << "step " << step;
-    EXPECT_EQ(bwd_scale[0].item<float>(), compute_scale(window_max(g_amaxes), 0, 57344.0f, 1)) << "step " << step;
+    EXPECT_EQ(fwd_scale[0].item<float>(), compute_scale(window_max(x_amaxes), 0, 448.0f, 1))
+        << "step " << step;
+    EXPECT_EQ(fwd_scale[1].item<float>(), compute_scale(window_max(w_amaxes), 0, 448.0f, 1))
+        << "step " << step;
+    EXPECT_EQ(bwd_scale[0].item<float>(), compute_scale(window_max(g_amaxes), 0, 57344.0f, 1))
+        << "step " << step;
     EXPECT_EQ(layer->fp8_fwd_scale_inv.cpu()[0].item<float>(), 1.0f / fwd_scale[0].item<float>());
     // Row 0 is zeroed for the next step; the last row holds this step's amax.
     EXPECT_EQ(layer->fp8_fwd_amax_history.cpu()[0][0].item<float>(), 0.0f);
@@ -248,12 +257,14 @@ void mlp_case(torch::Device device) {
       train_mlp(device, Fp8RecipeOptions().fp8("e4m3").fp8_amax_history_len(16)).second;
   const double tensorwise = train_mlp(device, Fp8RecipeOptions().fp8_recipe("tensorwise")).second;
   EXPECT_LT(fp32, 0.9 * fp32_first) << "the fp32 run itself must learn";
-  std::printf("MLP final loss (mean of last 20 steps): fp32 %.5f, hybrid %.5f, e4m3 %.5f, "
-              "tensorwise %.5f (first 20 steps: %.5f)\n",
-              fp32, hybrid, e4m3, tensorwise, fp32_first);
+  std::printf(
+      "MLP final loss (mean of last 20 steps): fp32 %.5f, hybrid %.5f, e4m3 %.5f, "
+      "tensorwise %.5f (first 20 steps: %.5f)\n",
+      fp32, hybrid, e4m3, tensorwise, fp32_first);
   EXPECT_LE(std::abs(hybrid - fp32) / fp32, 0.02) << "hybrid " << hybrid << " vs fp32 " << fp32;
   EXPECT_LE(std::abs(e4m3 - fp32) / fp32, 0.02) << "e4m3 " << e4m3 << " vs fp32 " << fp32;
-  EXPECT_LE(std::abs(tensorwise - fp32) / fp32, 0.02) << "tensorwise " << tensorwise << " vs " << fp32;
+  EXPECT_LE(std::abs(tensorwise - fp32) / fp32, 0.02)
+      << "tensorwise " << tensorwise << " vs " << fp32;
 }
 
 TEST_F(Fp8LinearTest, MlpTrainsLikeFp32) { mlp_case(torch::kCPU); }
@@ -275,7 +286,8 @@ TEST_F(Fp8LinearTest, SaveLoadKeepsFp8Metadata) {
   torch::load(restored, buffer);
   for (const auto& name : {"fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                            "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv"}) {
-    EXPECT_TRUE(BytesEqual(*restored->named_buffers().find(name), *layer->named_buffers().find(name)))
+    EXPECT_TRUE(
+        BytesEqual(*restored->named_buffers().find(name), *layer->named_buffers().find(name)))
         << name;
   }
   EXPECT_NE(layer->fp8_fwd_scale[0].item<float>(), 1.0f) << "the scales did move";
@@ -339,16 +351,19 @@ TEST_F(Fp8LinearTest, BadRecipesAreNamed) {
   };
   expect_error(Fp8RecipeOptions().fp8("e5m2"), "fp8 must be \"hybrid\" or \"e4m3\", got \"e5m2\"");
   expect_error(Fp8RecipeOptions().fp8_margin(-1), "fp8_margin must be in [0, 126], got -1");
-  expect_error(Fp8RecipeOptions().fp8_amax_history_len(0), "fp8_amax_history_len must be in [1, 1048576], got 0");
+  expect_error(Fp8RecipeOptions().fp8_amax_history_len(0),
+               "fp8_amax_history_len must be in [1, 1048576], got 0");
   expect_error(Fp8RecipeOptions().fp8_amax_compute_algo("mean"),
                "fp8_amax_compute_algo must be \"max\" or \"most_recent\", got \"mean\"");
-  expect_error(Fp8RecipeOptions().fp8_recipe("mxfp8"), "fp8_recipe must be \"delayed\" or \"tensorwise\"");
+  expect_error(Fp8RecipeOptions().fp8_recipe("mxfp8"),
+               "fp8_recipe must be \"delayed\" or \"tensorwise\"");
   EXPECT_FALSE(Fp8Autocast::is_enabled()) << "a failed region must not stay open";
   try {
     Fp8Linear(0, 16);
     ADD_FAILURE();
   } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("in_features and out_features must be positive"));
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("in_features and out_features must be positive"));
   }
   Fp8Linear layer(32, 16);
   Fp8Autocast region;
@@ -356,7 +371,9 @@ TEST_F(Fp8LinearTest, BadRecipesAreNamed) {
     layer->forward(torch::randn({4, 31}));
     ADD_FAILURE();
   } catch (const c10::Error& e) {
-    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("input must have in_features=32 as its last dimension, got shape [4, 31]"));
+    EXPECT_THAT(
+        e.what_without_backtrace(),
+        HasSubstr("input must have in_features=32 as its last dimension, got shape [4, 31]"));
   }
 }
 

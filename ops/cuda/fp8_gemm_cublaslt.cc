@@ -12,11 +12,11 @@
 
 #include "ops/detail/cuda_ops.h"
 
-#define AMP8_CUBLAS_CHECK(expr)                                                         \
-  do {                                                                                  \
-    const cublasStatus_t amp8_status_ = (expr);                                         \
-    TORCH_CHECK(amp8_status_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt error at ", __FILE__, \
-                ":", __LINE__, ": ", cublasLtGetStatusString(amp8_status_), " (", #expr, ")"); \
+#define AMP8_CUBLAS_CHECK(expr)                                                             \
+  do {                                                                                      \
+    const cublasStatus_t amp8_status_ = (expr);                                             \
+    TORCH_CHECK(amp8_status_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt error at ", __FILE__, ":", \
+                __LINE__, ": ", cublasLtGetStatusString(amp8_status_), " (", #expr, ")");   \
   } while (0)
 
 namespace amp8::detail {
@@ -44,12 +44,18 @@ using Preference = LtObject<cublasLtMatmulPreference_t, &cublasLtMatmulPreferenc
 
 cudaDataType_t cuda_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return CUDA_R_32F;
-    case at::kBFloat16: return CUDA_R_16BF;
-    case at::kHalf: return CUDA_R_16F;
-    case at::kFloat8_e4m3fn: return CUDA_R_8F_E4M3;
-    case at::kFloat8_e5m2: return CUDA_R_8F_E5M2;
-    default: TORCH_CHECK(false, "fp8_gemm: no cuBLASLt type for ", t);
+    case at::kFloat:
+      return CUDA_R_32F;
+    case at::kBFloat16:
+      return CUDA_R_16BF;
+    case at::kHalf:
+      return CUDA_R_16F;
+    case at::kFloat8_e4m3fn:
+      return CUDA_R_8F_E4M3;
+    case at::kFloat8_e5m2:
+      return CUDA_R_8F_E5M2;
+    default:
+      TORCH_CHECK(false, "fp8_gemm: no cuBLASLt type for ", t);
   }
 }
 
@@ -105,7 +111,8 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
   if (fp8_out) {
     set_attr(desc.get(), CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, o.out_scale.const_data_ptr<float>());
     if (o.out_amax.defined()) {
-      set_attr(desc.get(), CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, o.out_amax.mutable_data_ptr<float>());
+      set_attr(desc.get(), CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
+               o.out_amax.mutable_data_ptr<float>());
     }
   }
   at::ScalarType bias_dtype = at::kFloat;
@@ -119,8 +126,7 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
 
   // C is read only when accumulating. With an FP8 D it must be a 16-bit type: the bias type,
   // or fp16 without a bias (LibTorch's _scaled_mm makes the same choice).
-  const at::ScalarType c_dtype =
-      fp8_out ? (o.bias.defined() ? bias_dtype : at::kHalf) : out_dtype;
+  const at::ScalarType c_dtype = fp8_out ? (o.bias.defined() ? bias_dtype : at::kHalf) : out_dtype;
   MatrixLayout a_layout, b_layout, c_layout, d_layout;
   make_layout(a_layout, cuda_dtype(b.data.scalar_type()), k, n, k);
   make_layout(b_layout, cuda_dtype(a.data.scalar_type()), k, m, k);
@@ -158,10 +164,9 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
           sizeof(max_workspace)));
       cublasLtMatmulHeuristicResult_t result{};
       int found = 0;
-      AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), a_layout.get(),
-                                                       b_layout.get(), c_layout.get(),
-                                                       d_layout.get(), preference.get(), 1,
-                                                       &result, &found));
+      AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
+          handle, desc.get(), a_layout.get(), b_layout.get(), c_layout.get(), d_layout.get(),
+          preference.get(), 1, &result, &found));
       TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
                   " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
                   o.bias.defined() ? " with bias" : "");
@@ -175,11 +180,10 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
   // cuBLASLt rejects C == D with different descriptors, which an FP8 D always has; C is not
   // read at beta = 0, so it gets no pointer then.
   const void* c_ptr = fp8_out ? nullptr : out.const_data_ptr();
-  AMP8_CUBLAS_CHECK(cublasLtMatmul(handle, desc.get(), &alpha, b.data.const_data_ptr(),
-                                   a_layout.get(), a.data.const_data_ptr(), b_layout.get(), &beta,
-                                   c_ptr, c_layout.get(), out.mutable_data_ptr(),
-                                   d_layout.get(), &algo, workspace, workspace_size,
-                                   at::cuda::getCurrentCUDAStream().stream()));
+  AMP8_CUBLAS_CHECK(cublasLtMatmul(
+      handle, desc.get(), &alpha, b.data.const_data_ptr(), a_layout.get(), a.data.const_data_ptr(),
+      b_layout.get(), &beta, c_ptr, c_layout.get(), out.mutable_data_ptr(), d_layout.get(), &algo,
+      workspace, workspace_size, at::cuda::getCurrentCUDAStream().stream()));
   return out;
 }
 
