@@ -240,6 +240,10 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
                     "precision.");
     return torch::nn::functional::linear(input, weight, bias);
   }
+  const int64_t rows = input.numel() / options.in_features();
+  if (rows * options.in_features() * options.out_features() < options.fp8_min_gemm_size()) {
+    return torch::nn::functional::linear(input, weight, bias);
+  }
   const auto compute = compute_dtype(input);
   TORCH_CHECK(compute == at::kFloat || compute == at::kBFloat16 || compute == at::kHalf,
               "Fp8Linear: in an FP8 region the input must be float32, bfloat16 or float16, got ",

@@ -28,6 +28,12 @@ struct Fp8LinearOptions {
   /// Rows of amax history in the FP8 metadata buffers; a region whose recipe asks for another
   /// length resizes them (the newest amaxes kept). Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+  /// Smallest GEMM, as rows × in_features × out_features, that runs in FP8; smaller ones run
+  /// in high precision, where the fixed cost of quantizing (and the host's per-call work)
+  /// outweighs the faster GEMMs. Measured on an H200 (bench/results/fp8_linear_bench.jsonl):
+  /// forward+backward 0.60× of bf16 at 2048³, 1.34× at 4096³ = 2^36. Set 0 to always use
+  /// FP8. Default: 2^36.
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = int64_t{1} << 36;
   /// Reuse the FP8 copy of the weight (and its transpose) while the weight tensor is unchanged
   /// (same version counter): the micro-batches of one optimizer step quantize it once. An
   /// explicit flag, never tied to gradient accumulation. Default: false.
@@ -41,8 +47,9 @@ struct Fp8LinearOptions {
 ///            dW = dyᵀ·x      from the FP8 transposes made by cast_transpose in the forward
 ///                            and backward passes (nothing is quantized twice);
 ///            db = Σ dy       in high precision.
-/// Outside a region, or when in_features or out_features is not a multiple of 16 (a one-time
-/// warning), it computes exactly like torch::nn::Linear (honouring at::autocast). Any number of
+/// Outside a region, when in_features or out_features is not a multiple of 16 (a one-time
+/// warning), or when the GEMM is smaller than fp8_min_gemm_size, it computes exactly like
+/// torch::nn::Linear (honouring at::autocast). Any number of
 /// rows works: the token dimension is padded to a multiple of 16 internally.
 ///
 /// FP8 metadata are buffers, so torch::save(module) keeps them:

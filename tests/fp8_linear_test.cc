@@ -73,7 +73,7 @@ const double kHybridGradBound = std::sqrt(kE5M2Rms * kE5M2Rms + kE4M3Rms * kE4M3
 
 void forward_backward_case(torch::Device device, const std::string& fp8) {
   torch::manual_seed(3);
-  Fp8Linear layer(Fp8LinearOptions(128, 96).fp8_amax_history_len(4));
+  Fp8Linear layer(Fp8LinearOptions(128, 96).fp8_amax_history_len(4).fp8_min_gemm_size(0));
   layer->to(device);
   auto recipe = Fp8RecipeOptions().fp8(fp8).fp8_amax_history_len(4);
   auto x = torch::randn({5, 13, 128}, device);  // 65 rows: padded to 80 internally
@@ -118,7 +118,7 @@ TEST_F(Fp8LinearTest, ForwardBackwardMatchFp64WithinFp8Bounds_CUDA) {
 // With small-integer data every FP8 rounding is exact at scale 1 (the first step), so the FP8
 // backward must equal the derivative of the exact function, checked by central differences.
 TEST_F(Fp8LinearTest, BackwardMatchesFiniteDifferencesOnExactlyRepresentableData) {
-  Fp8Linear layer(Fp8LinearOptions(16, 16).fp8_amax_history_len(1));
+  Fp8Linear layer(Fp8LinearOptions(16, 16).fp8_amax_history_len(1).fp8_min_gemm_size(0));
   torch::NoGradGuard no_grad;
   layer->weight.copy_(torch::randint(-8, 9, {16, 16}));
   layer->bias.copy_(torch::randint(-4, 5, {16}));
@@ -165,7 +165,7 @@ TEST_F(Fp8LinearTest, BackwardMatchesFiniteDifferencesOnExactlyRepresentableData
 void five_step_case(torch::Device device) {
   torch::manual_seed(4);
   const int64_t history_len = 3;
-  Fp8Linear layer(Fp8LinearOptions(32, 48).fp8_amax_history_len(history_len));
+  Fp8Linear layer(Fp8LinearOptions(32, 48).fp8_amax_history_len(history_len).fp8_min_gemm_size(0));
   layer->to(device);
   auto recipe = Fp8RecipeOptions().fp8_amax_history_len(history_len).fp8_margin(1);
   std::vector<float> x_amaxes, w_amaxes, g_amaxes;
@@ -223,8 +223,12 @@ std::pair<double, double> train_mlp(torch::Device device,
                                        torch::nn::Linear(64, 16));
   teacher->to(device);
   torch::manual_seed(11);
-  auto model = torch::nn::Sequential(Fp8Linear(64, 128), torch::nn::GELU(), Fp8Linear(128, 128),
-                                     torch::nn::GELU(), Fp8Linear(128, 16));
+  auto opts = [](int64_t in, int64_t out) {
+    return Fp8LinearOptions(in, out).fp8_min_gemm_size(0);
+  };
+  auto model =
+      torch::nn::Sequential(Fp8Linear(opts(64, 128)), torch::nn::GELU(), Fp8Linear(opts(128, 128)),
+                            torch::nn::GELU(), Fp8Linear(opts(128, 16)));
   model->to(device);
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(3e-3));
   torch::manual_seed(12);
@@ -275,14 +279,14 @@ TEST_F(Fp8LinearTest, MlpTrainsLikeFp32_CUDA) {
 }
 
 TEST_F(Fp8LinearTest, SaveLoadKeepsFp8Metadata) {
-  Fp8Linear layer(Fp8LinearOptions(32, 32).fp8_amax_history_len(8));
+  Fp8Linear layer(Fp8LinearOptions(32, 32).fp8_amax_history_len(8).fp8_min_gemm_size(0));
   for (int step = 0; step < 3; ++step) {
     Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(8));
     layer->forward(torch::randn({16, 32}) * (step + 1)).sum().backward();
   }
   std::stringstream buffer;
   torch::save(layer, buffer);
-  Fp8Linear restored(Fp8LinearOptions(32, 32).fp8_amax_history_len(8));
+  Fp8Linear restored(Fp8LinearOptions(32, 32).fp8_amax_history_len(8).fp8_min_gemm_size(0));
   torch::load(restored, buffer);
   for (const auto& name : {"fp8_fwd_amax_history", "fp8_fwd_scale", "fp8_fwd_scale_inv",
                            "fp8_bwd_amax_history", "fp8_bwd_scale", "fp8_bwd_scale_inv"}) {
@@ -294,8 +298,19 @@ TEST_F(Fp8LinearTest, SaveLoadKeepsFp8Metadata) {
   EXPECT_TRUE(BytesEqual(restored->weight, layer->weight));
 }
 
+TEST_F(Fp8LinearTest, SmallGemmsRunInHighPrecisionByDefault) {
+  Fp8Linear layer(64, 64);  // default fp8_min_gemm_size: 2^36
+  auto x = torch::randn({16, 64});
+  Fp8Autocast region;
+  EXPECT_TRUE(
+      BytesEqual(layer->forward(x), torch::nn::functional::linear(x, layer->weight, layer->bias)));
+  EXPECT_TRUE(
+      BytesEqual(layer->fp8_fwd_amax_history, torch::zeros_like(layer->fp8_fwd_amax_history)))
+      << "no FP8 tensor was recorded";
+}
+
 TEST_F(Fp8LinearTest, IneligibleShapesFallBackToHighPrecision) {
-  Fp8Linear layer(30, 20);
+  Fp8Linear layer(Fp8LinearOptions(30, 20).fp8_min_gemm_size(0));
   EXPECT_FALSE(layer->fp8_eligible());
   auto x = torch::randn({4, 30});
   Fp8Autocast region;
@@ -304,7 +319,7 @@ TEST_F(Fp8LinearTest, IneligibleShapesFallBackToHighPrecision) {
 }
 
 TEST_F(Fp8LinearTest, WeightCacheQuantizesOncePerWeightVersion) {
-  const auto options = Fp8LinearOptions(32, 32).fp8_amax_history_len(4);
+  const auto options = Fp8LinearOptions(32, 32).fp8_amax_history_len(4).fp8_min_gemm_size(0);
   Fp8Linear cached(Fp8LinearOptions(options).cache_fp8_weight(true));
   Fp8Linear plain(options);
   {
