@@ -60,10 +60,10 @@ int main(int argc, char** argv) {
       auto stream = at::cuda::getCurrentCUDAStream().stream();
       for (int tile_cols : {64, 128}) {
         const double ms = bench::median_ms([&] {
-          cuda::launch_cast_transpose_tiled(x.data_ptr(), cuda::InputType::kBFloat16,
-                                            out.data_ptr(), out_t.data_ptr(), rows, cols,
-                                            scale.data_ptr<float>(), scale_inv.data_ptr<float>(),
-                                            amax_slot.data_ptr<float>(), false, tile_cols, stream);
+          cuda::launch_cast_transpose_tiled(
+              x.data_ptr(), cuda::InputType::kBFloat16, out.data_ptr(), out_t.data_ptr(), rows,
+              cols, scale.data_ptr<float>(), scale_inv.data_ptr<float>(),
+              amax_slot.data_ptr<float>(), false, false, tile_cols, stream);
         });
         bench::Record("cast_transpose_tile" + std::to_string(tile_cols), shape, cmd)
             .timing(ms, "cast_transpose (default tile)", ours_ms)

@@ -80,6 +80,11 @@ void check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const at:
   if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, op, "amax_out");
 }
 
+void record_amax(const at::Tensor& amax_out, float value, bool accumulate) {
+  if (!amax_out.defined()) return;
+  amax_out.fill_(accumulate ? detail::nan_max(amax_out.item<float>(), value) : value);
+}
+
 float* amax_ptr(const at::Tensor& amax_out) {
   return amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
 }
@@ -87,13 +92,13 @@ float* amax_ptr(const at::Tensor& amax_out) {
 }  // namespace
 
 Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                   const at::Tensor& amax_out) {
+                   const at::Tensor& amax_out, bool accumulate_amax) {
   check_quantize_args(x, scale, amax_out, "quantize");
   auto out = at::empty(x.sizes(), x.options().dtype(fp8_dtype(format)));
   auto scale_inv = at::empty({1}, scale.options());
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
-    detail::quantize_cuda(x, scale, format, out, scale_inv, amax_ptr(amax_out));
+    detail::quantize_cuda(x, scale, format, out, scale_inv, amax_ptr(amax_out), accumulate_amax);
 #else
     no_cuda("quantize");
 #endif
@@ -101,13 +106,13 @@ Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
     const float s = scale.item<float>();
     const float m = quantize_cpu(x, s, format, out);
     scale_inv.fill_(1.0f / s);
-    if (amax_out.defined()) amax_out.fill_(m);
+    record_amax(amax_out, m, accumulate_amax);
   }
   return Fp8Tensor(out, scale_inv, format);
 }
 
 Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                                const at::Tensor& amax_out) {
+                                const at::Tensor& amax_out, bool accumulate_amax) {
   check_quantize_args(x, scale, amax_out, "cast_transpose");
   TORCH_CHECK(x.dim() == 2, "cast_transpose: x must be 2-D [rows, cols], got shape ", x.sizes());
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -118,7 +123,8 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
     out_t = at::empty({cols, rows}, options);
-    detail::cast_transpose_cuda(x, scale, format, out, out_t, scale_inv, amax_ptr(amax_out));
+    detail::cast_transpose_cuda(x, scale, format, out, out_t, scale_inv, amax_ptr(amax_out),
+                                accumulate_amax);
 #else
     no_cuda("cast_transpose");
 #endif
@@ -127,7 +133,7 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
     const float m = quantize_cpu(x, s, format, out);
     out_t = out.t().contiguous();
     scale_inv.fill_(1.0f / s);
-    if (amax_out.defined()) amax_out.fill_(m);
+    record_amax(amax_out, m, accumulate_amax);
   }
   return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
 }

@@ -16,12 +16,15 @@ namespace amp8 {
 //    nearest even; NaN stays NaN (sign kept).
 //  * `amax_out`, when defined, is a float32 tensor of one element on x's device, e.g. a view
 //    of an amax-history row; it is overwritten with max|x| taken before scaling. A NaN in x
-//    makes it NaN; an infinity makes it inf.
+//    makes it NaN; an infinity makes it inf. With `accumulate_amax` it becomes
+//    max(amax_out, max|x|) instead, so that several tensors (or micro-batches) quantized
+//    within one step share a history slot, as TE's do; the slot must then hold a
+//    non-negative value or NaN, as amax-history rows do (they are zeroed by each update).
 //  * The returned scale_inv is 1 / scale, computed in float32, in a new tensor.
 
 /// Saturating quantization of `x` (any shape) into `format`.
 Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                   const at::Tensor& amax_out = {});
+                   const at::Tensor& amax_out = {}, bool accumulate_amax = false);
 
 /// A 2-D tensor quantized row-major and transposed, from one read of the input.
 /// `data` is [rows, cols] and `transposed.data` is [cols, rows]; they share scale_inv.
@@ -33,7 +36,7 @@ struct Fp8CastTranspose {
 /// Fused cast + transpose + amax of a 2-D `x` [rows, cols]: what Hopper's TN-only FP8 GEMMs
 /// need to compute both y = x·Wᵀ and the backward GEMMs without a separate transpose.
 Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                                const at::Tensor& amax_out = {});
+                                const at::Tensor& amax_out = {}, bool accumulate_amax = false);
 
 /// max|x| as a float32 tensor of one element on x's device (NaN if x holds a NaN).
 at::Tensor compute_amax(const at::Tensor& x);

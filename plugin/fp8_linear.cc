@@ -38,12 +38,8 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
 // tensorwise scaling derives the scale from x itself.
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot) {
-  if (recipe.delayed()) {
-    auto amax = at::empty({1}, amax_slot.options());
-    auto result = cast_transpose(x, scale, format, amax);
-    amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
-    return result;
-  }
+  if (recipe.delayed())
+    return cast_transpose(x, scale, format, amax_slot, /*accumulate_amax=*/true);
   auto amax = compute_amax(x);
   amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
   return cast_transpose(x, compute_current_scale(amax, format, recipe.fp8_margin()), format);

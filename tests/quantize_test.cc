@@ -114,6 +114,25 @@ TEST_F(QuantizeTest, AmaxIsTakenBeforeScalingIntoTheGivenSlot) {
   EXPECT_TRUE(BytesEqual(history, at::full({4, 3}, 7.0f)));
 }
 
+TEST_F(QuantizeTest, AccumulatedAmaxIsTheMaxOfSlotAndTensor) {
+  auto x = testing::random_wide({33, 17}, at::kBFloat16);
+  const float m = x.to(at::kFloat).abs().max().item<float>();
+  for (float before : {0.0f, m / 2, m * 2}) {
+    auto slot = at::full({1}, before);
+    cast_transpose(x, scalar(1.0f), Fp8Format::kE4M3, slot, /*accumulate_amax=*/true);
+    EXPECT_EQ(item(slot), std::max(before, m)) << "slot held " << before;
+    auto slot2 = at::full({1}, before);
+    quantize(x, scalar(1.0f), Fp8Format::kE5M2, slot2, /*accumulate_amax=*/true);
+    EXPECT_EQ(item(slot2), std::max(before, m));
+  }
+  auto nan_slot = at::full({1}, kNaN);
+  quantize(x, scalar(1.0f), Fp8Format::kE4M3, nan_slot, true);
+  EXPECT_TRUE(std::isnan(item(nan_slot))) << "a NaN already recorded this step stays";
+  auto overwritten = at::full({1}, m * 2);
+  quantize(x, scalar(1.0f), Fp8Format::kE4M3, overwritten);
+  EXPECT_EQ(item(overwritten), m) << "without accumulate the slot is overwritten";
+}
+
 TEST_F(QuantizeTest, HalfInputsQuantizeLikeTheirFloatValues) {
   for (auto dtype : {at::kBFloat16, at::kHalf}) {
     auto x = testing::random_wide({129, 31}, dtype);
@@ -286,6 +305,15 @@ TEST_P(QuantizeGpuTest, CastTransposeMatchesCpu_CUDA) {
   EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data));
   EXPECT_TRUE(SameFloat(item(amax_gpu), item(amax_cpu)));
   EXPECT_TRUE(SameFloat(item(gpu.data.scale_inv), item(cpu.data.scale_inv)));
+  // Accumulating into a slot that already holds a smaller or a larger amax.
+  const float m = item(amax_cpu);
+  for (float before : {m / 2, m * 2}) {
+    auto slot_cpu = at::full({1}, before), slot_gpu = at::full({1}, before, at::kCUDA);
+    cast_transpose(x, scale, p.format, slot_cpu, true);
+    cast_transpose(x.cuda(), scale.cuda(), p.format, slot_gpu, true);
+    EXPECT_TRUE(SameFloat(item(slot_gpu), item(slot_cpu)));
+    EXPECT_TRUE(SameFloat(item(slot_gpu), std::max(before, m)));
+  }
 }
 
 TEST_P(QuantizeGpuTest, CurrentScalingMatchesCpu_CUDA) {

@@ -38,22 +38,23 @@ cuda::Stream current_stream() { return at::cuda::getCurrentCUDAStream().stream()
 }  // namespace
 
 void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                   const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax) {
+                   const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax,
+                   bool accumulate_amax) {
   const c10::cuda::CUDAGuard guard(x.device());
-  AMP8_CUDA_CHECK(cuda::launch_quantize(x.const_data_ptr(), input_type(x), out.mutable_data_ptr(),
-                                        x.numel(), scale.const_data_ptr<float>(),
-                                        scale_inv_out.mutable_data_ptr<float>(), amax,
-                                        format == Fp8Format::kE5M2, current_stream()));
+  AMP8_CUDA_CHECK(
+      cuda::launch_quantize(x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), x.numel(),
+                            scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(),
+                            amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream()));
 }
 
 void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                          const at::Tensor& out, const at::Tensor& out_t,
-                         const at::Tensor& scale_inv_out, float* amax) {
+                         const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax) {
   const c10::cuda::CUDAGuard guard(x.device());
   AMP8_CUDA_CHECK(cuda::launch_cast_transpose(
       x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
       x.size(0), x.size(1), scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(),
-      amax, format == Fp8Format::kE5M2, current_stream()));
+      amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream()));
 }
 
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {

@@ -12,19 +12,21 @@ using Stream = CUstream_st*;
 
 enum class InputType { kFloat, kBFloat16, kHalf };
 
+// amax (when non-null) is overwritten with max|x|, or max-merged into when accumulate_amax
+// (it must then hold a non-negative float or NaN).
 int launch_quantize(const void* x, InputType type, void* out, int64_t n, const float* scale,
-                    float* scale_inv, float* amax, bool e5m2, Stream stream);
+                    float* scale_inv, float* amax, bool accumulate_amax, bool e5m2, Stream stream);
 
 int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                           int64_t cols, const float* scale, float* scale_inv, float* amax,
-                          bool e5m2, Stream stream);
+                          bool accumulate_amax, bool e5m2, Stream stream);
 
 // The same with an explicit tile width (64 or 128 columns) for tuning; launch_cast_transpose
 // uses kDefaultCastTransposeTileCols.
 inline constexpr int kDefaultCastTransposeTileCols = 128;  // measured: bench/results
 int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
-                                bool e5m2, int tile_cols, Stream stream);
+                                bool accumulate_amax, bool e5m2, int tile_cols, Stream stream);
 
 int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream stream);
 

@@ -206,8 +206,8 @@ int dispatch_input(InputType type, F&& f) {
 }  // namespace
 
 int launch_quantize(const void* x, InputType type, void* out, int64_t n, const float* scale,
-                    float* scale_inv, float* amax, bool e5m2, Stream stream) {
-  if (amax != nullptr) {
+                    float* scale_inv, float* amax, bool accumulate_amax, bool e5m2, Stream stream) {
+  if (amax != nullptr && !accumulate_amax) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
   return dispatch_input(type, [&](auto tag) {
@@ -242,8 +242,8 @@ int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream st
 
 int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
-                                bool e5m2, int tile_cols, Stream stream) {
-  if (amax != nullptr) {
+                                bool accumulate_amax, bool e5m2, int tile_cols, Stream stream) {
+  if (amax != nullptr && !accumulate_amax) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
   return dispatch_input(type, [&](auto tag) {
@@ -287,9 +287,9 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
 
 int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                           int64_t cols, const float* scale, float* scale_inv, float* amax,
-                          bool e5m2, Stream stream) {
-  return launch_cast_transpose_tiled(x, type, out, out_t, rows, cols, scale, scale_inv, amax, e5m2,
-                                     kDefaultCastTransposeTileCols, stream);
+                          bool accumulate_amax, bool e5m2, Stream stream) {
+  return launch_cast_transpose_tiled(x, type, out, out_t, rows, cols, scale, scale_inv, amax,
+                                     accumulate_amax, e5m2, kDefaultCastTransposeTileCols, stream);
 }
 
 int launch_current_scale(const float* amax, float* scale, float fp8_max, float margin_divisor,

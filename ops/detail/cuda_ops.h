@@ -16,11 +16,12 @@ namespace amp8::detail {
 // Writes fp8(clamp(x * scale)) into `out` (x's shape, FP8 dtype), 1/scale into scale_inv_out,
 // and max|x| into `amax` when non-null.
 void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                   const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax);
+                   const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax,
+                   bool accumulate_amax);
 // The same plus out_t = outᵀ for a 2-D x, from one read of x.
 void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                          const at::Tensor& out, const at::Tensor& out_t,
-                         const at::Tensor& scale_inv_out, float* amax);
+                         const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
 // scale_out[0] = scale_from_amax(amax[0], 1, fp8_max, 2^margin).
 void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,
