@@ -23,12 +23,6 @@ double relative_error(const torch::Tensor& actual, const torch::Tensor& expected
   return ((a - e).norm() / e.norm()).item<double>();
 }
 
-std::vector<torch::Device> devices() {
-  std::vector<torch::Device> list{torch::kCPU};
-  if (testing::cuda_available()) list.emplace_back(torch::kCUDA);
-  return list;
-}
-
 class Fp8LinearTest : public testing::SeededTest {};
 
 TEST_F(Fp8LinearTest, HasLinearsParametersAndInitialisation) {
