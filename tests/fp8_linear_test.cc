@@ -349,6 +349,63 @@ TEST_F(Fp8LinearTest, WeightCacheQuantizesOncePerWeightVersion) {
   EXPECT_GT(relative_error(y_cached_fresh - cached->bias, y_cached - cached->bias), 0.3);
 }
 
+TEST_F(Fp8LinearTest, MicroBatchesInOneRegionShareTheAmaxSlotByMax) {
+  Fp8Linear layer(Fp8LinearOptions(32, 32).fp8_amax_history_len(2).fp8_min_gemm_size(0));
+  auto x = torch::randn({16, 32});
+  {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(2));
+    layer->forward(x * 3);
+    layer->forward(x);  // a smaller second micro-batch must not overwrite the first's amax
+  }
+  // After the update the step's amax sits in the last history row.
+  EXPECT_EQ(layer->fp8_fwd_amax_history[1][0].item<float>(), (x * 3).abs().max().item<float>());
+}
+
+TEST_F(Fp8LinearTest, NestedRegionsAndDisabledRegions) {
+  Fp8Linear layer(Fp8LinearOptions(32, 32).fp8_min_gemm_size(0));
+  auto x = torch::randn({16, 32});
+  auto high = torch::nn::functional::linear(x, layer->weight, layer->bias);
+  {
+    Fp8Autocast outer;
+    EXPECT_TRUE(Fp8Autocast::is_enabled());
+    {
+      Fp8Autocast inner(Fp8RecipeOptions(), /*enabled=*/false);
+      EXPECT_FALSE(Fp8Autocast::is_enabled());
+      EXPECT_TRUE(BytesEqual(layer->forward(x), high));
+    }
+    EXPECT_TRUE(Fp8Autocast::is_enabled());
+    EXPECT_FALSE(BytesEqual(layer->forward(x), high)) << "FP8 inside the outer region";
+  }
+  EXPECT_FALSE(Fp8Autocast::is_enabled());
+}
+
+TEST_F(Fp8LinearTest, EveryLayerIsUpdatedOncePerRegionAndPerBackwardPass) {
+  auto model = torch::nn::Sequential(
+      Fp8Linear(Fp8LinearOptions(32, 64).fp8_amax_history_len(4).fp8_min_gemm_size(0)),
+      Fp8Linear(Fp8LinearOptions(64, 16).fp8_amax_history_len(4).fp8_min_gemm_size(0)));
+  auto x = torch::randn({8, 32});
+  torch::Tensor y;
+  {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4));
+    y = model->forward(x);
+  }
+  for (const auto& child : model->children()) {
+    auto* layer = child->as<Fp8LinearImpl>();
+    ASSERT_NE(layer, nullptr);
+    // Rolled once: the amax moved from row 0 to the last row, row 0 zeroed.
+    EXPECT_GT(layer->fp8_fwd_amax_history[3][0].item<float>(), 0.0f);
+    EXPECT_EQ(layer->fp8_fwd_amax_history[2][0].item<float>(), 0.0f);
+    EXPECT_EQ(layer->fp8_bwd_amax_history[3][0].item<float>(), 0.0f) << "no backward yet";
+  }
+  y.sum().backward();
+  for (const auto& child : model->children()) {
+    auto* layer = child->as<Fp8LinearImpl>();
+    EXPECT_GT(layer->fp8_bwd_amax_history[3][0].item<float>(), 0.0f) << "updated after backward";
+    EXPECT_EQ(layer->fp8_bwd_amax_history[0][0].item<float>(), 0.0f);
+    EXPECT_NE(layer->fp8_bwd_scale[0].item<float>(), 1.0f);
+  }
+}
+
 TEST_F(Fp8LinearTest, BadRecipesAreNamed) {
   auto expect_error = [](const Fp8RecipeOptions& recipe, const std::string& text) {
     try {
