@@ -16,6 +16,7 @@ namespace amp8 {
 struct Fp8Autocast::Region {
   bool enabled;
   Fp8RecipeOptions recipe;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::vector<DelayedScalingGroup> forward_groups;
   std::unordered_set<const void*> owners;
 };
@@ -24,11 +25,13 @@ namespace {
 
 thread_local std::vector<Fp8Autocast::Region*> region_stack;
 
-// Backward groups wait here, per (format, margin, algo), until the backward pass ends. The
-// autograd engine may run backward functions on its own threads, hence a mutex.
+// Backward groups wait here, per (format, margin, algo, reduction group), until the backward
+// pass ends. The autograd engine may run backward functions on its own threads, hence a mutex.
+using PendingKey = std::tuple<int, int, int, c10d::ProcessGroup*>;
 struct PendingBackward {
   std::mutex mutex;
-  std::map<std::tuple<int, int, int>, std::vector<DelayedScalingGroup>> groups;
+  std::map<PendingKey, std::vector<DelayedScalingGroup>> groups;
+  std::map<PendingKey, c10::intrusive_ptr<c10d::ProcessGroup>> process_groups;
   std::unordered_set<const void*> owners;
   bool callback_queued = false;
 };
@@ -40,15 +43,18 @@ PendingBackward& pending_backward() {
 
 void run_backward_updates() {
   auto& pending = pending_backward();
-  std::map<std::tuple<int, int, int>, std::vector<DelayedScalingGroup>> groups;
+  std::map<PendingKey, std::vector<DelayedScalingGroup>> groups;
+  std::map<PendingKey, c10::intrusive_ptr<c10d::ProcessGroup>> process_groups;
   {
     std::lock_guard<std::mutex> lock(pending.mutex);
     groups.swap(pending.groups);
+    process_groups.swap(pending.process_groups);
     pending.owners.clear();
     pending.callback_queued = false;
   }
   for (auto& [key, list] : groups) {
-    const auto [format, margin, algo] = key;
+    const auto [format, margin, algo, process_group] = key;
+    if (process_group != nullptr) detail::reduce_amaxes(list, *process_group);
     delayed_scaling_update(
         list, {static_cast<Fp8Format>(format), margin, static_cast<AmaxComputeAlgo>(algo)});
   }
@@ -56,8 +62,10 @@ void run_backward_updates() {
 
 }  // namespace
 
-Fp8Autocast::Fp8Autocast(const Fp8RecipeOptions& recipe, bool enabled)
-    : region_(std::make_unique<Region>(Region{enabled, recipe, {}, {}})) {
+Fp8Autocast::Fp8Autocast(const Fp8RecipeOptions& recipe, bool enabled,
+                         c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group)
+    : region_(std::make_unique<Region>(
+          Region{enabled, recipe, std::move(amax_reduction_group), {}, {}})) {
   if (enabled) recipe.validate();
   region_stack.push_back(region_.get());
 }
@@ -68,6 +76,7 @@ Fp8Autocast::~Fp8Autocast() {
   region_stack.pop_back();
   if (!region_->enabled || region_->forward_groups.empty() || !region_->recipe.delayed()) return;
   const auto& r = region_->recipe;
+  if (region_->group) detail::reduce_amaxes(region_->forward_groups, *region_->group);
   delayed_scaling_update(region_->forward_groups,
                          {r.forward_format(), r.fp8_margin(), r.amax_compute_algo()});
 }
@@ -79,7 +88,28 @@ const Fp8RecipeOptions& Fp8Autocast::current_recipe() {
   return region_stack.back()->recipe;
 }
 
+c10::intrusive_ptr<c10d::ProcessGroup> Fp8Autocast::current_group() {
+  TORCH_CHECK(is_enabled(), "Fp8Autocast::current_group: no enabled Fp8Autocast region");
+  return region_stack.back()->group;
+}
+
 namespace detail {
+
+void reduce_amaxes(const std::vector<DelayedScalingGroup>& groups, c10d::ProcessGroup& group) {
+  if (groups.empty()) return;
+  std::vector<at::Tensor> rows;
+  rows.reserve(groups.size());
+  for (const auto& g : groups) rows.push_back(g.amax_history[0]);
+  std::vector<at::Tensor> buffer{at::cat(rows)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  group.allreduce(buffer, options)->wait();
+  int64_t offset = 0;
+  for (auto& row : rows) {
+    row.copy_(buffer[0].narrow(0, offset, row.numel()));
+    offset += row.numel();
+  }
+}
 
 void register_forward_group(const void* owner, const DelayedScalingGroup& group) {
   if (region_stack.empty()) return;
@@ -88,16 +118,17 @@ void register_forward_group(const void* owner, const DelayedScalingGroup& group)
 }
 
 void register_backward_group(const void* owner, const DelayedScalingGroup& group,
-                             const Fp8RecipeOptions& recipe) {
+                             const Fp8RecipeOptions& recipe,
+                             const c10::intrusive_ptr<c10d::ProcessGroup>& process_group) {
   auto& pending = pending_backward();
   bool queue = false;
   {
     std::lock_guard<std::mutex> lock(pending.mutex);
     if (pending.owners.insert(owner).second) {
-      const auto key =
-          std::make_tuple(static_cast<int>(recipe.backward_format()), recipe.fp8_margin(),
-                          static_cast<int>(recipe.amax_compute_algo()));
+      const PendingKey key{static_cast<int>(recipe.backward_format()), recipe.fp8_margin(),
+                           static_cast<int>(recipe.amax_compute_algo()), process_group.get()};
       pending.groups[key].push_back(group);
+      if (process_group) pending.process_groups[key] = process_group;
     }
     if (!pending.callback_queued) {
       pending.callback_queued = true;

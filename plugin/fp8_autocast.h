@@ -1,6 +1,7 @@
 #pragma once
 
 #include <memory>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "plugin/fp8_recipe.h"
 
@@ -16,6 +17,10 @@ namespace amp8 {
 /// refreshes their gradient scales (queued on the autograd engine). The modules' FP8 metadata
 /// are buffers, so they are saved with the module.
 ///
+/// With `amax_reduction_group` (the data-parallel group), the amaxes of all slots are reduced
+/// across it before each bulk update — one all-reduce MAX over one buffer, not one per tensor —
+/// so every rank computes the same scales.
+///
 ///   {
 ///     amp8::Fp8Autocast fp8(amp8::Fp8RecipeOptions().fp8("hybrid"));
 ///     loss = criterion(model->forward(x), y);
@@ -23,7 +28,8 @@ namespace amp8 {
 ///   loss.backward();
 class Fp8Autocast {
  public:
-  explicit Fp8Autocast(const Fp8RecipeOptions& recipe = {}, bool enabled = true);
+  explicit Fp8Autocast(const Fp8RecipeOptions& recipe = {}, bool enabled = true,
+                       c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group = {});
   ~Fp8Autocast();
   Fp8Autocast(const Fp8Autocast&) = delete;
   Fp8Autocast& operator=(const Fp8Autocast&) = delete;
@@ -32,6 +38,8 @@ class Fp8Autocast {
   static bool is_enabled();
   /// The recipe of the innermost enabled region; throws outside one.
   static const Fp8RecipeOptions& current_recipe();
+  /// The amax reduction group of the innermost enabled region (null when none was given).
+  static c10::intrusive_ptr<c10d::ProcessGroup> current_group();
 
   struct Region;
 

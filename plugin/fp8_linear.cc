@@ -45,6 +45,16 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recip
   return cast_transpose(x, compute_current_scale(amax, format, recipe.fp8_margin()), format);
 }
 
+}  // namespace
+
+struct Fp8LinearBackwardAccess {
+  static const c10::intrusive_ptr<c10d::ProcessGroup>& group(const Fp8LinearImpl& m) {
+    return m.amax_reduction_group_;
+  }
+};
+
+namespace {
+
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& weight, const torch::Tensor& bias,
@@ -120,7 +130,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     if (recipe.delayed()) {
       detail::register_backward_group(
           module, {module->fp8_bwd_amax_history, module->fp8_bwd_scale, module->fp8_bwd_scale_inv},
-          recipe);
+          recipe, Fp8LinearBackwardAccess::group(*module));
     }
 
     torch::Tensor grad_input, grad_weight, grad_bias;
@@ -246,6 +256,7 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
               compute);
   const auto& recipe = Fp8Autocast::current_recipe();
   ensure_history_len(recipe.fp8_amax_history_len());
+  amax_reduction_group_ = Fp8Autocast::current_group();
   if (recipe.delayed()) {
     detail::register_forward_group(this, {fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv});
   }

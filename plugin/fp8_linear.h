@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <ostream>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "ops/quantize.h"
 #include "plugin/fp8_recipe.h"
@@ -83,6 +84,8 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   void ensure_history_len(int64_t history_len);
   Fp8CastTranspose quantized_weight(const Fp8RecipeOptions& recipe);
 
+  friend struct Fp8LinearBackwardAccess;
+  c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group_;  // of the last FP8 forward
   std::optional<Fp8CastTranspose> weight_cache_;
   int64_t weight_cache_version_ = -1;
   const void* weight_cache_data_ = nullptr;

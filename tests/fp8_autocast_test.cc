@@ -1,0 +1,92 @@
+#include "plugin/fp8_autocast.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "plugin/fp8_linear.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+class DoneWork : public c10d::Work {
+ public:
+  bool isCompleted() override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+};
+
+// Stands in for the other ranks of a data-parallel group: its all-reduce MAX merges what the
+// peers contribute (`peer_amax` in every slot) and counts calls and elements. The real
+// collective (ProcessGroupNCCL under torchrun) is the distributed issue's to run.
+class PeerMaxBackend : public c10d::Backend {
+ public:
+  explicit PeerMaxBackend(float peer_amax) : c10d::Backend(0, 2), peer_amax_(peer_amax) {}
+  const std::string getBackendName() const override { return "amp8_test_peer_max"; }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& options) override {
+    TORCH_CHECK(options.reduceOp == c10d::ReduceOp::MAX, "expected an all-reduce MAX");
+    TORCH_CHECK(tensors.size() == 1, "expected one packed buffer");
+    ++calls;
+    elements = tensors[0].numel();
+    tensors[0].clamp_min_(peer_amax_);
+    return c10::make_intrusive<DoneWork>();
+  }
+  int calls = 0;
+  int64_t elements = 0;
+
+ private:
+  float peer_amax_;
+};
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_group(const c10::intrusive_ptr<PeerMaxBackend>& b) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(0, 2);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, b);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  return group;
+}
+
+TEST(Fp8AutocastTest, AmaxesAreReducedOverTheGroupInOneCallPerUpdate) {
+  torch::manual_seed(2);
+  auto options = [](int64_t in, int64_t out) {
+    return Fp8LinearOptions(in, out).fp8_amax_history_len(4).fp8_min_gemm_size(0);
+  };
+  auto model = torch::nn::Sequential(Fp8Linear(options(32, 64)), Fp8Linear(options(64, 16)));
+  auto backend = c10::make_intrusive<PeerMaxBackend>(1000.0f);
+  auto group = make_group(backend);
+  const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4);
+  torch::Tensor y;
+  {
+    Fp8Autocast region(recipe, true, group);
+    EXPECT_EQ(Fp8Autocast::current_group().get(), group.get());
+    y = model->forward(torch::randn({16, 32}));
+  }
+  EXPECT_EQ(backend->calls, 1) << "one all-reduce for all forward amaxes";
+  EXPECT_EQ(backend->elements, 4) << "2 layers x (input, weight)";
+  for (const auto& child : model->children()) {
+    auto* layer = child->as<Fp8LinearImpl>();
+    EXPECT_EQ(layer->fp8_fwd_scale[0].item<float>(), 448.0f / 1000.0f);
+    EXPECT_EQ(layer->fp8_fwd_scale[1].item<float>(), 448.0f / 1000.0f);
+  }
+  y.sum().backward();
+  EXPECT_EQ(backend->calls, 2) << "one all-reduce for all gradient amaxes";
+  EXPECT_EQ(backend->elements, 2);
+  for (const auto& child : model->children()) {
+    EXPECT_EQ(child->as<Fp8LinearImpl>()->fp8_bwd_scale[0].item<float>(), 57344.0f / 1000.0f);
+  }
+
+  // Without a group each rank keeps its own amaxes.
+  Fp8Linear alone(options(32, 64));
+  {
+    Fp8Autocast region(recipe);
+    EXPECT_FALSE(Fp8Autocast::current_group());
+    alone->forward(torch::randn({16, 32}));
+  }
+  EXPECT_GT(alone->fp8_fwd_scale[0].item<float>(), 10.0f);
+}
+
+}  // namespace
+}  // namespace amp8
