@@ -51,15 +51,20 @@ struct Fp8LinearBackwardAccess {
   static const c10::intrusive_ptr<c10d::ProcessGroup>& group(const Fp8LinearImpl& m) {
     return m.amax_reduction_group_;
   }
+  static void accumulate(Fp8LinearImpl& m, const torch::Tensor& grad) {
+    m.accumulate_main_grad(grad);
+  }
 };
 
 namespace {
 
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
+  // `grad_anchor` is an empty tensor that requires grad under fp8_params, so that backward
+  // runs (and feeds main_grad) even when neither input nor bias needs a gradient.
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& weight, const torch::Tensor& bias,
-                               Fp8LinearImpl* module, Fp8CastTranspose weight_q,
-                               Fp8RecipeOptions recipe) {
+                               const torch::Tensor& grad_anchor, Fp8LinearImpl* module,
+                               Fp8CastTranspose weight_q, Fp8RecipeOptions recipe) {
     const int64_t in_features = weight.size(1), out_features = weight.size(0);
     const auto out_dtype = compute_dtype(input);
     auto x2d = input.reshape({-1, in_features});
@@ -72,7 +77,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                      module->fp8_fwd_amax_history[0][0]);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
-    if (bias.defined()) gemm.bias = bias;
+    const bool has_bias = module->options.bias();
+    if (has_bias) gemm.bias = bias;
     auto y = fp8_gemm(x_q.data, weight_q.data, out_dtype, gemm);
     if (rows_padded != rows) y = y.narrow(0, 0, rows);
 
@@ -82,7 +88,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     ctx->saved_data["w_t_scale_inv"] = weight_q.transposed.scale_inv;
     ctx->saved_data["module"] = reinterpret_cast<int64_t>(module);
     ctx->saved_data["rows"] = rows;
-    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["has_bias"] = has_bias;
     ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["input_sizes"] = input.sizes().vec();
@@ -138,20 +144,46 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
       // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
       grad_input = fp8_gemm(g_q.data, w_t, input_dtype).narrow(0, 0, rows).reshape(input_sizes);
     }
-    if (ctx->needs_input_grad(1)) {
+    if (module->options.fp8_params()) {
+      // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad.
+      Fp8LinearBackwardAccess::accumulate(*module, fp8_gemm(g_q.transposed, x_t, at::kFloat));
+    } else if (ctx->needs_input_grad(1)) {
       // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
       grad_weight = fp8_gemm(g_q.transposed, x_t, weight_dtype);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
       grad_bias = g2d.sum(0, /*keepdim=*/false, at::kFloat).to(weight_dtype);
     }
-    return {grad_input, grad_weight, grad_bias, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {grad_input,      grad_weight,     grad_bias,      torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 }  // namespace
 
-Fp8LinearImpl::Fp8LinearImpl(const Fp8LinearOptions& options_) : options(options_) { reset(); }
+namespace {
+thread_local bool model_init_enabled = false;
+thread_local bool model_init_preserve = true;
+}  // namespace
+
+Fp8ModelInit::Fp8ModelInit(bool enabled, bool preserve_high_precision_init_val)
+    : previous_enabled_(model_init_enabled), previous_preserve_(model_init_preserve) {
+  model_init_enabled = enabled;
+  model_init_preserve = preserve_high_precision_init_val;
+}
+
+Fp8ModelInit::~Fp8ModelInit() {
+  model_init_enabled = previous_enabled_;
+  model_init_preserve = previous_preserve_;
+}
+
+bool Fp8ModelInit::is_enabled() { return model_init_enabled; }
+bool Fp8ModelInit::preserve_high_precision_init_val() { return model_init_preserve; }
+
+Fp8LinearImpl::Fp8LinearImpl(const Fp8LinearOptions& options_) : options(options_) {
+  if (Fp8ModelInit::is_enabled()) options.fp8_params(true);
+  reset();
+}
 
 void Fp8LinearImpl::reset() {
   TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0,
@@ -159,8 +191,12 @@ void Fp8LinearImpl::reset() {
               options.in_features(), " and ", options.out_features());
   TORCH_CHECK(options.fp8_amax_history_len() >= 1,
               "Fp8Linear: fp8_amax_history_len must be >= 1, got ", options.fp8_amax_history_len());
+  TORCH_CHECK(!options.fp8_params() || fp8_eligible(),
+              "Fp8Linear: fp8_params needs in_features and out_features divisible by 16, got ",
+              options.in_features(), " and ", options.out_features());
   weight =
-      register_parameter("weight", torch::empty({options.out_features(), options.in_features()}));
+      register_parameter("weight", torch::empty({options.out_features(), options.in_features()}),
+                         /*requires_grad=*/!options.fp8_params());
   if (options.bias()) {
     bias = register_parameter("bias", torch::empty(options.out_features()));
   } else {
@@ -173,23 +209,78 @@ void Fp8LinearImpl::reset() {
   fp8_bwd_amax_history = register_buffer("fp8_bwd_amax_history", torch::zeros({h, 1}));
   fp8_bwd_scale = register_buffer("fp8_bwd_scale", torch::ones({1}));
   fp8_bwd_scale_inv = register_buffer("fp8_bwd_scale_inv", torch::ones({1}));
+  if (options.fp8_params())
+    weight_scale_inv = register_buffer("weight_scale_inv", torch::ones({1}));
   weight_cache_.reset();
+  main_grad_ = torch::Tensor();
   reset_parameters();
 }
 
 void Fp8LinearImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
-  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  // Under fp8_params the initial values are drawn in float32 (the same draws as
+  // torch::nn::Linear) and then quantized.
+  auto initial =
+      options.fp8_params()
+          ? torch::empty({options.out_features(), options.in_features()}, fp8_fwd_scale.options())
+          : weight;
+  torch::nn::init::kaiming_uniform_(initial, std::sqrt(5.0));
   if (bias.defined()) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
     torch::nn::init::uniform_(bias, -bound, bound);
   }
+  if (options.fp8_params()) {
+    high_precision_init_val_ =
+        Fp8ModelInit::preserve_high_precision_init_val() ? initial : torch::Tensor();
+    update_fp8_weight(initial);
+  }
+}
+
+Fp8Tensor Fp8LinearImpl::fp8_weight() const {
+  TORCH_CHECK(options.fp8_params(), "Fp8Linear::fp8_weight: the module has no fp8_params");
+  return Fp8Tensor(weight, weight_scale_inv, Fp8Format::kE4M3);
+}
+
+void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::update_fp8_weight: the module was not built with fp8_params "
+              "(construct it under amp8::Fp8ModelInit)");
+  TORCH_CHECK(master.sizes() == weight.sizes(),
+              "Fp8Linear::update_fp8_weight: master must have "
+              "shape ",
+              weight.sizes(), ", got ", master.sizes());
+  torch::NoGradGuard no_grad;
+  auto values = master.detach().to(weight_scale_inv.device());
+  if (values.scalar_type() != at::kFloat && values.scalar_type() != at::kBFloat16 &&
+      values.scalar_type() != at::kHalf) {
+    values = values.to(at::kFloat);
+  }
+  values = values.contiguous();
+  auto amax = compute_amax(values);
+  auto slot = fp8_fwd_amax_history[0][1];
+  slot.copy_(at::maximum(slot, amax.reshape({})));
+  auto q = quantize(values, compute_current_scale(amax, Fp8Format::kE4M3), Fp8Format::kE4M3);
+  weight.set_data(q.data);
+  weight_scale_inv.copy_(q.scale_inv);
+}
+
+void Fp8LinearImpl::zero_main_grad() {
+  if (main_grad_.defined()) main_grad_.zero_();
+}
+
+void Fp8LinearImpl::accumulate_main_grad(const torch::Tensor& grad) {
+  torch::NoGradGuard no_grad;
+  if (!main_grad_.defined()) {
+    main_grad_ = torch::zeros(weight.sizes(), grad.options().dtype(at::kFloat));
+  }
+  main_grad_.add_(grad.to(at::kFloat));
 }
 
 void Fp8LinearImpl::pretty_print(std::ostream& stream) const {
   stream << "amp8::Fp8Linear(in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
-         << options.bias() << ", fp8_eligible=" << fp8_eligible() << ")";
+         << options.bias() << ", fp8_eligible=" << fp8_eligible()
+         << (options.fp8_params() ? ", fp8_params=true" : "") << ")";
 }
 
 bool Fp8LinearImpl::fp8_eligible() const {
@@ -215,6 +306,11 @@ void Fp8LinearImpl::ensure_history_len(int64_t history_len) {
 }
 
 Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe) {
+  if (options.fp8_params()) {
+    // Already FP8: the transpose the backward GEMM needs is a byte transpose.
+    torch::NoGradGuard no_grad;
+    return {fp8_weight(), Fp8Tensor(weight.t().contiguous(), weight_scale_inv, Fp8Format::kE4M3)};
+  }
   const int64_t version = weight._version();
   if (options.cache_fp8_weight() && weight_cache_ && weight_cache_version_ == version &&
       weight_cache_data_ == weight.const_data_ptr()) {
@@ -237,18 +333,16 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
               "Fp8Linear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
-  if (!Fp8Autocast::is_enabled() || input.numel() == 0) {
-    return torch::nn::functional::linear(input, weight, bias);
-  }
+  if (!Fp8Autocast::is_enabled() || input.numel() == 0) return high_precision_forward(input);
   if (!fp8_eligible()) {
     TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
                     "): FP8 GEMMs need both dimensions divisible by 16; this layer runs in high "
                     "precision.");
-    return torch::nn::functional::linear(input, weight, bias);
+    return high_precision_forward(input);
   }
   const int64_t rows = input.numel() / options.in_features();
   if (rows * options.in_features() * options.out_features() < options.fp8_min_gemm_size()) {
-    return torch::nn::functional::linear(input, weight, bias);
+    return high_precision_forward(input);
   }
   const auto compute = compute_dtype(input);
   TORCH_CHECK(compute == at::kFloat || compute == at::kBFloat16 || compute == at::kHalf,
@@ -261,7 +355,21 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
     detail::register_forward_group(this, {fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv});
   }
   auto weight_q = quantized_weight(recipe);
-  return Fp8LinearFunction::apply(input, weight, bias, this, weight_q, recipe);
+  // Custom autograd functions take no undefined tensors: an empty tensor stands in for a
+  // missing bias, and for the anchor outside fp8_params.
+  if (!grad_anchor_.defined() || grad_anchor_.device() != weight.device()) {
+    grad_anchor_ = torch::empty({0}, fp8_fwd_scale.options()).requires_grad_(options.fp8_params());
+  }
+  return Fp8LinearFunction::apply(input, weight, bias.defined() ? bias : grad_anchor_.detach(),
+                                  grad_anchor_, this, weight_q, recipe);
+}
+
+torch::Tensor Fp8LinearImpl::high_precision_forward(const torch::Tensor& input) {
+  if (!options.fp8_params()) return torch::nn::functional::linear(input, weight, bias);
+  // The FP8 weight, dequantized; its gradient goes to main_grad like the FP8 path's.
+  auto w = fp8_weight().dequantize(at::kFloat).requires_grad_(true);
+  w.register_hook([this](const torch::Tensor& grad) { accumulate_main_grad(grad); });
+  return torch::nn::functional::linear(input, w, bias);
 }
 
 }  // namespace amp8

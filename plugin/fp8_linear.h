@@ -39,6 +39,28 @@ struct Fp8LinearOptions {
   /// (same version counter): the micro-batches of one optimizer step quantize it once. An
   /// explicit flag, never tied to gradient accumulation. Default: false.
   TORCH_ARG(bool, cache_fp8_weight) = false;
+  /// Keep the weight only in FP8 (E4M3, 1 byte per element, with its own scale_inv) —
+  /// TE's fp8_model_init. Set by constructing the module under an Fp8ModelInit guard. See
+  /// Fp8LinearImpl for how gradients and updates reach such a weight. Default: false.
+  TORCH_ARG(bool, fp8_params) = false;
+};
+
+/// RAII guard (TE's fp8_model_init): FP8 modules constructed under it keep their weights only
+/// in FP8 (fp8_params). With `preserve_high_precision_init_val` (default true) each module keeps
+/// its high-precision initial weight until clear_high_precision_init_val(), so that FP32 master
+/// weights are seeded from the real initial values, not from their FP8 rounding.
+class Fp8ModelInit {
+ public:
+  explicit Fp8ModelInit(bool enabled = true, bool preserve_high_precision_init_val = true);
+  ~Fp8ModelInit();
+  Fp8ModelInit(const Fp8ModelInit&) = delete;
+  Fp8ModelInit& operator=(const Fp8ModelInit&) = delete;
+  static bool is_enabled();
+  static bool preserve_high_precision_init_val();
+
+ private:
+  bool previous_enabled_;
+  bool previous_preserve_;
 };
 
 /// A drop-in replacement for torch::nn::Linear (same parameters, names and initialisation)
@@ -52,6 +74,13 @@ struct Fp8LinearOptions {
 /// warning), or when the GEMM is smaller than fp8_min_gemm_size, it computes exactly like
 /// torch::nn::Linear (honouring at::autocast). Any number of
 /// rows works: the token dimension is padded to a multiple of 16 internally.
+///
+/// With fp8_params (built under Fp8ModelInit) `weight` holds E4M3 data (no autograd; the
+/// optimizer owns an FP32 master copy, as Megatron's does): the weight gradient, computed in
+/// FP8 as usual (or in high precision outside a region), is accumulated in FP32 into
+/// main_grad() (Megatron's param.main_grad), and update_fp8_weight(master) re-quantizes the
+/// weight after each optimizer step. The backward GEMM's transposed weight is a byte
+/// transpose of the stored FP8 weight: nothing is quantized twice.
 ///
 /// FP8 metadata are buffers, so torch::save(module) keeps them:
 ///   fp8_fwd_amax_history [H, 2] (slot 0: input, 1: weight), fp8_fwd_scale [2], fp8_fwd_scale_inv
@@ -74,17 +103,39 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Whether the weight shape allows FP8 GEMMs (both dimensions multiples of 16).
   bool fp8_eligible() const;
 
+  // ---- fp8_params only ----
+  /// The high-precision initial weight (float32), kept under Fp8ModelInit's
+  /// preserve_high_precision_init_val until cleared; undefined otherwise.
+  const torch::Tensor& high_precision_init_val() const { return high_precision_init_val_; }
+  void clear_high_precision_init_val() { high_precision_init_val_ = torch::Tensor(); }
+  /// FP32 gradient of the FP8 weight, accumulated over backward passes until zeroed;
+  /// undefined before the first backward.
+  const torch::Tensor& main_grad() const { return main_grad_; }
+  void zero_main_grad();
+  /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
+  /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
+  void update_fp8_weight(const torch::Tensor& master);
+  /// The stored FP8 weight as an Fp8Tensor (data + scale_inv).
+  Fp8Tensor fp8_weight() const;
+
   Fp8LinearOptions options;
   torch::Tensor weight;
   torch::Tensor bias;
   torch::Tensor fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv;
   torch::Tensor fp8_bwd_amax_history, fp8_bwd_scale, fp8_bwd_scale_inv;
+  /// fp8_params only: scale_inv of the stored FP8 weight, [1].
+  torch::Tensor weight_scale_inv;
 
  private:
   void ensure_history_len(int64_t history_len);
   Fp8CastTranspose quantized_weight(const Fp8RecipeOptions& recipe);
 
   friend struct Fp8LinearBackwardAccess;
+  void accumulate_main_grad(const torch::Tensor& grad);
+  torch::Tensor high_precision_forward(const torch::Tensor& input);
+  torch::Tensor grad_anchor_;
+  torch::Tensor high_precision_init_val_;
+  torch::Tensor main_grad_;
   c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group_;  // of the last FP8 forward
   std::optional<Fp8CastTranspose> weight_cache_;
   int64_t weight_cache_version_ = -1;

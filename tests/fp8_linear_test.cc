@@ -292,6 +292,21 @@ TEST_F(Fp8LinearTest, SaveLoadKeepsFp8Metadata) {
   EXPECT_TRUE(BytesEqual(restored->weight, layer->weight));
 }
 
+TEST_F(Fp8LinearTest, WithoutBias) {
+  Fp8Linear layer(Fp8LinearOptions(32, 48).bias(false).fp8_min_gemm_size(0));
+  auto x = torch::randn({16, 32}).requires_grad_(true);
+  torch::Tensor y;
+  {
+    Fp8Autocast region;
+    y = layer->forward(x);
+  }
+  y.sum().backward();
+  auto reference = torch::nn::functional::linear(x.detach(), layer->weight.detach());
+  EXPECT_LE(relative_error(y, reference), kForwardBound);
+  EXPECT_TRUE(layer->weight.grad().defined());
+  EXPECT_TRUE(x.grad().defined());
+}
+
 TEST_F(Fp8LinearTest, SmallGemmsRunInHighPrecisionByDefault) {
   Fp8Linear layer(64, 64);  // default fp8_min_gemm_size: 2^36
   auto x = torch::randn({16, 64});
@@ -404,6 +419,153 @@ TEST_F(Fp8LinearTest, EveryLayerIsUpdatedOncePerRegionAndPerBackwardPass) {
     EXPECT_EQ(layer->fp8_bwd_amax_history[0][0].item<float>(), 0.0f);
     EXPECT_NE(layer->fp8_bwd_scale[0].item<float>(), 1.0f);
   }
+}
+
+// ---- fp8_params (Fp8ModelInit) ----
+
+Fp8Linear make_fp8_params_layer(int64_t in, int64_t out, bool preserve = true) {
+  Fp8ModelInit init(true, preserve);
+  return Fp8Linear(Fp8LinearOptions(in, out).fp8_amax_history_len(16).fp8_min_gemm_size(0));
+}
+
+TEST_F(Fp8LinearTest, ModelInitKeepsWeightsOnlyInFp8) {
+  torch::manual_seed(1);
+  auto layer = make_fp8_params_layer(64, 32);
+  torch::manual_seed(1);
+  torch::nn::Linear reference(64, 32);
+  EXPECT_FALSE(Fp8ModelInit::is_enabled()) << "the guard closed";
+  EXPECT_TRUE(layer->options.fp8_params());
+  EXPECT_EQ(layer->weight.scalar_type(), torch::kFloat8_e4m3fn);
+  EXPECT_EQ(layer->weight.nbytes(), 64 * 32) << "one byte per weight";
+  EXPECT_FALSE(layer->weight.requires_grad());
+  // The master copy is to be seeded from the real initial values, not their FP8 rounding.
+  EXPECT_TRUE(BytesEqual(layer->high_precision_init_val(), reference->weight));
+  EXPECT_TRUE(BytesEqual(layer->bias, reference->bias));
+  EXPECT_LE(relative_error(layer->fp8_weight().dequantize(), reference->weight), kE4M3Rms);
+  layer->clear_high_precision_init_val();
+  EXPECT_FALSE(layer->high_precision_init_val().defined());
+  EXPECT_FALSE(
+      make_fp8_params_layer(32, 32, /*preserve=*/false)->high_precision_init_val().defined());
+  EXPECT_FALSE(Fp8Linear(32, 32)->options.fp8_params()) << "outside the guard";
+  try {
+    make_fp8_params_layer(30, 20);
+    ADD_FAILURE();
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(
+        e.what_without_backtrace(),
+        HasSubstr("fp8_params needs in_features and out_features divisible by 16, got 30 and 20"));
+  }
+}
+
+void fp8_params_gradient_case(torch::Device device) {
+  torch::manual_seed(6);
+  auto layer = make_fp8_params_layer(96, 48);
+  layer->to(device);
+  auto x = torch::randn({40, 96}, device);
+  auto g = torch::randn({40, 48}, device);
+  auto w = layer->fp8_weight().dequantize().to(torch::kDouble);
+  auto reference_dw = torch::matmul(g.to(torch::kDouble).t(), x.to(torch::kDouble));
+  for (int step = 0; step < 2; ++step) {  // the second step runs with scales from the history
+    layer->zero_main_grad();
+    auto xr = x.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(16));
+      y = layer->forward(xr);
+    }
+    y.backward(g);
+    if (step == 0) continue;
+    auto yd =
+        torch::nn::functional::linear(x.to(torch::kDouble), w, layer->bias.to(torch::kDouble));
+    EXPECT_LE(relative_error(y, yd), kForwardBound) << device;
+    ASSERT_TRUE(layer->main_grad().defined());
+    EXPECT_EQ(layer->main_grad().scalar_type(), torch::kFloat);
+    EXPECT_LE(relative_error(layer->main_grad(), reference_dw), kHybridGradBound) << device;
+    EXPECT_LE(relative_error(xr.grad(), torch::matmul(g.to(torch::kDouble), w)), kHybridGradBound);
+  }
+  // Outside a region: high precision, and the gradient still lands in main_grad (accumulated).
+  auto before = layer->main_grad().clone();
+  layer->forward(x).backward(g);
+  EXPECT_LE(relative_error(layer->main_grad() - before, reference_dw), 1e-5) << device;
+}
+
+TEST_F(Fp8LinearTest, Fp8ParamsGradientsGoToMainGrad) { fp8_params_gradient_case(torch::kCPU); }
+
+TEST_F(Fp8LinearTest, Fp8ParamsGradientsGoToMainGrad_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  fp8_params_gradient_case(torch::kCUDA);
+}
+
+// The MLP of MlpTrainsLikeFp32 with fp8_params: FP32 masters seeded from the high-precision
+// initial values, stepped by Adam on main_grad, re-quantized into the FP8 weights each step.
+double train_fp8_params_mlp(torch::Device device) {
+  torch::manual_seed(10);
+  auto teacher = torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                                       torch::nn::Linear(64, 16));
+  teacher->to(device);
+  torch::manual_seed(11);
+  std::vector<Fp8Linear> layers = {make_fp8_params_layer(64, 128), make_fp8_params_layer(128, 128),
+                                   make_fp8_params_layer(128, 16)};
+  std::vector<torch::Tensor> params, masters;
+  for (auto& layer : layers) {
+    layer->to(device);
+    masters.push_back(layer->high_precision_init_val().to(device).clone().requires_grad_(true));
+    layer->clear_high_precision_init_val();
+    params.push_back(masters.back());
+    params.push_back(layer->bias);
+  }
+  torch::optim::Adam opt(params, torch::optim::AdamOptions(3e-3));
+  torch::manual_seed(12);
+  double final_loss = 0;
+  const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(16);
+  for (int step = 0; step < 200; ++step) {
+    auto x = torch::randn({128, 64}, device);
+    torch::Tensor labels;
+    {
+      torch::NoGradGuard no_grad;
+      labels = torch::multinomial(torch::softmax(teacher->forward(x) * 4, -1), 1).squeeze(1);
+    }
+    torch::Tensor loss;
+    {
+      Fp8Autocast region(recipe);
+      auto h = torch::gelu(layers[0]->forward(x));
+      h = torch::gelu(layers[1]->forward(h));
+      loss = torch::cross_entropy_loss(layers[2]->forward(h), labels);
+    }
+    opt.zero_grad();
+    for (auto& layer : layers) layer->zero_main_grad();
+    loss.backward();
+    for (size_t i = 0; i < layers.size(); ++i)
+      masters[i].mutable_grad() = layers[i]->main_grad().clone();
+    opt.step();
+    for (size_t i = 0; i < layers.size(); ++i) layers[i]->update_fp8_weight(masters[i]);
+    if (step >= 180) final_loss += loss.item<double>() / 20;
+  }
+  return final_loss;
+}
+
+void fp8_params_mlp_case(torch::Device device) {
+  const double fp32 = train_mlp(device, std::nullopt).second;
+  const double fp8_params = train_fp8_params_mlp(device);
+  std::printf("MLP final loss: fp32 %.5f, hybrid with fp8_params %.5f\n", fp32, fp8_params);
+  EXPECT_LE(std::abs(fp8_params - fp32) / fp32, 0.02) << fp8_params << " vs fp32 " << fp32;
+}
+
+TEST_F(Fp8LinearTest, Fp8ParamsMlpTrainsLikeFp32) { fp8_params_mlp_case(torch::kCPU); }
+
+TEST_F(Fp8LinearTest, Fp8ParamsMlpTrainsLikeFp32_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  fp8_params_mlp_case(torch::kCUDA);
+}
+
+TEST_F(Fp8LinearTest, Fp8ParamsSaveLoad) {
+  auto layer = make_fp8_params_layer(32, 32);
+  std::stringstream buffer;
+  torch::save(layer, buffer);
+  auto restored = make_fp8_params_layer(32, 32);
+  torch::load(restored, buffer);
+  EXPECT_TRUE(BytesEqual(restored->weight, layer->weight));
+  EXPECT_TRUE(BytesEqual(restored->weight_scale_inv, layer->weight_scale_inv));
 }
 
 TEST_F(Fp8LinearTest, BadRecipesAreNamed) {
