@@ -1,8 +1,8 @@
 #include "ops/fp8_format.h"
 
-#include <algorithm>
-#include <cctype>
 #include <ostream>
+
+#include "ops/detail/strings.h"
 
 namespace amp8 {
 
@@ -17,9 +17,7 @@ const char* fp8_format_name(Fp8Format format) {
 }
 
 Fp8Format fp8_format_from_string(std::string_view name, std::string_view param) {
-  std::string lower(name);
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const std::string lower = detail::to_lower(name);
   if (lower == "e4m3") return Fp8Format::kE4M3;
   if (lower == "e5m2") return Fp8Format::kE5M2;
   TORCH_CHECK(false, param, " must be \"e4m3\" or \"e5m2\", got \"", name, "\"");

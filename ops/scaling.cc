@@ -1,12 +1,11 @@
 #include "ops/scaling.h"
 
-#include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <string>
 
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/scale_formula.h"
+#include "ops/detail/strings.h"
 
 namespace amp8 {
 namespace {
@@ -69,9 +68,7 @@ void update_group_cpu(const DelayedScalingGroup& g, float fp8_max, float margin_
 }  // namespace
 
 AmaxComputeAlgo amax_compute_algo_from_string(std::string_view name, std::string_view param) {
-  std::string lower(name);
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const std::string lower = detail::to_lower(name);
   if (lower == "max") return AmaxComputeAlgo::kMax;
   if (lower == "most_recent") return AmaxComputeAlgo::kMostRecent;
   TORCH_CHECK(false, param, " must be \"max\" or \"most_recent\", got \"", name, "\"");

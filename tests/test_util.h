@@ -82,6 +82,19 @@ inline at::Tensor matrix(std::initializer_list<std::initializer_list<float>> row
   return out;
 }
 
+// Runs `fn` and checks that it throws a c10::Error whose message contains `text`.
+template <typename Fn>
+void ExpectErrorContaining(Fn&& fn, const std::string& text) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error containing: " << text;
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find(text), std::string::npos)
+        << "error message: " << message << "\nexpected to contain: " << text;
+  }
+}
+
 inline float item(const at::Tensor& t) { return t.cpu().reshape({}).item<float>(); }
 
 // Random, non-zero data with a wide dynamic range: normal values times powers of two in
