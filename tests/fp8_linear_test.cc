@@ -206,16 +206,32 @@ TEST_F(Fp8LinearTest, FiveStepsFollowTheDelayedScalingFormula_CUDA) {
   five_step_case(torch::kCUDA);
 }
 
+// Language-model-like data: labels sampled from a fixed teacher's softmax (seed 10), so the
+// loss settles at the teacher's entropy. Batches come from the global generator.
+struct TeacherTask {
+  explicit TeacherTask(torch::Device device_) : device(device_) {
+    torch::manual_seed(10);
+    teacher = torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                                    torch::nn::Linear(64, 16));
+    teacher->to(device);
+  }
+  std::pair<torch::Tensor, torch::Tensor> batch() {
+    auto x = torch::randn({128, 64}, device);
+    torch::NoGradGuard no_grad;
+    auto labels = torch::multinomial(torch::softmax(teacher->forward(x) * 4, -1), 1).squeeze(1);
+    return {x, labels};
+  }
+  torch::Device device;
+  torch::nn::Sequential teacher{nullptr};
+};
+
 // A 3-layer MLP trained 200 steps in FP8 ends within 2% of the fp32 loss. The task is
 // language-model-like: labels are sampled from a teacher's softmax, so the loss settles at the
 // teacher's entropy instead of at zero, where FP8's rounding noise would be all that is left.
 // Returns {mean loss of the first 20 steps, mean loss of the last 20 steps}.
 std::pair<double, double> train_mlp(torch::Device device,
                                     const std::optional<Fp8RecipeOptions>& recipe) {
-  torch::manual_seed(10);
-  auto teacher = torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Tanh(),
-                                       torch::nn::Linear(64, 16));
-  teacher->to(device);
+  TeacherTask task(device);
   torch::manual_seed(11);
   auto opts = [](int64_t in, int64_t out) {
     return Fp8LinearOptions(in, out).fp8_min_gemm_size(0);
@@ -228,12 +244,7 @@ std::pair<double, double> train_mlp(torch::Device device,
   torch::manual_seed(12);
   double first_loss = 0, final_loss = 0;
   for (int step = 0; step < 200; ++step) {
-    auto x = torch::randn({128, 64}, device);
-    torch::Tensor labels;
-    {
-      torch::NoGradGuard no_grad;
-      labels = torch::multinomial(torch::softmax(teacher->forward(x) * 4, -1), 1).squeeze(1);
-    }
+    auto [x, labels] = task.batch();
     torch::Tensor loss;
     {
       Fp8Autocast region(recipe.value_or(Fp8RecipeOptions()), recipe.has_value());
@@ -499,10 +510,7 @@ TEST_F(Fp8LinearTest, Fp8ParamsGradientsGoToMainGrad_CUDA) {
 // The MLP of MlpTrainsLikeFp32 with fp8_params: FP32 masters seeded from the high-precision
 // initial values, stepped by Adam on main_grad, re-quantized into the FP8 weights each step.
 double train_fp8_params_mlp(torch::Device device) {
-  torch::manual_seed(10);
-  auto teacher = torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Tanh(),
-                                       torch::nn::Linear(64, 16));
-  teacher->to(device);
+  TeacherTask task(device);
   torch::manual_seed(11);
   std::vector<Fp8Linear> layers = {make_fp8_params_layer(64, 128), make_fp8_params_layer(128, 128),
                                    make_fp8_params_layer(128, 16)};
@@ -519,12 +527,7 @@ double train_fp8_params_mlp(torch::Device device) {
   double final_loss = 0;
   const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(16);
   for (int step = 0; step < 200; ++step) {
-    auto x = torch::randn({128, 64}, device);
-    torch::Tensor labels;
-    {
-      torch::NoGradGuard no_grad;
-      labels = torch::multinomial(torch::softmax(teacher->forward(x) * 4, -1), 1).squeeze(1);
-    }
+    auto [x, labels] = task.batch();
     torch::Tensor loss;
     {
       Fp8Autocast region(recipe);
