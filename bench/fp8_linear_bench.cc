@@ -4,7 +4,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/torch.h>
+
+#include <chrono>
 
 #include "bench/bench_util.h"
 #include "plugin/fp8_autocast.h"
@@ -44,6 +47,110 @@ void eager_fp8_step(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                            at::kBFloat16, false);
   auto dw = at::_scaled_mm(g_t, x_t.t(), one / sg, one / sx, std::nullopt, std::nullopt, at::kFloat,
                            false);
+}
+
+
+// Host time to issue one forward call (CPU wall clock; the GPU is synchronized before and after
+// each call, outside the timing), each call in its own autocast (+ FP8) region as in a training
+// step, so the baseline pays its autocast weight cast and ours its quantization launches.
+void host_time_case(const std::string& cmd) {
+  using namespace amp8;
+  const int64_t m = 4096, k = 4096, n = 4096;
+  torch::nn::Linear reference(k, n);
+  Fp8Linear fp8(Fp8LinearOptions(k, n).fp8_min_gemm_size(0));
+  reference->to(torch::kCUDA);
+  fp8->to(torch::kCUDA);
+  auto x = torch::randn({m, k}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16))
+               .requires_grad_(true);
+  auto host_us = [&](bool use_fp8) {
+    std::vector<double> times;
+    for (int i = 0; i < 220; ++i) {
+      Bf16Autocast autocast;
+      Fp8Autocast region(Fp8RecipeOptions(), use_fp8);
+      torch::cuda::synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      auto y = use_fp8 ? fp8->forward(x) : reference->forward(x);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= 20) times.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    torch::cuda::synchronize();
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  };
+  const double bf16_us = host_us(false);
+  const double fp8_us = host_us(true);
+  bench::Record("fp8_linear_forward_host_time", "4096x4096x4096", cmd)
+      .timing(fp8_us / 1000, "torch::nn::Linear under bf16 autocast (host time)", bf16_us / 1000)
+      .set("ours_host_us", fp8_us)
+      .set("baseline_host_us", bf16_us)
+      .set("host_time_ratio", fp8_us / bf16_us)
+      .print();
+}
+
+size_t parameter_bytes(torch::nn::Module& module) {
+  size_t bytes = 0;
+  for (const auto& p : module.parameters()) bytes += p.numel() * p.element_size();
+  return bytes;
+}
+
+// Parameter bytes of a 4096×4096 layer under Fp8ModelInit against a bf16 torch::nn::Linear, and
+// the peak memory of a forward + backward (second step, so gradients exist) of each.
+void memory_case(const std::string& cmd) {
+  using namespace amp8;
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const int64_t m = 16384, k = 4096, n = 4096;
+  const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  auto peak_step_bytes = [&](const std::function<void()>& step) {
+    step();
+    torch::cuda::synchronize();
+    alloc::resetPeakStats(0);
+    step();
+    torch::cuda::synchronize();
+    return static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[aggregate].peak);
+  };
+  auto bf16_opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  double bf16_params = 0, fp8_params = 0, bf16_peak = 0, fp8_peak = 0;
+  {
+    torch::nn::Linear reference(k, n);
+    reference->to(torch::kCUDA, torch::kBFloat16);
+    bf16_params = parameter_bytes(*reference);
+    auto x = torch::randn({m, k}, bf16_opts).requires_grad_(true);
+    auto g = torch::randn({m, n}, bf16_opts);
+    bf16_peak = peak_step_bytes([&] {
+      x.mutable_grad() = torch::Tensor();
+      reference->forward(x).backward(g);
+    });
+  }
+  {
+    Fp8Linear fp8{nullptr};
+    {
+      Fp8ModelInit init(true, /*preserve_high_precision_init_val=*/false);
+      fp8 = Fp8Linear(Fp8LinearOptions(k, n));
+    }
+    fp8->to(torch::kCUDA);
+    fp8->bias.set_data(fp8->bias.to(torch::kBFloat16));
+    fp8_params = parameter_bytes(*fp8) + fp8->weight_scale_inv.numel() * 4;
+    auto x = torch::randn({m, k}, bf16_opts).requires_grad_(true);
+    auto g = torch::randn({m, n}, bf16_opts);
+    fp8_peak = peak_step_bytes([&] {
+      x.mutable_grad() = torch::Tensor();
+      torch::Tensor y;
+      {
+        Fp8Autocast region;
+        y = fp8->forward(x);
+      }
+      y.backward(g);
+    });
+  }
+  bench::Record("fp8_params_memory", "16384x4096x4096", cmd)
+      .set("ours_param_bytes", fp8_params)
+      .set("baseline", "torch::nn::Linear in bf16")
+      .set("baseline_param_bytes", bf16_params)
+      .set("param_bytes_ratio", fp8_params / bf16_params)
+      .set("ours_peak_bytes", fp8_peak)
+      .set("baseline_peak_bytes", bf16_peak)
+      .set("peak_ratio", fp8_peak / bf16_peak)
+      .print();
 }
 
 }  // namespace
@@ -103,5 +210,7 @@ int main(int argc, char** argv) {
                          : "high precision (below fp8_min_gemm_size)")
         .print();
   }
+  host_time_case(cmd);
+  memory_case(cmd);
   return 0;
 }

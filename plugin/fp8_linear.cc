@@ -9,22 +9,22 @@
 
 #include "ops/fp8_gemm.h"
 #include "ops/scaling.h"
+#include "plugin/detail/fp8_linear_core.h"
 #include "plugin/detail/fp8_state.h"
 #include "plugin/fp8_autocast.h"
 
 namespace amp8 {
-namespace {
+namespace detail {
 
 constexpr int64_t kTokenAlign = 16;
 
-int64_t padded(int64_t rows) { return (rows + kTokenAlign - 1) / kTokenAlign * kTokenAlign; }
+int64_t padded_rows(int64_t rows) { return (rows + kTokenAlign - 1) / kTokenAlign * kTokenAlign; }
 
 at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows) {
   if (x2d.size(0) == rows) return x2d.contiguous();
   return at::constant_pad_nd(x2d, {0, 0, 0, rows - x2d.size(0)}).contiguous();
 }
 
-// The dtype GEMM outputs take: the autocast dtype where autocast is on, else the input's.
 at::ScalarType compute_dtype(const at::Tensor& input) {
   const auto device_type = input.device().type();
   if (at::autocast::is_autocast_enabled(device_type)) {
@@ -33,9 +33,6 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
   return input.scalar_type();
 }
 
-// Quantizes x for the recipe: delayed scaling uses `scale` and records max|x| into
-// `amax_slot` (accumulating over calls within one step, as the slot is zeroed by each update);
-// tensorwise scaling derives the scale from x itself.
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot) {
   if (recipe.delayed())
@@ -45,18 +42,59 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recip
   return cast_transpose(x, compute_current_scale(amax, format, recipe.fp8_margin()), format);
 }
 
-}  // namespace
+std::vector<int64_t> pack_recipe(const Fp8RecipeOptions& recipe) {
+  return {recipe.backward_format() == Fp8Format::kE5M2 ? 1 : 0, recipe.fp8_margin(),
+          recipe.amax_compute_algo() == AmaxComputeAlgo::kMostRecent ? 1 : 0,
+          recipe.delayed() ? 1 : 0, recipe.fp8_amax_history_len()};
+}
 
-struct Fp8LinearBackwardAccess {
-  static const c10::intrusive_ptr<c10d::ProcessGroup>& group(const Fp8LinearImpl& m) {
-    return m.amax_reduction_group_;
+Fp8RecipeOptions unpack_recipe(const std::vector<int64_t>& packed) {
+  return Fp8RecipeOptions()
+      .fp8(packed[0] ? "hybrid" : "e4m3")
+      .fp8_margin(static_cast<int>(packed[1]))
+      .fp8_amax_compute_algo(packed[2] ? "most_recent" : "max")
+      .fp8_recipe(packed[3] ? "delayed" : "tensorwise")
+      .fp8_amax_history_len(packed[4]);
+}
+
+Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& module, const at::Tensor& grad_output2d,
+                                   int64_t rows, const Fp8Tensor& x_t, const Fp8Tensor& w_t,
+                                   const Fp8RecipeOptions& recipe, at::ScalarType input_dtype,
+                                   at::ScalarType weight_dtype, bool need_input, bool need_weight,
+                                   bool need_bias) {
+  auto g = pad_rows(grad_output2d, padded_rows(rows));
+  if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
+      g.scalar_type() != at::kHalf) {
+    g = g.to(at::kFloat);
   }
-  static void accumulate(Fp8LinearImpl& m, const torch::Tensor& grad) {
-    m.accumulate_main_grad(grad);
+  auto g_q = quantize_for(g, recipe, recipe.backward_format(), module.fp8_bwd_scale.narrow(0, 0, 1),
+                          module.fp8_bwd_amax_history[0][0]);
+  if (recipe.delayed()) {
+    register_backward_group(
+        &module, {module.fp8_bwd_amax_history, module.fp8_bwd_scale, module.fp8_bwd_scale_inv},
+        recipe, Fp8LinearInternals::group(module));
   }
-};
+  Fp8LinearGrads grads;
+  if (need_input) {
+    // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
+    grads.input = fp8_gemm(g_q.data, w_t, input_dtype).narrow(0, 0, rows);
+  }
+  if (module.options.fp8_params()) {
+    // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad.
+    Fp8LinearInternals::accumulate_main_grad(module, fp8_gemm(g_q.transposed, x_t, at::kFloat));
+  } else if (need_weight) {
+    // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
+    grads.weight = fp8_gemm(g_q.transposed, x_t, weight_dtype);
+  }
+  if (need_bias) grads.bias = grad_output2d.sum(0, /*keepdim=*/false, at::kFloat).to(weight_dtype);
+  return grads;
+}
+
+}  // namespace detail
 
 namespace {
+
+using detail::Fp8LinearInternals;
 
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   // `grad_anchor` is an empty tensor that requires grad under fp8_params, so that backward
@@ -64,39 +102,31 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& weight, const torch::Tensor& bias,
                                const torch::Tensor& grad_anchor, Fp8LinearImpl* module,
-                               Fp8CastTranspose weight_q, Fp8RecipeOptions recipe) {
+                               const detail::Fp8LinearCall& call) {
     const int64_t in_features = weight.size(1), out_features = weight.size(0);
-    const auto out_dtype = compute_dtype(input);
+    const auto& recipe = call.recipe;
     auto x2d = input.reshape({-1, in_features});
     const int64_t rows = x2d.size(0);
-    const int64_t rows_padded = padded(rows);
-    auto x = pad_rows(x2d, rows_padded);
+    auto x = detail::pad_rows(x2d, detail::padded_rows(rows));
 
-    auto x_q =
-        quantize_for(x, recipe, recipe.forward_format(), module->fp8_fwd_scale.narrow(0, 0, 1),
-                     module->fp8_fwd_amax_history[0][0]);
+    auto x_q = detail::quantize_for(x, recipe, recipe.forward_format(),
+                                    module->fp8_fwd_scale.narrow(0, 0, 1),
+                                    module->fp8_fwd_amax_history[0][0]);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
     const bool has_bias = module->options.bias();
     if (has_bias) gemm.bias = bias;
-    auto y = fp8_gemm(x_q.data, weight_q.data, out_dtype, gemm);
-    if (rows_padded != rows) y = y.narrow(0, 0, rows);
+    auto y = fp8_gemm(x_q.data, call.weight_q.data, call.out_dtype, gemm);
+    if (y.size(0) != rows) y = y.narrow(0, 0, rows);
 
-    ctx->saved_data["x_t"] = x_q.transposed.data;
-    ctx->saved_data["x_t_scale_inv"] = x_q.transposed.scale_inv;
-    ctx->saved_data["w_t"] = weight_q.transposed.data;
-    ctx->saved_data["w_t_scale_inv"] = weight_q.transposed.scale_inv;
+    ctx->save_for_backward({x_q.transposed.data, x_q.transposed.scale_inv,
+                            call.weight_q.transposed.data, call.weight_q.transposed.scale_inv});
     ctx->saved_data["module"] = reinterpret_cast<int64_t>(module);
-    ctx->saved_data["rows"] = rows;
-    ctx->saved_data["has_bias"] = has_bias;
-    ctx->saved_data["input_dtype"] = static_cast<int64_t>(input.scalar_type());
-    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["meta"] =
+        std::vector<int64_t>{rows, has_bias, static_cast<int64_t>(input.scalar_type()),
+                             static_cast<int64_t>(weight.scalar_type())};
+    ctx->saved_data["recipe"] = detail::pack_recipe(recipe);
     ctx->saved_data["input_sizes"] = input.sizes().vec();
-    ctx->saved_data["recipe_fp8"] = recipe.fp8();
-    ctx->saved_data["recipe_margin"] = static_cast<int64_t>(recipe.fp8_margin());
-    ctx->saved_data["recipe_algo"] = recipe.fp8_amax_compute_algo();
-    ctx->saved_data["recipe_kind"] = recipe.fp8_recipe();
-    ctx->saved_data["recipe_history"] = recipe.fp8_amax_history_len();
 
     auto out_sizes = input.sizes().vec();
     out_sizes.back() = out_features;
@@ -106,55 +136,25 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     auto* module = reinterpret_cast<Fp8LinearImpl*>(ctx->saved_data["module"].toInt());
-    const Fp8RecipeOptions recipe =
-        Fp8RecipeOptions()
-            .fp8(ctx->saved_data["recipe_fp8"].toStringRef())
-            .fp8_margin(ctx->saved_data["recipe_margin"].toInt())
-            .fp8_amax_compute_algo(ctx->saved_data["recipe_algo"].toStringRef())
-            .fp8_recipe(ctx->saved_data["recipe_kind"].toStringRef())
-            .fp8_amax_history_len(ctx->saved_data["recipe_history"].toInt());
-    const auto grad_format = recipe.backward_format();
-    const auto input_dtype = static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt());
-    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
-    const int64_t rows = ctx->saved_data["rows"].toInt();
-    const auto input_sizes = ctx->saved_data["input_sizes"].toIntVector();
-    const Fp8Tensor x_t(ctx->saved_data["x_t"].toTensor(),
-                        ctx->saved_data["x_t_scale_inv"].toTensor(), recipe.forward_format());
-    const Fp8Tensor w_t(ctx->saved_data["w_t"].toTensor(),
-                        ctx->saved_data["w_t_scale_inv"].toTensor(), recipe.forward_format());
+    const auto recipe = detail::unpack_recipe(ctx->saved_data["recipe"].toIntVector());
+    const auto meta = ctx->saved_data["meta"].toIntVector();
+    const int64_t rows = meta[0];
+    const bool has_bias = meta[1] != 0;
+    const auto input_dtype = static_cast<at::ScalarType>(meta[2]);
+    const auto weight_dtype = static_cast<at::ScalarType>(meta[3]);
+    const auto saved = ctx->get_saved_variables();
+    const Fp8Tensor x_t(saved[0], saved[1], recipe.forward_format());
+    const Fp8Tensor w_t(saved[2], saved[3], recipe.forward_format());
     const int64_t out_features = w_t.data.size(1);
 
-    auto grad = grad_outputs[0];
-    auto g2d = grad.reshape({-1, out_features});
-    auto g = pad_rows(g2d, padded(rows));
-    if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
-        g.scalar_type() != at::kHalf) {
-      g = g.to(at::kFloat);
+    auto grads = detail::fp8_linear_backward(*module, grad_outputs[0].reshape({-1, out_features}),
+                                             rows, x_t, w_t, recipe, input_dtype, weight_dtype,
+                                             ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                             has_bias && ctx->needs_input_grad(2));
+    if (grads.input.defined()) {
+      grads.input = grads.input.reshape(ctx->saved_data["input_sizes"].toIntVector());
     }
-    auto g_q = quantize_for(g, recipe, grad_format, module->fp8_bwd_scale.narrow(0, 0, 1),
-                            module->fp8_bwd_amax_history[0][0]);
-    if (recipe.delayed()) {
-      detail::register_backward_group(
-          module, {module->fp8_bwd_amax_history, module->fp8_bwd_scale, module->fp8_bwd_scale_inv},
-          recipe, Fp8LinearBackwardAccess::group(*module));
-    }
-
-    torch::Tensor grad_input, grad_weight, grad_bias;
-    if (ctx->needs_input_grad(0)) {
-      // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
-      grad_input = fp8_gemm(g_q.data, w_t, input_dtype).narrow(0, 0, rows).reshape(input_sizes);
-    }
-    if (module->options.fp8_params()) {
-      // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad.
-      Fp8LinearBackwardAccess::accumulate(*module, fp8_gemm(g_q.transposed, x_t, at::kFloat));
-    } else if (ctx->needs_input_grad(1)) {
-      // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
-      grad_weight = fp8_gemm(g_q.transposed, x_t, weight_dtype);
-    }
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
-      grad_bias = g2d.sum(0, /*keepdim=*/false, at::kFloat).to(weight_dtype);
-    }
-    return {grad_input,      grad_weight,     grad_bias,      torch::Tensor(),
+    return {grads.input,     grads.weight,    grads.bias,
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -317,8 +317,8 @@ Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe)
     return *weight_cache_;
   }
   torch::NoGradGuard no_grad;
-  auto q = quantize_for(weight.detach(), recipe, recipe.forward_format(),
-                        fp8_fwd_scale.narrow(0, 1, 1), fp8_fwd_amax_history[0][1]);
+  auto q = detail::quantize_for(weight.detach(), recipe, recipe.forward_format(),
+                                fp8_fwd_scale.narrow(0, 1, 1), fp8_fwd_amax_history[0][1]);
   if (options.cache_fp8_weight()) {
     weight_cache_ = q;
     weight_cache_version_ = version;
@@ -333,36 +333,68 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
               "Fp8Linear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
-  if (!Fp8Autocast::is_enabled() || input.numel() == 0) return high_precision_forward(input);
-  if (!fp8_eligible()) {
+  auto call = Fp8LinearInternals::prepare(*this, input);
+  if (!call) return high_precision_forward(input);
+  const auto& anchor = Fp8LinearInternals::grad_anchor(*this);
+  // Custom autograd functions take no undefined tensors: an empty tensor stands in for a
+  // missing bias, and for the anchor outside fp8_params.
+  return Fp8LinearFunction::apply(input, weight, bias.defined() ? bias : anchor.detach(), anchor,
+                                  this, *call);
+}
+
+namespace detail {
+
+std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
+                                                         const at::Tensor& input) {
+  const auto& options = linear.options;
+  if (!Fp8Autocast::is_enabled() || input.numel() == 0) return std::nullopt;
+  if (!linear.fp8_eligible()) {
     TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
                     "): FP8 GEMMs need both dimensions divisible by 16; this layer runs in high "
                     "precision.");
-    return high_precision_forward(input);
+    return std::nullopt;
   }
   const int64_t rows = input.numel() / options.in_features();
   if (rows * options.in_features() * options.out_features() < options.fp8_min_gemm_size()) {
-    return high_precision_forward(input);
+    return std::nullopt;
   }
   const auto compute = compute_dtype(input);
   TORCH_CHECK(compute == at::kFloat || compute == at::kBFloat16 || compute == at::kHalf,
               "Fp8Linear: in an FP8 region the input must be float32, bfloat16 or float16, got ",
               compute);
   const auto& recipe = Fp8Autocast::current_recipe();
-  ensure_history_len(recipe.fp8_amax_history_len());
-  amax_reduction_group_ = Fp8Autocast::current_group();
+  linear.ensure_history_len(recipe.fp8_amax_history_len());
+  linear.amax_reduction_group_ = Fp8Autocast::current_group();
   if (recipe.delayed()) {
-    detail::register_forward_group(this, {fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv});
+    register_forward_group(
+        &linear, {linear.fp8_fwd_amax_history, linear.fp8_fwd_scale, linear.fp8_fwd_scale_inv});
   }
-  auto weight_q = quantized_weight(recipe);
-  // Custom autograd functions take no undefined tensors: an empty tensor stands in for a
-  // missing bias, and for the anchor outside fp8_params.
-  if (!grad_anchor_.defined() || grad_anchor_.device() != weight.device()) {
-    grad_anchor_ = torch::empty({0}, fp8_fwd_scale.options()).requires_grad_(options.fp8_params());
-  }
-  return Fp8LinearFunction::apply(input, weight, bias.defined() ? bias : grad_anchor_.detach(),
-                                  grad_anchor_, this, weight_q, recipe);
+  return Fp8LinearCall{linear.quantized_weight(recipe), recipe, compute};
 }
+
+const at::Tensor& Fp8LinearInternals::grad_anchor(Fp8LinearImpl& linear) {
+  if (!linear.grad_anchor_.defined() || linear.grad_anchor_.device() != linear.weight.device()) {
+    linear.grad_anchor_ = torch::empty({0}, linear.fp8_fwd_scale.options())
+                              .requires_grad_(linear.options.fp8_params());
+  }
+  return linear.grad_anchor_;
+}
+
+at::Tensor Fp8LinearInternals::high_precision_forward(Fp8LinearImpl& linear,
+                                                      const at::Tensor& input) {
+  return linear.high_precision_forward(input);
+}
+
+void Fp8LinearInternals::accumulate_main_grad(Fp8LinearImpl& linear, const at::Tensor& grad) {
+  linear.accumulate_main_grad(grad);
+}
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& Fp8LinearInternals::group(
+    const Fp8LinearImpl& linear) {
+  return linear.amax_reduction_group_;
+}
+
+}  // namespace detail
 
 torch::Tensor Fp8LinearImpl::high_precision_forward(const torch::Tensor& input) {
   if (!options.fp8_params()) return torch::nn::functional::linear(input, weight, bias);

@@ -14,6 +14,9 @@
 #include "plugin/fp8_recipe.h"
 
 namespace amp8 {
+namespace detail {
+struct Fp8LinearInternals;
+}  // namespace detail
 
 /// Options of Fp8Linear, like torch::nn::LinearOptions:
 ///   Fp8LinearOptions(1024, 4096).bias(false)
@@ -130,7 +133,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   void ensure_history_len(int64_t history_len);
   Fp8CastTranspose quantized_weight(const Fp8RecipeOptions& recipe);
 
-  friend struct Fp8LinearBackwardAccess;
+  friend struct detail::Fp8LinearInternals;
   void accumulate_main_grad(const torch::Tensor& grad);
   torch::Tensor high_precision_forward(const torch::Tensor& input);
   torch::Tensor grad_anchor_;

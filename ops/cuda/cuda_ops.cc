@@ -85,4 +85,60 @@ void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups,
       algo == AmaxComputeAlgo::kMostRecent, fp8_max, margin_divisor, current_stream()));
 }
 
+namespace {
+float* optional_float_ptr(const at::Tensor& t) {
+  return t.defined() ? t.mutable_data_ptr<float>() : nullptr;
+}
+}  // namespace
+
+bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma_f, const at::Tensor& beta_f,
+                     double eps, const at::Tensor& out, const at::Tensor& mean,
+                     const at::Tensor& rstd, const at::Tensor& scale,
+                     const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  int out_fp8 = 0;
+  if (out.scalar_type() == at::kFloat8_e4m3fn) out_fp8 = 1;
+  if (out.scalar_type() == at::kFloat8_e5m2) out_fp8 = 2;
+  const int rc = cuda::launch_layer_norm_fwd(
+      x.const_data_ptr(), input_type(x), optional_float_ptr(gamma_f), optional_float_ptr(beta_f),
+      x.size(0), x.size(1), static_cast<float>(eps), out.mutable_data_ptr(), out_fp8,
+      mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(),
+      out_fp8 ? scale.const_data_ptr<float>() : nullptr,
+      out_fp8 ? scale_inv_out.mutable_data_ptr<float>() : nullptr, amax, accumulate_amax,
+      current_stream());
+  if (rc == cuda::kUnsupportedShape) return false;
+  AMP8_CUDA_CHECK(rc);
+  return true;
+}
+
+bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                              const at::Tensor& mean, const at::Tensor& rstd,
+                              const at::Tensor& gamma_f, const at::Tensor& grad_input,
+                              const at::Tensor& grad_gamma_f, const at::Tensor& grad_beta_f) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool aligned = aligned16(grad_out.const_data_ptr()) && aligned16(x.const_data_ptr()) &&
+                       aligned16(grad_input.const_data_ptr()) &&
+                       (!gamma_f.defined() || aligned16(gamma_f.const_data_ptr()));
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const int parts =
+      cuda::layer_norm_bwd_parts(rows, hidden, static_cast<int>(x.element_size()), aligned);
+  if (parts == 0) return false;
+  auto workspace = at::empty({2, parts, hidden}, x.options().dtype(at::kFloat));
+  const int rc = cuda::launch_layer_norm_bwd(
+      grad_out.const_data_ptr(), x.const_data_ptr(), input_type(x), mean.const_data_ptr<float>(),
+      rstd.const_data_ptr<float>(), optional_float_ptr(gamma_f), rows, hidden,
+      grad_input.mutable_data_ptr(), workspace.mutable_data_ptr<float>(), parts,
+      optional_float_ptr(grad_gamma_f), optional_float_ptr(grad_beta_f), current_stream());
+  if (rc == cuda::kUnsupportedShape) return false;
+  AMP8_CUDA_CHECK(rc);
+  return true;
+}
+
+void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(in.device());
+  AMP8_CUDA_CHECK(cuda::launch_byte_transpose(in.const_data_ptr(), out.mutable_data_ptr(),
+                                              in.size(0), in.size(1), current_stream()));
+}
+
 }  // namespace amp8::detail

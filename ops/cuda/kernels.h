@@ -45,4 +45,32 @@ int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_gr
                                   int64_t history_len, bool most_recent, float fp8_max,
                                   float margin_divisor, Stream stream);
 
+// ---- LayerNorm (layer_norm_kernels.cu) ----
+// Returned by a launcher whose fused kernel does not take this row length / alignment; the
+// caller then computes with ATen. The row must fit in the registers of one block: up to 16384
+// elements forward and 8192 backward when rows are 16-byte aligned, 4096 otherwise.
+inline constexpr int kUnsupportedShape = -1;
+
+// One row of x [rows, hidden] per block: mean/rstd (float32 [rows]) and the normalized output
+// into `out` in x's type (out_fp8 = 0) or FP8 E4M3 (1) / E5M2 (2) with *scale, writing
+// 1/scale into scale_inv and max|y| into amax (both required for FP8; amax max-merged with
+// accumulate_amax). gamma/beta are float32 [hidden] or null.
+int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, const float* beta,
+                          int64_t rows, int64_t hidden, float eps, void* out, int out_fp8,
+                          float* mean, float* rstd, const float* scale, float* scale_inv,
+                          float* amax, bool accumulate_amax, Stream stream);
+
+// Rows of the float32 partial-sum workspace launch_layer_norm_bwd needs (its `part` holds
+// 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.
+int layer_norm_bwd_parts(int64_t rows, int64_t hidden, int elem_bytes, bool aligned);
+
+// dx (x's type) from dy (x's type); dgamma/dbeta (float32 [hidden], either may be null).
+int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
+                          const float* rstd, const float* gamma, int64_t rows, int64_t hidden,
+                          void* dx, float* part, int parts, float* dgamma, float* dbeta,
+                          Stream stream);
+
+// out [cols, rows] = in [rows, cols]ᵀ, bytes.
+int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream);
+
 }  // namespace amp8::cuda

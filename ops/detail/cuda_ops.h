@@ -29,6 +29,19 @@ void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divi
 void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups, float fp8_max,
                                  float margin_divisor, AmaxComputeAlgo algo);
 
+// LayerNorm kernels (ops/cuda/layer_norm_kernels.cu). gamma_f/beta_f are float32 [hidden] or
+// undefined; `out` is x's dtype or FP8 (then scale/scale_inv/amax are used). Return false,
+// having done nothing but perhaps zeroed amax, when the fused kernels do not take the shape.
+bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma_f, const at::Tensor& beta_f,
+                     double eps, const at::Tensor& out, const at::Tensor& mean,
+                     const at::Tensor& rstd, const at::Tensor& scale,
+                     const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
+bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
+                              const at::Tensor& mean, const at::Tensor& rstd,
+                              const at::Tensor& gamma_f, const at::Tensor& grad_input,
+                              const at::Tensor& grad_gamma_f, const at::Tensor& grad_beta_f);
+void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out);
+
 // cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
 at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
                          const Fp8GemmOptions& options);

@@ -1,0 +1,170 @@
+// LayerNorm on the GPU: amp8's kernels (high-precision output, FP8 output, backward, the FP8
+// byte transpose) against ATen's in the same run, as bandwidth and as a fraction of the
+// device-copy rate; and the fused Fp8LayerNormLinear against torch::nn::LayerNorm +
+// torch::nn::Linear under bf16 autocast and against the unfused Fp8LayerNorm + Fp8Linear.
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+#include "bench/bench_util.h"
+#include "ops/layer_norm.h"
+#include "plugin/fp8_autocast.h"
+#include "plugin/fp8_layer_norm.h"
+
+namespace {
+
+struct Bf16Autocast {
+  Bf16Autocast() {
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  }
+  ~Bf16Autocast() {
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace amp8;
+  const std::string cmd = bench::command_line(argc, argv);
+  torch::manual_seed(0);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  const int64_t rows = 16384, hidden = 4096;
+  const std::string shape = std::to_string(rows) + "x" + std::to_string(hidden);
+  auto x = torch::randn({rows, hidden}, cuda.dtype(torch::kBFloat16)) * 2 + 0.5;
+  auto dy = torch::randn({rows, hidden}, cuda.dtype(torch::kBFloat16));
+  auto gamma = torch::rand({hidden}, cuda) + 0.5;
+  auto beta = torch::randn({hidden}, cuda);
+  auto gamma_bf16 = gamma.to(torch::kBFloat16), beta_bf16 = beta.to(torch::kBFloat16);
+  const double elems = static_cast<double>(rows) * hidden;
+
+  auto copy_dst = torch::empty_like(x);
+  const double copy_ms = bench::median_ms([&] { copy_dst.copy_(x); });
+  const double copy_gbps = 2 * 2 * elems / copy_ms / 1e6;
+  auto fraction = [&](double bytes, double ms) { return bytes / ms / 1e6 / copy_gbps; };
+
+  // Forward, bf16 → bf16: 2 B read + 2 B written per element.
+  {
+    const double ours = bench::median_ms([&] { layer_norm(x, gamma, beta, 1e-5); });
+    const double aten = bench::median_ms(
+        [&] { at::native_layer_norm(x, {hidden}, gamma_bf16, beta_bf16, 1e-5); });
+    bench::Record("layer_norm_fwd_bf16", shape, cmd)
+        .timing(ours, "at::native_layer_norm (bf16)", aten)
+        .set("gbps", 4 * elems / ours / 1e6)
+        .set("fraction_of_copy", fraction(4 * elems, ours))
+        .set("baseline_fraction_of_copy", fraction(4 * elems, aten))
+        .set("copy_gbps", copy_gbps)
+        .print();
+  }
+  // Forward, bf16 → E4M3 with amax: 2 B read + 1 B written.
+  {
+    auto scale = torch::full({1}, 16.0f, cuda);
+    auto amax = torch::zeros({1}, cuda);
+    const double ours = bench::median_ms(
+        [&] { layer_norm_fp8(x, gamma, beta, 1e-5, scale, Fp8Format::kE4M3, amax); });
+    // Eager LibTorch: LayerNorm, amax, then scale + saturate + cast.
+    const double eager = bench::median_ms([&] {
+      auto y = std::get<0>(at::native_layer_norm(x, {hidden}, gamma_bf16, beta_bf16, 1e-5));
+      amax.copy_(y.abs().amax().to(at::kFloat).reshape({1}));
+      (y.to(at::kFloat) * scale).clamp(-448, 448).to(at::kFloat8_e4m3fn);
+    });
+    bench::Record("layer_norm_fwd_fp8", shape, cmd)
+        .timing(ours, "eager LibTorch: layer_norm + amax + scale/clamp/cast", eager)
+        .set("gbps", 3 * elems / ours / 1e6)
+        .set("fraction_of_copy", fraction(3 * elems, ours))
+        .set("copy_gbps", copy_gbps)
+        .print();
+  }
+  // Backward: dy and x read, dx written (6 B per element) plus dgamma/dbeta.
+  {
+    auto stats = layer_norm(x, gamma, beta, 1e-5).stats;
+    auto aten_fwd = at::native_layer_norm(x, {hidden}, gamma_bf16, beta_bf16, 1e-5);
+    const double ours =
+        bench::median_ms([&] { layer_norm_backward(dy, x, stats, gamma, beta); });
+    const double aten = bench::median_ms([&] {
+      at::native_layer_norm_backward(dy, x, {hidden}, std::get<1>(aten_fwd),
+                                     std::get<2>(aten_fwd), gamma_bf16, beta_bf16,
+                                     {true, true, true});
+    });
+    bench::Record("layer_norm_bwd_bf16", shape, cmd)
+        .timing(ours, "at::native_layer_norm_backward (bf16)", aten)
+        .set("gbps", 6 * elems / ours / 1e6)
+        .set("fraction_of_copy", fraction(6 * elems, ours))
+        .set("baseline_fraction_of_copy", fraction(6 * elems, aten))
+        .set("copy_gbps", copy_gbps)
+        .print();
+  }
+  // FP8 byte transpose: 1 B read + 1 B written.
+  {
+    auto q = quantize(x, torch::ones({1}, cuda), Fp8Format::kE4M3);
+    const double ours = bench::median_ms([&] { fp8_transpose(q); });
+    auto bytes = q.data.view(at::kByte);
+    const double aten = bench::median_ms([&] { bytes.t().contiguous(); });
+    bench::Record("fp8_transpose", shape, cmd)
+        .timing(ours, "at::Tensor::t().contiguous() (uint8)", aten)
+        .set("gbps", 2 * elems / ours / 1e6)
+        .set("fraction_of_copy", fraction(2 * elems, ours))
+        .set("copy_gbps", copy_gbps)
+        .print();
+  }
+  // LayerNorm → Linear, forward + backward, at a transformer's MLP input (M, K, N).
+  for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{16384, 4096, 14336},
+                         {8192, 4096, 4096}}) {
+    torch::nn::LayerNorm ref_ln(torch::nn::LayerNormOptions({k}));
+    torch::nn::Linear ref_linear(k, n);
+    Fp8LayerNormLinear fused(k, n);
+    Fp8LayerNorm unfused_ln(std::vector<int64_t>{k});
+    Fp8Linear unfused_linear(k, n);
+    {
+      torch::NoGradGuard no_grad;
+      fused->linear->weight.copy_(ref_linear->weight);
+      fused->linear->bias.copy_(ref_linear->bias);
+      unfused_linear->weight.copy_(ref_linear->weight);
+      unfused_linear->bias.copy_(ref_linear->bias);
+    }
+    for (torch::nn::Module* module : std::initializer_list<torch::nn::Module*>{
+             ref_ln.get(), ref_linear.get(), fused.get(), unfused_ln.get(), unfused_linear.get()}) {
+      module->to(torch::kCUDA);
+    }
+    auto in = torch::randn({m, k}, cuda.dtype(torch::kBFloat16)).requires_grad_(true);
+    auto grad = torch::randn({m, n}, cuda.dtype(torch::kBFloat16));
+    const double bf16 = bench::median_ms([&] {
+      torch::Tensor y;
+      {
+        Bf16Autocast autocast;
+        y = ref_linear->forward(ref_ln->forward(in));
+      }
+      y.backward(grad);
+    });
+    const double ours = bench::median_ms([&] {
+      torch::Tensor y;
+      {
+        Bf16Autocast autocast;
+        Fp8Autocast region;
+        y = fused->forward(in);
+      }
+      y.backward(grad);
+    });
+    const double unfused = bench::median_ms([&] {
+      torch::Tensor y;
+      {
+        Bf16Autocast autocast;
+        Fp8Autocast region;
+        y = unfused_linear->forward(unfused_ln->forward(in));
+      }
+      y.backward(grad);
+    });
+    const std::string lshape =
+        std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
+    bench::Record("fp8_layer_norm_linear_fwd_bwd", lshape, cmd)
+        .timing(ours, "torch::nn::LayerNorm + torch::nn::Linear under bf16 autocast", bf16)
+        .set("unfused_fp8_ms", unfused)
+        .set("speedup_vs_unfused_fp8", unfused / ours)
+        .set("tflops", 3 * 2.0 * m * k * n / ours / 1e9)
+        .print();
+  }
+  return 0;
+}

@@ -1,0 +1,510 @@
+// LayerNorm forward (high-precision or FP8 output) and backward, and the FP8 byte transpose.
+//
+// One row per block iteration; each thread keeps its share of the row in registers, so x is
+// read once and the statistics are an exact two-pass mean/variance in float32.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "ops/cuda/fp8_convert.cuh"
+#include "ops/cuda/kernels.h"
+
+namespace amp8::cuda {
+namespace {
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// p[0..kVec) into out; p is 16-byte aligned when kVec is a multiple of 4.
+template <int kVec>
+__device__ __forceinline__ void load_floats(const float* __restrict__ p, float (&out)[kVec]) {
+  if constexpr (kVec % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < kVec; j += 4) {
+      const float4 q = *reinterpret_cast<const float4*>(p + j);
+      out[j] = q.x;
+      out[j + 1] = q.y;
+      out[j + 2] = q.z;
+      out[j + 3] = q.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out[j] = p[j];
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, blockDim.y == 1) in a fixed order.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float2* smem) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) smem[warp] = make_float2(a, b);
+  __syncthreads();
+  float2 total = make_float2(0.0f, 0.0f);
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+    total.x += smem[w].x;
+    total.y += smem[w].y;
+  }
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ float block_sum(float a, float2* smem) {
+  return block_sum2(a, 0.0f, smem).x;
+}
+
+// kOut: 0 = x's dtype, 1 = E4M3, 2 = E5M2.
+constexpr int kMaxThreads = 512;
+
+template <typename T, int kVec, int kIters, int kOut>
+__global__ void __launch_bounds__(kMaxThreads)
+    layer_norm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
+                          const float* __restrict__ beta, int64_t rows, int hidden, float eps,
+                          void* __restrict__ out, float* __restrict__ mean_out,
+                          float* __restrict__ rstd_out, const float* __restrict__ scale_ptr,
+                          float* __restrict__ scale_inv, float* __restrict__ amax) {
+  constexpr bool kFp8 = kOut != 0;
+  constexpr bool kE5M2 = kOut == 2;
+  __shared__ float2 smem[32];
+  const float scale = kFp8 ? *scale_ptr : 1.0f;
+  if (kFp8 && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  const int nvec = hidden / kVec;
+  const float inv_hidden = 1.0f / static_cast<float>(hidden);
+
+  uint32_t max_bits = 0;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const auto* xr = reinterpret_cast<const Vec<T, kVec>*>(x + row * hidden);
+    float v[kIters][kVec];
+    float sum = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = threadIdx.x + it * blockDim.x;
+      if (i < nvec) {
+        const Vec<T, kVec> p = xr[i];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          v[it][j] = to_float(p.v[j]);
+          sum += v[it][j];
+        }
+      }
+    }
+    const float mean = block_sum(sum, smem) * inv_hidden;
+    float squares = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      if (threadIdx.x + it * blockDim.x < nvec) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float d = v[it][j] - mean;
+          squares += d * d;
+        }
+      }
+    }
+    const float rstd = rsqrtf(block_sum(squares, smem) * inv_hidden + eps);
+    if (threadIdx.x == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = threadIdx.x + it * blockDim.x;
+      if (i >= nvec) continue;
+      float y[kVec], g[kVec], b[kVec];
+      if (gamma != nullptr) {
+        load_floats<kVec>(gamma + i * kVec, g);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) g[j] = 1.0f;
+      }
+      if (beta != nullptr) {
+        load_floats<kVec>(beta + i * kVec, b);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) b[j] = 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) y[j] = (v[it][j] - mean) * rstd * g[j] + b[j];
+      const int64_t offset = row * nvec + i;
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) max_bits = max(max_bits, abs_bits(y[j]));
+        if constexpr (kVec == 1) {
+          static_cast<uint8_t*>(out)[offset] = saturating_cast<kE5M2>(y[0], scale);
+        } else {
+          Vec<uint8_t, kVec> packed;
+#pragma unroll
+          for (int j = 0; j < kVec; j += 2) {
+            const uint32_t pair = saturating_cast2<kE5M2>(y[j], y[j + 1], scale);
+            packed.v[j] = static_cast<uint8_t>(pair & 0xFFu);
+            packed.v[j + 1] = static_cast<uint8_t>(pair >> 8);
+          }
+          static_cast<Vec<uint8_t, kVec>*>(out)[offset] = packed;
+        }
+      } else {
+        Vec<T, kVec> o;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) o.v[j] = from_float<T>(y[j]);
+        static_cast<Vec<T, kVec>*>(out)[offset] = o;
+      }
+    }
+  }
+  if (kFp8 && amax != nullptr) block_amax_to_global(max_bits, amax);
+}
+
+// dx per row; dgamma/dbeta partial sums per block (rows strided by gridDim.x), reduced later.
+template <typename T, int kVec, int kIters>
+__global__ void __launch_bounds__(kMaxThreads)
+    layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                          const float* __restrict__ mean, const float* __restrict__ rstd,
+                          const float* __restrict__ gamma, int64_t rows, int hidden,
+                          T* __restrict__ dx, float* __restrict__ dgamma_part,
+                          float* __restrict__ dbeta_part) {
+  __shared__ float2 smem[32];
+  const int nvec = hidden / kVec;
+  const float inv_hidden = 1.0f / static_cast<float>(hidden);
+  float dg[kIters][kVec], db[kIters][kVec];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dg[it][j] = db[it][j] = 0.0f;
+  }
+  auto gamma_at = [&](int i, float(&g)[kVec]) {
+    if (gamma != nullptr) {
+      load_floats<kVec>(gamma + i * kVec, g);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) g[j] = 1.0f;
+    }
+  };
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const auto* xr = reinterpret_cast<const Vec<T, kVec>*>(x + row * hidden);
+    const auto* dyr = reinterpret_cast<const Vec<T, kVec>*>(dy + row * hidden);
+    const float mu = mean[row], rs = rstd[row];
+    float xv[kIters][kVec], dv[kIters][kVec];
+    float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = threadIdx.x + it * blockDim.x;
+      if (i < nvec) {
+        const Vec<T, kVec> xp = xr[i], dp = dyr[i];
+        float g[kVec];
+        gamma_at(i, g);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          xv[it][j] = to_float(xp.v[j]);
+          dv[it][j] = to_float(dp.v[j]);
+          const float xhat = (xv[it][j] - mu) * rs;
+          const float wdy = dv[it][j] * g[j];
+          s1 += wdy;
+          s2 += wdy * xhat;
+          dg[it][j] += dv[it][j] * xhat;
+          db[it][j] += dv[it][j];
+        }
+      }
+    }
+    const float2 sums = block_sum2(s1, s2, smem);
+    const float mean_wdy = sums.x * inv_hidden, mean_wdy_xhat = sums.y * inv_hidden;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int i = threadIdx.x + it * blockDim.x;
+      if (i >= nvec) continue;
+      float g[kVec];
+      gamma_at(i, g);
+      Vec<T, kVec> o;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float xhat = (xv[it][j] - mu) * rs;
+        o.v[j] = from_float<T>(rs * (dv[it][j] * g[j] - mean_wdy - xhat * mean_wdy_xhat));
+      }
+      reinterpret_cast<Vec<T, kVec>*>(dx + row * hidden)[i] = o;
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int i = threadIdx.x + it * blockDim.x;
+    if (i >= nvec) continue;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c = static_cast<int64_t>(blockIdx.x) * hidden + i * kVec + j;
+      if (dgamma_part != nullptr) dgamma_part[c] = dg[it][j];
+      if (dbeta_part != nullptr) dbeta_part[c] = db[it][j];
+    }
+  }
+}
+
+// out[c] = Σ_p part[p, c], in a fixed order. Block (32, 8): 32 columns, 8 partial-row lanes.
+__global__ void column_sum_kernel(const float* __restrict__ part, int parts, int hidden,
+                                  float* __restrict__ out) {
+  __shared__ float acc[8][33];
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float sum = 0.0f;
+  if (c < hidden) {
+    for (int p = threadIdx.y; p < parts; p += 8) sum += part[static_cast<int64_t>(p) * hidden + c];
+  }
+  acc[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < hidden) {
+    float total = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) total += acc[k][threadIdx.x];
+    out[c] = total;
+  }
+}
+
+// 64×64-byte tiles through shared memory; kVec4 moves 4 bytes per access (rows and cols
+// multiples of 4).
+template <bool kVec4>
+__global__ void __launch_bounds__(256)
+    byte_transpose_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t rows,
+                          int64_t cols) {
+  __shared__ alignas(4) uint8_t tile[64][68];
+  const int tid = threadIdx.x;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
+  if constexpr (kVec4) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = tid / 16 + 16 * k, c = (tid % 16) * 4;
+      if (row0 + r < rows && col0 + c < cols) {
+        *reinterpret_cast<uint32_t*>(&tile[r][c]) =
+            *reinterpret_cast<const uint32_t*>(in + (row0 + r) * cols + col0 + c);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int oc = tid / 16 + 16 * k, orow = (tid % 16) * 4;
+      if (col0 + oc < cols && row0 + orow < rows) {
+        const uint32_t packed = tile[orow][oc] | (tile[orow + 1][oc] << 8) |
+                                (tile[orow + 2][oc] << 16) | (tile[orow + 3][oc] << 24);
+        *reinterpret_cast<uint32_t*>(out + (col0 + oc) * rows + row0 + orow) = packed;
+      }
+    }
+  } else {
+    for (int k = 0; k < 16; ++k) {
+      const int idx = tid + 256 * k, r = idx / 64, c = idx % 64;
+      if (row0 + r < rows && col0 + c < cols) tile[r][c] = in[(row0 + r) * cols + col0 + c];
+    }
+    __syncthreads();
+    for (int k = 0; k < 16; ++k) {
+      const int idx = tid + 256 * k, oc = idx / 64, orow = idx % 64;
+      if (col0 + oc < cols && row0 + orow < rows) {
+        out[(col0 + oc) * rows + row0 + orow] = tile[orow][oc];
+      }
+    }
+  }
+}
+
+int num_sms() {
+  static const int value = [] {
+    int device = 0, sms = 132;
+    if (cudaGetDevice(&device) == cudaSuccess) {
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    return sms;
+  }();
+  return value;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// How a row of `hidden` elements is spread over a block: `vec` elements per access, `iters`
+// accesses per thread (at most max_elems elements per thread, so the row fits in registers),
+// `threads` threads (a multiple of 32; preferred_threads or fewer when possible, never more
+// than kMaxThreads).
+struct RowPlan {
+  int vec = 0;
+  int iters = 0;
+  int threads = 0;
+  bool ok() const { return vec != 0; }
+};
+
+RowPlan plan_row(int64_t hidden, int elem_bytes, bool aligned, int preferred_threads,
+                 int max_elems) {
+  const int wide = 16 / elem_bytes;
+  const int vec = (aligned && hidden % wide == 0) ? wide : 1;
+  const int64_t nvec = hidden / vec;
+  for (int limit : {preferred_threads, kMaxThreads}) {
+    for (int iters : {1, 2, 4, 8}) {
+      if (iters * vec > max_elems) break;
+      const int64_t threads = std::max<int64_t>(32, ((nvec + iters - 1) / iters + 31) / 32 * 32);
+      if (threads <= limit) return RowPlan{vec, iters, static_cast<int>(threads)};
+    }
+  }
+  return RowPlan{};
+}
+
+template <typename F>
+int dispatch_type(InputType type, F&& f) {
+  switch (type) {
+    case InputType::kFloat:
+      return f(float{});
+    case InputType::kBFloat16:
+      return f(__nv_bfloat16{});
+    case InputType::kHalf:
+      return f(__half{});
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+// Calls f(std::integral_constant<int, kVec>, std::integral_constant<int, kIters>) for a plan.
+template <int kWide, typename F>
+int dispatch_plan(const RowPlan& plan, F&& f) {
+  auto with_iters = [&](auto vec) {
+    switch (plan.iters) {
+      case 1:
+        return f(vec, std::integral_constant<int, 1>{});
+      case 2:
+        return f(vec, std::integral_constant<int, 2>{});
+      case 4:
+        return f(vec, std::integral_constant<int, 4>{});
+      default:
+        return f(vec, std::integral_constant<int, 8>{});
+    }
+  };
+  if (plan.vec == 1) return with_iters(std::integral_constant<int, 1>{});
+  return with_iters(std::integral_constant<int, kWide>{});
+}
+
+// Registers: the forward keeps kIters × kVec inputs per thread, the backward four times as
+// many values (x, dy and the dgamma/dbeta partials), hence the smaller limit.
+constexpr int kFwdPreferredThreads = 256, kFwdMaxElems = 32;
+constexpr int kBwdPreferredThreads = 512, kBwdMaxElems = 16;
+
+int bwd_parts(int64_t rows, int threads) {
+  const int64_t resident = static_cast<int64_t>(num_sms()) * std::max(1, 2048 / threads);
+  return static_cast<int>(std::max<int64_t>(1, std::min(rows, resident)));
+}
+
+}  // namespace
+
+int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, const float* beta,
+                          int64_t rows, int64_t hidden, float eps, void* out, int out_fp8,
+                          float* mean, float* rstd, const float* scale, float* scale_inv,
+                          float* amax, bool accumulate_amax, Stream stream) {
+  if (out_fp8 != 0 && amax != nullptr && !accumulate_amax) {
+    if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
+  }
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kWide = 16 / sizeof(T);
+    const bool aligned = aligned16(x) && aligned16(out) && (gamma == nullptr || aligned16(gamma)) &&
+                         (beta == nullptr || aligned16(beta)) &&
+                         (out_fp8 == 0 || (reinterpret_cast<uintptr_t>(out) % kWide == 0));
+    const RowPlan plan = plan_row(hidden, sizeof(T), aligned, kFwdPreferredThreads, kFwdMaxElems);
+    if (!plan.ok() || hidden > (int64_t{1} << 30)) return kUnsupportedShape;
+    const int64_t resident = static_cast<int64_t>(num_sms()) * (2048 / plan.threads);
+    const int grid = static_cast<int>(std::min(rows, resident));
+    return dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
+      constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
+      if constexpr (kVec * kIters > kFwdMaxElems) {
+        return kUnsupportedShape;  // never planned
+      } else {
+        const auto* in = static_cast<const T*>(x);
+        const int h = static_cast<int>(hidden);
+        switch (out_fp8) {
+          case 0:
+            layer_norm_fwd_kernel<T, kVec, kIters, 0><<<grid, plan.threads, 0, stream>>>(
+                in, gamma, beta, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+            break;
+          case 1:
+            layer_norm_fwd_kernel<T, kVec, kIters, 1><<<grid, plan.threads, 0, stream>>>(
+                in, gamma, beta, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+            break;
+          default:
+            layer_norm_fwd_kernel<T, kVec, kIters, 2><<<grid, plan.threads, 0, stream>>>(
+                in, gamma, beta, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+            break;
+        }
+        return static_cast<int>(cudaGetLastError());
+      }
+    });
+  });
+}
+
+int layer_norm_bwd_parts(int64_t rows, int64_t hidden, int elem_bytes, bool aligned) {
+  const RowPlan plan = plan_row(hidden, elem_bytes, aligned, kBwdPreferredThreads, kBwdMaxElems);
+  return plan.ok() ? bwd_parts(rows, plan.threads) : 0;
+}
+
+int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
+                          const float* rstd, const float* gamma, int64_t rows, int64_t hidden,
+                          void* dx, float* part, int parts, float* dgamma, float* dbeta,
+                          Stream stream) {
+  return dispatch_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kWide = 16 / sizeof(T);
+    const bool aligned =
+        aligned16(dy) && aligned16(x) && aligned16(dx) && (gamma == nullptr || aligned16(gamma));
+    const RowPlan plan = plan_row(hidden, sizeof(T), aligned, kBwdPreferredThreads, kBwdMaxElems);
+    if (!plan.ok() || hidden > (int64_t{1} << 30)) return kUnsupportedShape;
+    if (parts != bwd_parts(rows, plan.threads)) return static_cast<int>(cudaErrorInvalidValue);
+    float* dgamma_part = dgamma != nullptr ? part : nullptr;
+    float* dbeta_part = dbeta != nullptr ? part + static_cast<int64_t>(parts) * hidden : nullptr;
+    const int err = dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
+      constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
+      if constexpr (kVec * kIters > kBwdMaxElems) {
+        return kUnsupportedShape;  // never planned
+      } else {
+        layer_norm_bwd_kernel<T, kVec, kIters><<<parts, plan.threads, 0, stream>>>(
+            static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, gamma, rows,
+            static_cast<int>(hidden), static_cast<T*>(dx), dgamma_part, dbeta_part);
+        return static_cast<int>(cudaGetLastError());
+      }
+    });
+    if (err != 0) return err;
+    const dim3 block(32, 8);
+    const int grid = static_cast<int>((hidden + 31) / 32);
+    if (dgamma != nullptr) {
+      column_sum_kernel<<<grid, block, 0, stream>>>(dgamma_part, parts, static_cast<int>(hidden),
+                                                    dgamma);
+    }
+    if (dbeta != nullptr) {
+      column_sum_kernel<<<grid, block, 0, stream>>>(dbeta_part, parts, static_cast<int>(hidden),
+                                                    dbeta);
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream) {
+  const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
+  if (grid.y > 65535) return static_cast<int>(cudaErrorInvalidValue);
+  const auto* src = static_cast<const uint8_t*>(in);
+  auto* dst = static_cast<uint8_t*>(out);
+  const bool vec4 = rows % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(out) % 4 == 0;
+  if (vec4) {
+    byte_transpose_kernel<true><<<grid, 256, 0, stream>>>(src, dst, rows, cols);
+  } else {
+    byte_transpose_kernel<false><<<grid, 256, 0, stream>>>(src, dst, rows, cols);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace amp8::cuda

@@ -1,0 +1,66 @@
+#pragma once
+// The pieces of Fp8Linear's FP8 path that the fused modules (Fp8LayerNormLinear) reuse.
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#include "ops/quantize.h"
+#include "plugin/fp8_linear.h"
+#include "plugin/fp8_recipe.h"
+
+namespace amp8::detail {
+
+/// What one FP8 forward call of a linear layer uses.
+struct Fp8LinearCall {
+  Fp8CastTranspose weight_q;  ///< the FP8 weight and its transpose (cached or fresh)
+  Fp8RecipeOptions recipe;
+  at::ScalarType out_dtype;  ///< the autocast dtype, else the input's
+};
+
+struct Fp8LinearInternals {
+  /// Whether `linear` runs in FP8 for `input` [..., in_features] (inside a region, eligible
+  /// shape, large enough); when it does, registers its metadata with the region and returns
+  /// the call's state.
+  static std::optional<Fp8LinearCall> prepare(Fp8LinearImpl& linear, const at::Tensor& input);
+  /// An empty tensor that requires grad under fp8_params (so backward reaches main_grad).
+  static const at::Tensor& grad_anchor(Fp8LinearImpl& linear);
+  static at::Tensor high_precision_forward(Fp8LinearImpl& linear, const at::Tensor& input);
+  static void accumulate_main_grad(Fp8LinearImpl& linear, const at::Tensor& grad);
+  static const c10::intrusive_ptr<c10d::ProcessGroup>& group(const Fp8LinearImpl& linear);
+};
+
+/// Rows padded to the FP8 GEMMs' multiple of 16, and x2d padded with zero rows to `rows`.
+int64_t padded_rows(int64_t rows);
+at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows);
+
+/// The dtype GEMM outputs take: the autocast dtype where autocast is on, else the input's.
+at::ScalarType compute_dtype(const at::Tensor& input);
+
+/// Quantizes x for the recipe: delayed scaling uses `scale` and max-merges max|x| into
+/// `amax_slot`; tensorwise scaling derives the scale from x itself.
+Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
+                              const at::Tensor& scale, const at::Tensor& amax_slot);
+
+/// The recipe as integers, for autograd contexts (no strings on the hot path).
+std::vector<int64_t> pack_recipe(const Fp8RecipeOptions& recipe);
+Fp8RecipeOptions unpack_recipe(const std::vector<int64_t>& packed);
+
+struct Fp8LinearGrads {
+  at::Tensor input;  ///< [rows, in_features]
+  at::Tensor weight;
+  at::Tensor bias;
+};
+
+/// The backward GEMMs of an FP8 linear layer: grad_output2d [rows, out_features] is quantized
+/// once (cast_transpose) into the gradient format; dgrad from w_t, wgrad from x_t (which may
+/// be undefined when no weight gradient is needed); under fp8_params the weight gradient goes
+/// to main_grad.
+Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& linear, const at::Tensor& grad_output2d,
+                                   int64_t rows, const Fp8Tensor& x_t, const Fp8Tensor& w_t,
+                                   const Fp8RecipeOptions& recipe, at::ScalarType input_dtype,
+                                   at::ScalarType weight_dtype, bool need_input, bool need_weight,
+                                   bool need_bias);
+
+}  // namespace amp8::detail

@@ -1,0 +1,282 @@
+#include "plugin/fp8_layer_norm.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "ops/fp8_format.h"
+#include "ops/layer_norm.h"
+#include "plugin/fp8_autocast.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using testing::BytesEqual;
+using testing::ExpectErrorContaining;
+
+double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
+  auto a = actual.detach().cpu().to(torch::kDouble);
+  auto e = expected.detach().cpu().to(torch::kDouble);
+  return ((a - e).norm() / e.norm()).item<double>();
+}
+
+// FP8 error bounds, derived in fp8_linear_test.cc: RMS relative rounding error of E4M3 is
+// 2^-4/√3, of E5M2 2^-3/√3; a GEMM of two rounded operands adds them in quadrature.
+constexpr double kE4M3Rms = 0.0625 / 1.7320508;
+constexpr double kE5M2Rms = 0.125 / 1.7320508;
+const double kForwardBound = std::sqrt(2.0) * kE4M3Rms;
+const double kHybridGradBound = std::sqrt(kE5M2Rms * kE5M2Rms + kE4M3Rms * kE4M3Rms);
+
+class Fp8LayerNormTest : public testing::SeededTest {};
+
+TEST_F(Fp8LayerNormTest, HasLayerNormsParametersAndInitialisation) {
+  Fp8LayerNorm ln(std::vector<int64_t>{4, 8});
+  torch::nn::LayerNorm reference(torch::nn::LayerNormOptions({4, 8}));
+  EXPECT_TRUE(BytesEqual(ln->weight, reference->weight));
+  EXPECT_TRUE(BytesEqual(ln->bias, reference->bias));
+  EXPECT_THAT(ln->named_parameters().keys(), ::testing::ElementsAre("weight", "bias"));
+  std::ostringstream os;
+  os << *ln;
+  EXPECT_EQ(os.str(), "amp8::Fp8LayerNorm([4, 8], eps=1e-05, elementwise_affine=true, bias=true)");
+  EXPECT_FALSE(Fp8LayerNorm(Fp8LayerNormOptions({8}).elementwise_affine(false))->weight.defined());
+}
+
+// Values and gradients against torch::nn::LayerNorm (float32; ATen's kernel) on the same
+// parameters, over a two-dimensional normalized_shape.
+void matches_torch_case(torch::Device device, torch::ScalarType dtype) {
+  Fp8LayerNorm ln(Fp8LayerNormOptions({4, 24}).eps(1e-6));
+  torch::nn::LayerNorm reference(torch::nn::LayerNormOptions({4, 24}).eps(1e-6));
+  {
+    torch::NoGradGuard no_grad;
+    ln->weight.copy_(torch::rand({4, 24}) + 0.5);
+    ln->bias.copy_(torch::randn({4, 24}));
+    reference->weight.copy_(ln->weight);
+    reference->bias.copy_(ln->bias);
+  }
+  ln->to(device);
+  reference->to(device);
+  auto x = (torch::randn({3, 5, 4, 24}) * 2 + 1).to(device).to(dtype);
+  auto grad = torch::randn({3, 5, 4, 24}).to(device).to(dtype);
+  auto x1 = x.clone().requires_grad_(true), x2 = x.to(torch::kFloat).requires_grad_(true);
+  auto y1 = ln->forward(x1);
+  auto y2 = reference->forward(x2);
+  y1.backward(grad);
+  y2.backward(grad.to(torch::kFloat));
+  EXPECT_EQ(y1.scalar_type(), dtype);
+  const double bound = dtype == torch::kFloat ? 1e-5 : 1.0 / 256;  // output rounding
+  EXPECT_LE(relative_error(y1, y2), bound);
+  EXPECT_LE(relative_error(x1.grad(), x2.grad()), 2 * bound);
+  EXPECT_LE(relative_error(ln->weight.grad(), reference->weight.grad()), 2 * bound);
+  EXPECT_LE(relative_error(ln->bias.grad(), reference->bias.grad()), 2 * bound);
+}
+
+TEST_F(Fp8LayerNormTest, MatchesTorchLayerNorm) {
+  matches_torch_case(torch::kCPU, torch::kFloat);
+  matches_torch_case(torch::kCPU, torch::kBFloat16);
+}
+
+TEST_F(Fp8LayerNormTest, MatchesTorchLayerNorm_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  matches_torch_case(torch::kCUDA, torch::kFloat);
+  matches_torch_case(torch::kCUDA, torch::kBFloat16);
+}
+
+TEST_F(Fp8LayerNormTest, BadInputIsNamed) {
+  Fp8LayerNorm ln(std::vector<int64_t>{8});
+  ExpectErrorContaining(
+      [&] {
+        ln->forward(torch::randn({2, 7}));
+      },
+      "input must end with normalized_shape [8]");
+  ExpectErrorContaining([&] { Fp8LayerNorm(Fp8LayerNormOptions({8}).eps(0)); },
+                        "eps must be positive");
+  ExpectErrorContaining([&] { Fp8LayerNorm(std::vector<int64_t>{0}); },
+                        "normalized_shape must be positive");
+  Fp8LayerNormLinear lnl(32, 16);
+  ExpectErrorContaining(
+      [&] {
+        lnl->forward(torch::randn({2, 31}));
+      },
+      "input must have in_features=32");
+}
+
+Fp8LayerNormLinear make_layer_norm_linear(torch::Device device, int64_t in, int64_t out) {
+  Fp8LayerNormLinear layer(
+      Fp8LayerNormLinearOptions(in, out).fp8_amax_history_len(4).fp8_min_gemm_size(0));
+  torch::NoGradGuard no_grad;
+  layer->layer_norm->weight.copy_(torch::rand({in}) + 0.5);
+  layer->layer_norm->bias.copy_(torch::randn({in}) * 0.2);
+  layer->to(device);
+  return layer;
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormLinearOutsideARegionIsTheTwoModules) {
+  auto layer = make_layer_norm_linear(torch::kCPU, 48, 40);
+  auto x = torch::randn({3, 7, 48});
+  EXPECT_TRUE(BytesEqual(layer->forward(x), layer->linear->forward(layer->layer_norm->forward(x))));
+  EXPECT_THAT(layer->named_parameters().keys(),
+              ::testing::ElementsAre("layer_norm.weight", "layer_norm.bias", "linear.weight",
+                                     "linear.bias"));
+}
+
+// On the CPU with float32 input the fused module quantizes exactly the float32 LayerNorm output
+// the unfused pair would, so in an FP8 region both give the same bytes: forward, every
+// gradient, and the FP8 metadata after the updates.
+TEST_F(Fp8LayerNormTest, FusedEqualsUnfusedPairInFp8) {
+  for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
+    auto fused = make_layer_norm_linear(torch::kCPU, 64, 48);
+    auto unfused = make_layer_norm_linear(torch::kCPU, 64, 48);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : unfused->named_parameters())
+        p.value().copy_(fused->named_parameters()[p.key()]);
+    }
+    const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind);
+    for (int step = 0; step < 3; ++step) {
+      auto x = torch::randn({5, 9, 64}) * (step + 1);  // 45 rows: padded internally
+      auto grad = torch::randn({5, 9, 48});
+      auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+      torch::Tensor y1, y2;
+      {
+        Fp8Autocast region(recipe);
+        y1 = fused->forward(x1);
+        y2 = unfused->linear->forward(unfused->layer_norm->forward(x2));
+      }
+      y1.backward(grad);
+      y2.backward(grad);
+      EXPECT_TRUE(BytesEqual(y1, y2)) << recipe_kind << " step " << step;
+      EXPECT_TRUE(BytesEqual(x1.grad(), x2.grad())) << recipe_kind << " step " << step;
+      for (auto& p : fused->named_parameters()) {
+        EXPECT_TRUE(BytesEqual(p.value().grad(), unfused->named_parameters()[p.key()].grad()))
+            << p.key() << " " << recipe_kind;
+      }
+      for (auto& b : fused->named_buffers()) {
+        EXPECT_TRUE(BytesEqual(b.value(), unfused->named_buffers()[b.key()])) << b.key();
+      }
+    }
+    EXPECT_GT(fused->linear->fp8_fwd_amax_history.max().item<float>(), 0) << recipe_kind;
+  }
+}
+
+// The fused module in an FP8 region against LayerNorm + Linear in fp64 on the same
+// parameters, within the bounds FP8 rounding allows.
+void fused_fp64_case(torch::Device device, const std::string& fp8, torch::ScalarType dtype) {
+  auto layer = make_layer_norm_linear(device, 128, 96);
+  const auto recipe = Fp8RecipeOptions().fp8(fp8).fp8_amax_history_len(4);
+  auto x = (torch::randn({5, 13, 128}) * 2 + 0.3).to(device).to(dtype);
+  auto grad = torch::randn({5, 13, 96}).to(device).to(dtype);
+  for (int step = 0; step < 2; ++step) {  // step 2 runs with scales from step 1's amaxes
+    layer->zero_grad();
+    auto xr = x.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      Fp8Autocast region(recipe);
+      y = layer->forward(xr);
+    }
+    y.backward(grad);
+    if (step == 0) continue;
+    auto xd = x.to(torch::kDouble).requires_grad_(true);
+    auto lnw = layer->layer_norm->weight.detach().to(torch::kDouble).requires_grad_(true);
+    auto lnb = layer->layer_norm->bias.detach().to(torch::kDouble).requires_grad_(true);
+    auto w = layer->linear->weight.detach().to(torch::kDouble).requires_grad_(true);
+    auto b = layer->linear->bias.detach().to(torch::kDouble).requires_grad_(true);
+    auto yd = torch::nn::functional::linear(torch::layer_norm(xd, {128}, lnw, lnb, 1e-5), w, b);
+    yd.backward(grad.to(torch::kDouble));
+    const double grad_bound = fp8 == "hybrid" ? kHybridGradBound : kForwardBound;
+    // bfloat16 input and output add their own rounding (2^-9 relative) to the FP8 error.
+    const double extra = dtype == torch::kFloat ? 0 : 1.0 / 256;
+    EXPECT_EQ(y.scalar_type(), dtype);
+    EXPECT_LE(relative_error(y, yd), kForwardBound + extra) << device << " " << fp8;
+    EXPECT_LE(relative_error(xr.grad(), xd.grad()), grad_bound + extra) << device << " dx";
+    EXPECT_LE(relative_error(layer->linear->weight.grad(), w.grad()), grad_bound + extra);
+    EXPECT_LE(relative_error(layer->layer_norm->weight.grad(), lnw.grad()), grad_bound + extra);
+    EXPECT_LE(relative_error(layer->layer_norm->bias.grad(), lnb.grad()), grad_bound + extra);
+    EXPECT_LE(relative_error(layer->linear->bias.grad(), b.grad()), 1e-5 + extra);
+  }
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormLinearMatchesFp64WithinFp8Bounds) {
+  fused_fp64_case(torch::kCPU, "hybrid", torch::kFloat);
+  fused_fp64_case(torch::kCPU, "e4m3", torch::kFloat);
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormLinearMatchesFp64WithinFp8Bounds_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  fused_fp64_case(torch::kCUDA, "hybrid", torch::kFloat);
+  fused_fp64_case(torch::kCUDA, "e4m3", torch::kFloat);
+  fused_fp64_case(torch::kCUDA, "hybrid", torch::kBFloat16);
+}
+
+// The first FP8 step records max|LayerNorm output| (not max|x|) in the linear layer's input
+// slot: the activation that is quantized is the normalized one.
+void records_output_amax_case(torch::Device device) {
+  auto layer = make_layer_norm_linear(device, 64, 32);
+  auto x = (torch::randn({32, 64}) * 10).to(device);
+  {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4));
+    layer->forward(x);
+  }
+  const auto ln_out =
+      layer_norm(x, layer->layer_norm->weight.detach(), layer->layer_norm->bias.detach(), 1e-5).out;
+  const float expected = ln_out.abs().max().item<float>();
+  // After the region's update the newest amax sits in the last row (row 0 is zeroed for the
+  // next step).
+  const float recorded = layer->linear->fp8_fwd_amax_history[-1][0].item<float>();
+  EXPECT_NEAR(recorded, expected, 1e-6 * expected);
+  EXPECT_NEAR(layer->linear->fp8_fwd_scale[0].item<float>(), 448.0f / recorded,
+              1e-6 * 448.0f / recorded);
+}
+
+TEST_F(Fp8LayerNormTest, RecordsTheNormalizedOutputsAmax) { records_output_amax_case(torch::kCPU); }
+
+TEST_F(Fp8LayerNormTest, RecordsTheNormalizedOutputsAmax_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  records_output_amax_case(torch::kCUDA);
+}
+
+TEST_F(Fp8LayerNormTest, SaveLoadKeepsFp8Metadata) {
+  auto layer = make_layer_norm_linear(torch::kCPU, 32, 32);
+  for (int step = 0; step < 3; ++step) {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4));
+    layer->forward(torch::randn({16, 32}) * (step + 1)).sum().backward();
+  }
+  std::stringstream buffer;
+  torch::save(layer, buffer);
+  auto restored = make_layer_norm_linear(torch::kCPU, 32, 32);
+  torch::load(restored, buffer);
+  for (auto& b : layer->named_buffers()) {
+    EXPECT_TRUE(BytesEqual(restored->named_buffers()[b.key()], b.value())) << b.key();
+  }
+  for (auto& p : layer->named_parameters()) {
+    EXPECT_TRUE(BytesEqual(restored->named_parameters()[p.key()], p.value())) << p.key();
+  }
+  EXPECT_GT(layer->linear->fp8_fwd_scale[0].item<float>(), 1.0f);
+}
+
+// Under Fp8ModelInit the linear weight lives in FP8 and its gradient reaches main_grad through
+// the fused backward.
+TEST_F(Fp8LayerNormTest, Fp8ParamsUnderModelInit) {
+  Fp8LayerNormLinear layer{nullptr};
+  {
+    Fp8ModelInit init;
+    layer = Fp8LayerNormLinear(Fp8LayerNormLinearOptions(64, 32).fp8_min_gemm_size(0));
+  }
+  EXPECT_TRUE(layer->options.fp8_params());
+  EXPECT_EQ(layer->linear->weight.scalar_type(), torch::kFloat8_e4m3fn);
+  auto x = torch::randn({20, 64}).requires_grad_(true);
+  {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4));
+    layer->forward(x).sum().backward();
+  }
+  ASSERT_TRUE(layer->linear->main_grad().defined());
+  EXPECT_GT(layer->linear->main_grad().abs().sum().item<float>(), 0);
+  EXPECT_TRUE(x.grad().defined());
+  EXPECT_TRUE(layer->layer_norm->weight.grad().defined());
+}
+
+}  // namespace
+}  // namespace amp8

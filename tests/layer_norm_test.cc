@@ -1,0 +1,269 @@
+#include "ops/layer_norm.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "ops/quantize.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using testing::BytesEqual;
+using testing::ExpectErrorContaining;
+
+struct Tolerance {
+  double rtol, atol;
+};
+
+// The output is computed in float32 from float32 statistics and rounded once to its dtype:
+// float32 keeps ~1e-6 of the normalized value (≈ O(1)), bfloat16/float16 lose half a spacing.
+Tolerance tolerance_for(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16:
+      return {1.0 / 256, 1e-5};
+    case at::kHalf:
+      return {1.0 / 1024, 1e-5};
+    default:
+      return {1e-5, 1e-5};
+  }
+}
+
+// Elementwise |actual - expected| <= atol + rtol·|expected|; reports the worst element.
+::testing::AssertionResult AllClose(const at::Tensor& actual, const at::Tensor& expected,
+                                    Tolerance tol) {
+  auto a = actual.detach().cpu().to(at::kDouble).reshape({-1});
+  auto e = expected.detach().cpu().to(at::kDouble).reshape({-1});
+  auto excess = (a - e).abs() - (tol.atol + tol.rtol * e.abs());
+  const int64_t worst = excess.argmax().item<int64_t>();
+  if (excess[worst].item<double>() <= 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "at flat index " << worst << ": actual " << a[worst].item<double>() << " vs expected "
+         << e[worst].item<double>() << " (rtol " << tol.rtol << ", atol " << tol.atol << ")";
+}
+
+double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
+  auto a = actual.detach().cpu().to(at::kDouble);
+  auto e = expected.detach().cpu().to(at::kDouble);
+  const double norm = e.norm().item<double>();
+  // Gradients that vanish in exact arithmetic (hidden size 1: x̂ = 0) are compared absolutely;
+  // every other reference here has a norm far above 1.
+  return (a - e).norm().item<double>() / std::max(norm, 1.0);
+}
+
+struct Fp64Reference {
+  at::Tensor out, mean, rstd, grad_input, grad_gamma, grad_beta;
+};
+
+// at::layer_norm in float64 with autograd, on the same (rounded) inputs.
+Fp64Reference fp64_reference(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                             double eps, const at::Tensor& grad_out) {
+  auto xd = x.cpu().to(at::kDouble).requires_grad_(true);
+  auto gd = gamma.defined() ? gamma.cpu().to(at::kDouble).requires_grad_(true) : at::Tensor();
+  auto bd = beta.defined() ? beta.cpu().to(at::kDouble).requires_grad_(true) : at::Tensor();
+  auto y = at::layer_norm(xd, {x.size(1)}, gd, bd, eps);
+  Fp64Reference ref;
+  ref.out = y.detach();
+  ref.mean = xd.detach().mean(1);
+  ref.rstd = at::rsqrt(xd.detach().var(1, /*unbiased=*/false) + eps);
+  if (grad_out.defined()) {
+    y.backward(grad_out.cpu().to(at::kDouble));
+    ref.grad_input = xd.grad();
+    if (gd.defined()) ref.grad_gamma = gd.grad();
+    if (bd.defined()) ref.grad_beta = bd.grad();
+  }
+  return ref;
+}
+
+// Inputs with a non-zero mean and uneven scale, as activations have.
+at::Tensor activation(int64_t rows, int64_t hidden, at::ScalarType dtype, at::Device device) {
+  return (at::randn({rows, hidden}) * 3 + 0.5).to(dtype).to(device);
+}
+
+using Case = std::tuple<at::ScalarType, int64_t, int64_t>;  // dtype, rows, hidden
+
+class LayerNormTest : public testing::SeededTest, public ::testing::WithParamInterface<Case> {};
+
+void forward_backward_case(const Case& c, at::Device device) {
+  const auto [dtype, rows, hidden] = c;
+  const double eps = 1e-5;
+  auto x = activation(rows, hidden, dtype, device);
+  auto gamma = (at::rand({hidden}) + 0.5).to(device);
+  auto beta = at::randn({hidden}).to(device);
+  auto grad_out = at::randn({rows, hidden}).to(dtype).to(device);
+  const auto ref = fp64_reference(x, gamma, beta, eps, grad_out);
+  const auto tol = tolerance_for(dtype);
+
+  auto result = layer_norm(x, gamma, beta, eps);
+  EXPECT_EQ(result.out.scalar_type(), dtype);
+  EXPECT_EQ(result.out.device(), x.device());
+  EXPECT_TRUE(AllClose(result.out, ref.out, tol)) << "out";
+  EXPECT_TRUE(AllClose(result.stats.mean, ref.mean, {1e-6, 1e-6})) << "mean";
+  EXPECT_TRUE(AllClose(result.stats.rstd, ref.rstd, {1e-5, 0})) << "rstd";
+
+  auto grads = layer_norm_backward(grad_out, x, result.stats, gamma, beta);
+  EXPECT_EQ(grads.grad_input.scalar_type(), dtype);
+  // dx is rounded once to its dtype; dgamma/dbeta are float32 sums over rows.
+  const double dx_bound = dtype == at::kFloat ? 1e-5 : 2 * tol.rtol;
+  EXPECT_LE(relative_error(grads.grad_input, ref.grad_input), dx_bound) << "dx";
+  EXPECT_LE(relative_error(grads.grad_gamma, ref.grad_gamma), 1e-5) << "dgamma";
+  EXPECT_LE(relative_error(grads.grad_beta, ref.grad_beta), 1e-5) << "dbeta";
+}
+
+TEST_P(LayerNormTest, ForwardAndBackwardMatchFp64) { forward_backward_case(GetParam(), at::kCPU); }
+
+TEST_P(LayerNormTest, ForwardAndBackwardMatchFp64_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  forward_backward_case(GetParam(), at::kCUDA);
+}
+
+// The FP8 output is the saturating quantization of the float32 output, byte for byte (float32
+// input on the CPU, where layer_norm's output is that float32 value), and amax is its max|y|.
+TEST_P(LayerNormTest, Fp8OutputIsTheQuantizedOutput) {
+  const auto [dtype, rows, hidden] = GetParam();
+  auto x = activation(rows, hidden, at::kFloat, at::kCPU);
+  auto gamma = at::rand({hidden}) + 0.5;
+  auto beta = at::randn({hidden});
+  auto y = layer_norm(x, gamma, beta, 1e-5).out;
+  for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    auto scale = at::full({1}, 37.0f);
+    auto amax = at::zeros({1});
+    auto q = layer_norm_fp8(x, gamma, beta, 1e-5, scale, format, amax);
+    auto expected = quantize(y, scale, format);
+    EXPECT_TRUE(BytesEqual(q.out.data, expected.data)) << fp8_format_name(format);
+    EXPECT_TRUE(testing::SameFloat(amax.item<float>(), y.abs().max().item<float>()));
+    EXPECT_TRUE(testing::SameFloat(q.out.scale_inv.item<float>(), 1.0f / 37.0f));
+    EXPECT_GT(q.out.data.to(at::kFloat).abs().max().item<float>(), 0);
+  }
+}
+
+// CUDA against the CPU reference: statistics to float32 rounding; FP8 codes equal or one step
+// apart (only where y·scale sits on a rounding boundary and the float32 sums differ).
+TEST_P(LayerNormTest, Fp8OutputMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto [dtype, rows, hidden] = GetParam();
+  auto x = activation(rows, hidden, dtype, at::kCPU);
+  auto gamma = at::rand({hidden}) + 0.5;
+  auto beta = at::randn({hidden});
+  for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    auto scale = at::full({1}, 21.0f);
+    auto amax_cpu = at::zeros({1});
+    auto cpu = layer_norm_fp8(x, gamma, beta, 1e-5, scale, format, amax_cpu);
+    auto amax_gpu = at::zeros({1}, at::kCUDA);
+    auto gpu =
+        layer_norm_fp8(x.cuda(), gamma.cuda(), beta.cuda(), 1e-5, scale.cuda(), format, amax_gpu);
+    // Ordered codes: sign-magnitude bytes → integers whose order is the value order.
+    auto codes = [](const at::Tensor& data) {
+      auto bytes = data.cpu().view(at::kByte).to(at::kInt);
+      auto magnitude = bytes.bitwise_and(0x7F);
+      return at::where(bytes.ge(0x80), -magnitude, magnitude);
+    };
+    auto diff = (codes(gpu.out.data) - codes(cpu.out.data)).abs();
+    EXPECT_LE(diff.max().item<int>(), 1) << fp8_format_name(format);
+    EXPECT_LE(diff.gt(0).sum().item<int64_t>(), std::max<int64_t>(1, x.numel() / 100));
+    EXPECT_NEAR(amax_gpu.item<float>(), amax_cpu.item<float>(), 1e-5 * amax_cpu.item<float>());
+    EXPECT_TRUE(AllClose(gpu.stats.mean, cpu.stats.mean, {1e-6, 1e-6}));
+    EXPECT_TRUE(AllClose(gpu.stats.rstd, cpu.stats.rstd, {1e-5, 0}));
+    EXPECT_TRUE(BytesEqual(gpu.out.scale_inv, cpu.out.scale_inv));
+  }
+}
+
+// Shapes: odd and prime hidden sizes (scalar path), 16-byte rows (vector path), rows with a
+// single element, and hidden sizes beyond the fused kernels' register budget (ATen path).
+INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
+                         ::testing::Values(Case{at::kFloat, 1, 3221},
+                                           Case{at::kBFloat16, 1481, 677}, Case{at::kHalf, 2333, 1},
+                                           Case{at::kFloat, 37, 64}, Case{at::kBFloat16, 129, 4096},
+                                           Case{at::kHalf, 64, 1024}, Case{at::kBFloat16, 7, 12288},
+                                           Case{at::kFloat, 5, 20000}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(c10::toString(std::get<0>(info.param))) +
+                                  "_" +
+                                  testing::shape_name(std::get<1>(info.param),
+                                                      std::get<2>(info.param));
+                         });
+
+class LayerNormOpTest : public testing::SeededTest {};
+
+TEST_F(LayerNormOpTest, WithoutAffineParameters) {
+  auto x = activation(33, 48, at::kFloat, at::kCPU);
+  auto grad_out = at::randn({33, 48});
+  const auto ref = fp64_reference(x, {}, {}, 1e-6, grad_out);
+  auto result = layer_norm(x, {}, {}, 1e-6);
+  EXPECT_TRUE(AllClose(result.out, ref.out, tolerance_for(at::kFloat)));
+  auto grads = layer_norm_backward(grad_out, x, result.stats, {}, {});
+  EXPECT_LE(relative_error(grads.grad_input, ref.grad_input), 1e-5);
+  EXPECT_FALSE(grads.grad_gamma.defined());
+  EXPECT_FALSE(grads.grad_beta.defined());
+}
+
+TEST_F(LayerNormOpTest, AccumulatesAmaxAndWritesIntoAGivenBuffer) {
+  auto x = activation(20, 32, at::kFloat, at::kCPU);
+  auto y = layer_norm(x, {}, {}, 1e-5).out;
+  auto buffer = at::zeros({32, 32}, at::kFloat8_e4m3fn);
+  auto amax = at::full({1}, 1000.0f);
+  auto q = layer_norm_fp8(x, {}, {}, 1e-5, at::ones({1}), Fp8Format::kE4M3, amax,
+                          /*accumulate_amax=*/true, buffer.narrow(0, 0, 20));
+  EXPECT_EQ(amax.item<float>(), 1000.0f);  // max(1000, max|y|)
+  EXPECT_EQ(q.out.data.data_ptr(), buffer.data_ptr());
+  EXPECT_TRUE(
+      BytesEqual(buffer.narrow(0, 0, 20), quantize(y, at::ones({1}), Fp8Format::kE4M3).data));
+  EXPECT_EQ(buffer.narrow(0, 20, 12).to(at::kFloat).abs().sum().item<float>(), 0.0f);
+}
+
+TEST_F(LayerNormOpTest, Fp8TransposeIsAByteTranspose) {
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 3221},
+                            {1481, 677},
+                            {2333, 1},
+                            {64, 128},
+                            {128, 4096},
+                            {48, 20}}) {
+    auto q = quantize(testing::random_wide({rows, cols}, at::kFloat), at::full({1}, 0.01f),
+                      Fp8Format::kE5M2);
+    auto t = fp8_transpose(q);
+    EXPECT_TRUE(BytesEqual(t.data, q.data.t().contiguous())) << rows << "x" << cols;
+    EXPECT_EQ(t.scale_inv.data_ptr(), q.scale_inv.data_ptr());
+    if (testing::cuda_available()) {
+      auto qg = Fp8Tensor(q.data.cuda(), q.scale_inv.cuda(), q.format);
+      EXPECT_TRUE(BytesEqual(fp8_transpose(qg).data, t.data)) << "CUDA " << rows << "x" << cols;
+    }
+  }
+}
+
+TEST_F(LayerNormOpTest, BadArgumentsAreNamed) {
+  auto x = at::randn({4, 8});
+  ExpectErrorContaining([&] { layer_norm(x, at::ones({7}), {}, 1e-5); },
+                        "gamma must have shape [8]");
+  ExpectErrorContaining([&] { layer_norm(x, {}, at::ones({8}, at::kInt), 1e-5); },
+                        "beta must be float32, bfloat16 or float16");
+  ExpectErrorContaining([&] { layer_norm(x, {}, {}, 0.0); }, "eps must be positive");
+  ExpectErrorContaining([&] { layer_norm(at::randn({8}), {}, {}, 1e-5); }, "x must be 2-D");
+  ExpectErrorContaining([&] { layer_norm(x.to(at::kDouble), {}, {}, 1e-5); },
+                        "x must be float32, bfloat16 or float16");
+  ExpectErrorContaining(
+      [&] {
+        layer_norm_fp8(x, {}, {}, 1e-5, at::ones({1}), Fp8Format::kE4M3, {}, false,
+                       at::empty({4, 8}, at::kFloat8_e5m2));
+      },
+      "out must be Float8_e4m3fn for format e4m3, got Float8_e5m2");
+  ExpectErrorContaining([&] { layer_norm_fp8(x, {}, {}, 1e-5, at::ones({2}), Fp8Format::kE4M3); },
+                        "scale must hold exactly one element");
+  auto stats = layer_norm(x, {}, {}, 1e-5).stats;
+  ExpectErrorContaining(
+      [&] {
+        layer_norm_backward(at::randn({4, 9}), x, stats, {}, {});
+      },
+      "grad_out must have x's shape");
+  ExpectErrorContaining(
+      [&] {
+        layer_norm_backward(at::randn({4, 8}), x, {stats.mean, at::Tensor()}, {}, {});
+      },
+      "stats.mean and stats.rstd must be float32 [4]");
+}
+
+}  // namespace
+}  // namespace amp8
