@@ -142,6 +142,50 @@ void memory_case(const std::string& cmd) {
       y.backward(g);
     });
   }
+  // A stack of four such layers (ReLU between them): the saved activations are the FP8
+  // transposes (1 byte per element) instead of the bf16 inputs.
+  double bf16_stack_peak = 0, fp8_stack_peak = 0;
+  {
+    torch::nn::Sequential reference;
+    for (int i = 0; i < 4; ++i) {
+      reference->push_back(torch::nn::Linear(k, n));
+      if (i < 3) reference->push_back(torch::nn::ReLU());
+    }
+    reference->to(torch::kCUDA, torch::kBFloat16);
+    auto x = torch::randn({m, k}, bf16_opts);
+    auto g = torch::randn({m, n}, bf16_opts);
+    bf16_stack_peak = peak_step_bytes([&] { reference->forward(x).backward(g); });
+  }
+  {
+    torch::nn::Sequential stack;
+    {
+      Fp8ModelInit init(true, /*preserve_high_precision_init_val=*/false);
+      for (int i = 0; i < 4; ++i) {
+        stack->push_back(Fp8Linear(Fp8LinearOptions(k, n)));
+        if (i < 3) stack->push_back(torch::nn::ReLU());
+      }
+    }
+    stack->to(torch::kCUDA);
+    for (auto& p : stack->named_parameters()) {
+      if (p.key().find("bias") != std::string::npos) p.value().set_data(p.value().to(torch::kBFloat16));
+    }
+    auto x = torch::randn({m, k}, bf16_opts);
+    auto g = torch::randn({m, n}, bf16_opts);
+    fp8_stack_peak = peak_step_bytes([&] {
+      torch::Tensor y;
+      {
+        Fp8Autocast region;
+        y = stack->forward(x);
+      }
+      y.backward(g);
+    });
+  }
+  bench::Record("fp8_params_memory_4_layer_stack", "4 x 16384x4096x4096", cmd)
+      .set("baseline", "4 torch::nn::Linear in bf16")
+      .set("ours_peak_bytes", fp8_stack_peak)
+      .set("baseline_peak_bytes", bf16_stack_peak)
+      .set("peak_ratio", fp8_stack_peak / bf16_stack_peak)
+      .print();
   bench::Record("fp8_params_memory", "16384x4096x4096", cmd)
       .set("ours_param_bytes", fp8_params)
       .set("baseline", "torch::nn::Linear in bf16")

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "bench/bench_util.h"
+#include "ops/cuda/kernels.h"
 #include "ops/layer_norm.h"
 #include "plugin/fp8_autocast.h"
 #include "plugin/fp8_layer_norm.h"
@@ -77,6 +78,35 @@ int main(int argc, char** argv) {
         .set("fraction_of_copy", fraction(3 * elems, ours))
         .set("copy_gbps", copy_gbps)
         .print();
+  }
+  // Tuning sweep of the forward kernel's threads per row (the default is
+  // cuda::kDefaultLayerNormThreads), bf16 and E4M3 output.
+  for (int threads : {64, 128, 256, 512}) {
+    auto mean = torch::empty({rows}, cuda), rstd = torch::empty({rows}, cuda);
+    auto out_bf16 = torch::empty_like(x);
+    auto out_fp8 = torch::empty({rows, hidden}, cuda.dtype(torch::kFloat8_e4m3fn));
+    auto scale = torch::full({1}, 16.0f, cuda), scale_inv = torch::empty({1}, cuda);
+    auto amax = torch::zeros({1}, cuda);
+    auto stream = at::cuda::getCurrentCUDAStream().stream();
+    for (int fp8 : {0, 1}) {
+      const double ms = bench::median_ms([&] {
+        cuda::launch_layer_norm_fwd(x.const_data_ptr(), cuda::InputType::kBFloat16,
+                                    gamma.const_data_ptr<float>(), beta.const_data_ptr<float>(),
+                                    rows, hidden, 1e-5f,
+                                    fp8 ? out_fp8.mutable_data_ptr() : out_bf16.mutable_data_ptr(),
+                                    fp8, mean.mutable_data_ptr<float>(),
+                                    rstd.mutable_data_ptr<float>(), scale.const_data_ptr<float>(),
+                                    scale_inv.mutable_data_ptr<float>(),
+                                    amax.mutable_data_ptr<float>(), false, stream, threads);
+      });
+      const double bytes = (fp8 ? 3 : 4) * elems;
+      bench::Record(fp8 ? "layer_norm_fwd_fp8_threads" : "layer_norm_fwd_bf16_threads",
+                    shape + " threads=" + std::to_string(threads), cmd)
+          .set("ours_ms", ms)
+          .set("fraction_of_copy", fraction(bytes, ms))
+          .set("default_threads", static_cast<double>(cuda::kDefaultLayerNormThreads))
+          .print();
+    }
   }
   // Backward: dy and x read, dx written (6 B per element) plus dgamma/dbeta.
   {

@@ -51,8 +51,9 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     const auto format = recipe.forward_format();
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
-    const auto scale = linear->fp8_fwd_scale.narrow(0, 0, 1);
-    const auto amax_slot = linear->fp8_fwd_amax_history[0][0];
+    const auto& slots = detail::Fp8LinearInternals::slots(*linear);
+    const auto& scale = slots.input_scale;
+    const auto& amax_slot = slots.input_amax;
 
     Fp8Tensor x_q;
     at::Tensor x_t;  // tensorwise only: made by cast_transpose with the quantization

@@ -5,6 +5,7 @@
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops/fp8_gemm.h"
@@ -67,8 +68,9 @@ Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& module, const at::Tensor& grad
       g.scalar_type() != at::kHalf) {
     g = g.to(at::kFloat);
   }
-  auto g_q = quantize_for(g, recipe, recipe.backward_format(), module.fp8_bwd_scale.narrow(0, 0, 1),
-                          module.fp8_bwd_amax_history[0][0]);
+  const auto& slots = Fp8LinearInternals::slots(module);
+  auto g_q = quantize_for(g, recipe, recipe.backward_format(), slots.grad_scale, slots.grad_amax);
+  g = at::Tensor();
   if (recipe.delayed()) {
     register_backward_group(
         &module, {module.fp8_bwd_amax_history, module.fp8_bwd_scale, module.fp8_bwd_scale_inv},
@@ -79,9 +81,12 @@ Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& module, const at::Tensor& grad
     // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
     grads.input = fp8_gemm(g_q.data, w_t, input_dtype).narrow(0, 0, rows);
   }
+  g_q.data = Fp8Tensor();  // the row-major copy served dgrad only: free it before wgrad
   if (module.options.fp8_params()) {
-    // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad.
-    Fp8LinearInternals::accumulate_main_grad(module, fp8_gemm(g_q.transposed, x_t, at::kFloat));
+    // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad,
+    // accumulated by the GEMM itself (Megatron's gradient-accumulation fusion): no
+    // temporary fp32 gradient.
+    Fp8LinearInternals::accumulate_main_grad_gemm(module, g_q.transposed, x_t);
   } else if (need_weight) {
     // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
     grads.weight = fp8_gemm(g_q.transposed, x_t, weight_dtype);
@@ -109,9 +114,9 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const int64_t rows = x2d.size(0);
     auto x = detail::pad_rows(x2d, detail::padded_rows(rows));
 
-    auto x_q = detail::quantize_for(x, recipe, recipe.forward_format(),
-                                    module->fp8_fwd_scale.narrow(0, 0, 1),
-                                    module->fp8_fwd_amax_history[0][0]);
+    const auto& slots = Fp8LinearInternals::slots(*module);
+    auto x_q = detail::quantize_for(x, recipe, recipe.forward_format(), slots.input_scale,
+                                    slots.input_amax);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
     const bool has_bias = module->options.bias();
@@ -305,6 +310,21 @@ void Fp8LinearImpl::ensure_history_len(int64_t history_len) {
   resize(fp8_bwd_amax_history);
 }
 
+const Fp8LinearImpl::SlotViews& Fp8LinearImpl::slot_views() {
+  const void* keys[4] = {fp8_fwd_scale.const_data_ptr(), fp8_fwd_amax_history.const_data_ptr(),
+                         fp8_bwd_scale.const_data_ptr(), fp8_bwd_amax_history.const_data_ptr()};
+  if (!std::equal(keys, keys + 4, slot_views_.keys)) {
+    slot_views_.input_scale = fp8_fwd_scale.narrow(0, 0, 1);
+    slot_views_.weight_scale = fp8_fwd_scale.narrow(0, 1, 1);
+    slot_views_.input_amax = fp8_fwd_amax_history[0][0];
+    slot_views_.weight_amax = fp8_fwd_amax_history[0][1];
+    slot_views_.grad_scale = fp8_bwd_scale.narrow(0, 0, 1);
+    slot_views_.grad_amax = fp8_bwd_amax_history[0][0];
+    std::copy(keys, keys + 4, slot_views_.keys);
+  }
+  return slot_views_;
+}
+
 Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe) {
   if (options.fp8_params()) {
     // Already FP8: the transpose the backward GEMM needs is a byte transpose.
@@ -317,8 +337,9 @@ Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe)
     return *weight_cache_;
   }
   torch::NoGradGuard no_grad;
-  auto q = detail::quantize_for(weight.detach(), recipe, recipe.forward_format(),
-                                fp8_fwd_scale.narrow(0, 1, 1), fp8_fwd_amax_history[0][1]);
+  const auto& slots = slot_views();
+  auto q = detail::quantize_for(weight, recipe, recipe.forward_format(), slots.weight_scale,
+                                slots.weight_amax);
   if (options.cache_fp8_weight()) {
     weight_cache_ = q;
     weight_cache_version_ = version;
@@ -387,6 +408,19 @@ at::Tensor Fp8LinearInternals::high_precision_forward(Fp8LinearImpl& linear,
 
 void Fp8LinearInternals::accumulate_main_grad(Fp8LinearImpl& linear, const at::Tensor& grad) {
   linear.accumulate_main_grad(grad);
+}
+
+void Fp8LinearInternals::accumulate_main_grad_gemm(Fp8LinearImpl& linear, const Fp8Tensor& grad_t,
+                                                   const Fp8Tensor& x_t) {
+  auto& main_grad = linear.main_grad_;
+  if (!main_grad.defined()) {
+    main_grad = fp8_gemm(grad_t, x_t, at::kFloat);
+    return;
+  }
+  Fp8GemmOptions accumulate;
+  accumulate.out = main_grad;
+  accumulate.accumulate = true;
+  fp8_gemm(grad_t, x_t, at::kFloat, accumulate);
 }
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& Fp8LinearInternals::group(

@@ -136,6 +136,15 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   friend struct detail::Fp8LinearInternals;
   void accumulate_main_grad(const torch::Tensor& grad);
   torch::Tensor high_precision_forward(const torch::Tensor& input);
+  // Views of single slots of the FP8 metadata (scale / amax-history row 0), rebuilt when a
+  // buffer's storage changes (to(), load, history resize): the per-call narrow/select ops were
+  // a measurable share of the host time of a forward call.
+  struct SlotViews {
+    torch::Tensor input_scale, input_amax, weight_scale, weight_amax, grad_scale, grad_amax;
+    const void* keys[4] = {nullptr, nullptr, nullptr, nullptr};
+  };
+  const SlotViews& slot_views();
+  SlotViews slot_views_;
   torch::Tensor grad_anchor_;
   torch::Tensor high_precision_init_val_;
   torch::Tensor main_grad_;

@@ -1,5 +1,6 @@
 // FP8 GEMM through cuBLASLt: LibTorch's handle, workspace and current stream; descriptors in
-// RAII holders; one heuristic query per (shape, dtypes, flags), cached.
+// RAII holders, built once per (shape, dtypes, flags) with the heuristic's algorithm and cached
+// per thread.
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -7,7 +8,7 @@
 
 #include <cstdint>
 #include <map>
-#include <mutex>
+#include <memory>
 #include <tuple>
 
 #include "ops/detail/cuda_ops.h"
@@ -74,15 +75,20 @@ void check_aligned(const void* p, const char* name) {
               " must be 16-byte aligned for cuBLASLt FP8");
 }
 
-using AlgoKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, int>;
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, int>;
 
-struct AlgoCache {
-  std::mutex mutex;
-  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+// Everything about one GEMM configuration that does not change from call to call: the
+// descriptors (with their fixed attributes) and the algorithm the heuristic chose. Per call only
+// the data and scale pointers are set. Plans are per thread, so no call waits on a lock and no
+// two threads share a descriptor whose pointers they are setting.
+struct GemmPlan {
+  MatmulDesc desc;
+  MatrixLayout a_layout, b_layout, c_layout, d_layout;
+  cublasLtMatmulAlgo_t algo{};
 };
 
-AlgoCache& algo_cache() {
-  static AlgoCache cache;
+std::map<PlanKey, std::unique_ptr<GemmPlan>>& plans() {
+  thread_local std::map<PlanKey, std::unique_ptr<GemmPlan>> cache;
   return cache;
 }
 
@@ -99,45 +105,11 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
   check_aligned(b.data.const_data_ptr(), "b");
   check_aligned(out.const_data_ptr(), "out");
 
-  // Row-major Y[M,N] = A[M,K]·B[N,K]ᵀ is column-major Yᵀ[N,M] = op(B)·A with op = transpose:
-  // cuBLASLt's "TN" layout, the only one Hopper's FP8 kernels take.
-  MatmulDesc desc;
-  AMP8_CUBLAS_CHECK(cublasLtMatmulDescCreate(desc.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(CUBLAS_OP_T));
-  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(CUBLAS_OP_N));
-  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scale_inv.const_data_ptr<float>());
-  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scale_inv.const_data_ptr<float>());
-  set_attr(desc.get(), CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(o.use_fast_accum));
-  if (fp8_out) {
-    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, o.out_scale.const_data_ptr<float>());
-    if (o.out_amax.defined()) {
-      set_attr(desc.get(), CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
-               o.out_amax.mutable_data_ptr<float>());
-    }
-  }
-  at::ScalarType bias_dtype = at::kFloat;
-  if (o.bias.defined()) {
-    bias_dtype = o.bias.scalar_type();
-    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
-    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-             static_cast<int32_t>(cuda_dtype(bias_dtype)));
-  }
-
-  // C is read only when accumulating. With an FP8 D it must be a 16-bit type: the bias type,
-  // or fp16 without a bias (LibTorch's _scaled_mm makes the same choice).
-  const at::ScalarType c_dtype = fp8_out ? (o.bias.defined() ? bias_dtype : at::kHalf) : out_dtype;
-  MatrixLayout a_layout, b_layout, c_layout, d_layout;
-  make_layout(a_layout, cuda_dtype(b.data.scalar_type()), k, n, k);
-  make_layout(b_layout, cuda_dtype(a.data.scalar_type()), k, m, k);
-  make_layout(c_layout, cuda_dtype(c_dtype), n, m, n);
-  make_layout(d_layout, cuda_dtype(out_dtype), n, m, n);
-
+  at::ScalarType bias_dtype = o.bias.defined() ? o.bias.scalar_type() : at::kFloat;
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
-
-  const AlgoKey key{m,
+  const PlanKey key{m,
                     n,
                     k,
                     static_cast<int>(a.data.scalar_type()),
@@ -148,42 +120,78 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
                     static_cast<int>(o.accumulate),
                     o.out_amax.defined(),
                     static_cast<int>(a.device().index())};
-  cublasLtMatmulAlgo_t algo;
-  {
-    auto& cache = algo_cache();
-    std::lock_guard<std::mutex> lock(cache.mutex);
-    auto it = cache.algos.find(key);
-    if (it != cache.algos.end()) {
-      algo = it->second;
-    } else {
-      Preference preference;
-      AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(preference.out()));
-      const uint64_t max_workspace = workspace_size;
-      AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-          preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-          sizeof(max_workspace)));
-      cublasLtMatmulHeuristicResult_t result{};
-      int found = 0;
-      AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
-          handle, desc.get(), a_layout.get(), b_layout.get(), c_layout.get(), d_layout.get(),
-          preference.get(), 1, &result, &found));
-      TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
-                  " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
-                  o.bias.defined() ? " with bias" : "");
-      algo = result.algo;
-      cache.algos.emplace(key, algo);
+  auto& slot = plans()[key];
+  if (!slot) {
+    auto plan = std::make_unique<GemmPlan>();
+    // Row-major Y[M,N] = A[M,K]·B[N,K]ᵀ is column-major Yᵀ[N,M] = op(B)·A with op = transpose:
+    // cuBLASLt's "TN" layout, the only one Hopper's FP8 kernels take.
+    AMP8_CUBLAS_CHECK(cublasLtMatmulDescCreate(plan->desc.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    auto* desc = plan->desc.get();
+    set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(CUBLAS_OP_T));
+    set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(CUBLAS_OP_N));
+    set_attr(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(o.use_fast_accum));
+    if (o.bias.defined()) {
+      set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+      set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+               static_cast<int32_t>(cuda_dtype(bias_dtype)));
+    }
+    // The pointer attributes are set before the heuristic query (it may inspect them) and
+    // again on every call.
+    set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scale_inv.const_data_ptr<float>());
+    set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scale_inv.const_data_ptr<float>());
+    if (fp8_out) {
+      set_attr(desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, o.out_scale.const_data_ptr<float>());
+      if (o.out_amax.defined()) {
+        set_attr(desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, o.out_amax.mutable_data_ptr<float>());
+      }
+    }
+    if (o.bias.defined()) set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
+    // C is read only when accumulating. With an FP8 D it must be a 16-bit type: the bias type,
+    // or fp16 without a bias (LibTorch's _scaled_mm makes the same choice).
+    const at::ScalarType c_dtype =
+        fp8_out ? (o.bias.defined() ? bias_dtype : at::kHalf) : out_dtype;
+    make_layout(plan->a_layout, cuda_dtype(b.data.scalar_type()), k, n, k);
+    make_layout(plan->b_layout, cuda_dtype(a.data.scalar_type()), k, m, k);
+    make_layout(plan->c_layout, cuda_dtype(c_dtype), n, m, n);
+    make_layout(plan->d_layout, cuda_dtype(out_dtype), n, m, n);
+    Preference preference;
+    AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(preference.out()));
+    const uint64_t max_workspace = workspace_size;
+    AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+        sizeof(max_workspace)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
+        handle, desc, plan->a_layout.get(), plan->b_layout.get(), plan->c_layout.get(),
+        plan->d_layout.get(), preference.get(), 1, &result, &found));
+    TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
+                " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
+                o.bias.defined() ? " with bias" : "");
+    plan->algo = result.algo;
+    slot = std::move(plan);
+  }
+  GemmPlan& plan = *slot;
+  auto* desc = plan.desc.get();
+  set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scale_inv.const_data_ptr<float>());
+  set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scale_inv.const_data_ptr<float>());
+  if (fp8_out) {
+    set_attr(desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, o.out_scale.const_data_ptr<float>());
+    if (o.out_amax.defined()) {
+      set_attr(desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, o.out_amax.mutable_data_ptr<float>());
     }
   }
-
+  if (o.bias.defined()) set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
   const float alpha = 1.0f;
   const float beta = o.accumulate ? 1.0f : 0.0f;
   // cuBLASLt rejects C == D with different descriptors, which an FP8 D always has; C is not
   // read at beta = 0, so it gets no pointer then.
   const void* c_ptr = fp8_out ? nullptr : out.const_data_ptr();
   AMP8_CUBLAS_CHECK(cublasLtMatmul(
-      handle, desc.get(), &alpha, b.data.const_data_ptr(), a_layout.get(), a.data.const_data_ptr(),
-      b_layout.get(), &beta, c_ptr, c_layout.get(), out.mutable_data_ptr(), d_layout.get(), &algo,
-      workspace, workspace_size, at::cuda::getCurrentCUDAStream().stream()));
+      handle, desc, &alpha, b.data.const_data_ptr(), plan.a_layout.get(), a.data.const_data_ptr(),
+      plan.b_layout.get(), &beta, c_ptr, plan.c_layout.get(), out.mutable_data_ptr(),
+      plan.d_layout.get(), &plan.algo, workspace, workspace_size,
+      at::cuda::getCurrentCUDAStream().stream()));
   return out;
 }
 

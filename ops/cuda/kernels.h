@@ -51,6 +51,10 @@ int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_gr
 // elements forward and 8192 backward when rows are 16-byte aligned, 4096 otherwise.
 inline constexpr int kUnsupportedShape = -1;
 
+// Threads per row the forward prefers (a multiple of 32, at most 512; more when the row does
+// not fit in their registers). Measured: bench/results/layer_norm_bench.jsonl.
+inline constexpr int kDefaultLayerNormThreads = 128;
+
 // One row of x [rows, hidden] per block: mean/rstd (float32 [rows]) and the normalized output
 // into `out` in x's type (out_fp8 = 0) or FP8 E4M3 (1) / E5M2 (2) with *scale, writing
 // 1/scale into scale_inv and max|y| into amax (both required for FP8; amax max-merged with
@@ -58,7 +62,8 @@ inline constexpr int kUnsupportedShape = -1;
 int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, const float* beta,
                           int64_t rows, int64_t hidden, float eps, void* out, int out_fp8,
                           float* mean, float* rstd, const float* scale, float* scale_inv,
-                          float* amax, bool accumulate_amax, Stream stream);
+                          float* amax, bool accumulate_amax, Stream stream,
+                          int preferred_threads = kDefaultLayerNormThreads);
 
 // Rows of the float32 partial-sum workspace launch_layer_norm_bwd needs (its `part` holds
 // 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.

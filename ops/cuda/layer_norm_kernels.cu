@@ -393,7 +393,7 @@ int dispatch_plan(const RowPlan& plan, F&& f) {
 
 // Registers: the forward keeps kIters × kVec inputs per thread, the backward four times as
 // many values (x, dy and the dgamma/dbeta partials), hence the smaller limit.
-constexpr int kFwdPreferredThreads = 256, kFwdMaxElems = 32;
+constexpr int kFwdMaxElems = 32;
 constexpr int kBwdPreferredThreads = 512, kBwdMaxElems = 16;
 
 int bwd_parts(int64_t rows, int threads) {
@@ -406,7 +406,11 @@ int bwd_parts(int64_t rows, int threads) {
 int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, const float* beta,
                           int64_t rows, int64_t hidden, float eps, void* out, int out_fp8,
                           float* mean, float* rstd, const float* scale, float* scale_inv,
-                          float* amax, bool accumulate_amax, Stream stream) {
+                          float* amax, bool accumulate_amax, Stream stream,
+                          int preferred_threads) {
+  if (preferred_threads < 32 || preferred_threads > kMaxThreads || preferred_threads % 32 != 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
   if (out_fp8 != 0 && amax != nullptr && !accumulate_amax) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
@@ -416,7 +420,7 @@ int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, con
     const bool aligned = aligned16(x) && aligned16(out) && (gamma == nullptr || aligned16(gamma)) &&
                          (beta == nullptr || aligned16(beta)) &&
                          (out_fp8 == 0 || (reinterpret_cast<uintptr_t>(out) % kWide == 0));
-    const RowPlan plan = plan_row(hidden, sizeof(T), aligned, kFwdPreferredThreads, kFwdMaxElems);
+    const RowPlan plan = plan_row(hidden, sizeof(T), aligned, preferred_threads, kFwdMaxElems);
     if (!plan.ok() || hidden > (int64_t{1} << 30)) return kUnsupportedShape;
     const int64_t resident = static_cast<int64_t>(num_sms()) * (2048 / plan.threads);
     const int grid = static_cast<int>(std::min(rows, resident));

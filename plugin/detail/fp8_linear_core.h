@@ -28,7 +28,14 @@ struct Fp8LinearInternals {
   static const at::Tensor& grad_anchor(Fp8LinearImpl& linear);
   static at::Tensor high_precision_forward(Fp8LinearImpl& linear, const at::Tensor& input);
   static void accumulate_main_grad(Fp8LinearImpl& linear, const at::Tensor& grad);
+  /// main_grad += grad_tᵀ-GEMM (dW = dyᵀ·x in FP8), accumulated by the GEMM itself.
+  static void accumulate_main_grad_gemm(Fp8LinearImpl& linear, const Fp8Tensor& grad_t,
+                                        const Fp8Tensor& x_t);
   static const c10::intrusive_ptr<c10d::ProcessGroup>& group(const Fp8LinearImpl& linear);
+  /// Scale and amax slots: input_*, weight_* (forward), grad_* (backward).
+  static const Fp8LinearImpl::SlotViews& slots(Fp8LinearImpl& linear) {
+    return linear.slot_views();
+  }
 };
 
 /// Rows padded to the FP8 GEMMs' multiple of 16, and x2d padded with zero rows to `rows`.
