@@ -3,6 +3,7 @@
 // warm-up) and one JSON object per case on stdout, with the fields of DESIGN.md.
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <torch/version.h>
@@ -44,6 +45,18 @@ inline double median_ms(const std::function<void()>& fn, int warmup = 10, int re
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
+
+// CUDA autocast to bf16 for a scope (the baselines' mixed precision), cast cache cleared at exit.
+struct Bf16Autocast {
+  Bf16Autocast() {
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  }
+  ~Bf16Autocast() {
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::clear_cache();
+  }
+};
 
 inline std::string command_line(int argc, char** argv) {
   std::string cmd;

@@ -3,7 +3,6 @@
 // at::_scaled_mm for the three GEMMs), all in one run on the same shapes.
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/torch.h>
 
@@ -14,17 +13,6 @@
 #include "plugin/fp8_linear.h"
 
 namespace {
-
-struct Bf16Autocast {
-  Bf16Autocast() {
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-  }
-  ~Bf16Autocast() {
-    at::autocast::set_autocast_enabled(at::kCUDA, false);
-    at::autocast::clear_cache();
-  }
-};
 
 at::Tensor scale_for(const at::Tensor& x, double fp8_max) {
   return (fp8_max / x.abs().amax().to(at::kFloat)).reshape({});
@@ -49,7 +37,6 @@ void eager_fp8_step(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                            false);
 }
 
-
 // Host time to issue one forward call (CPU wall clock; the GPU is synchronized before and after
 // each call, outside the timing), each call in its own autocast (+ FP8) region as in a training
 // step, so the baseline pays its autocast weight cast and ours its quantization launches.
@@ -65,7 +52,7 @@ void host_time_case(const std::string& cmd) {
   auto host_us = [&](bool use_fp8) {
     std::vector<double> times;
     for (int i = 0; i < 220; ++i) {
-      Bf16Autocast autocast;
+      bench::Bf16Autocast autocast;
       Fp8Autocast region(Fp8RecipeOptions(), use_fp8);
       torch::cuda::synchronize();
       const auto t0 = std::chrono::steady_clock::now();
@@ -167,7 +154,8 @@ void memory_case(const std::string& cmd) {
     }
     stack->to(torch::kCUDA);
     for (auto& p : stack->named_parameters()) {
-      if (p.key().find("bias") != std::string::npos) p.value().set_data(p.value().to(torch::kBFloat16));
+      if (p.key().find("bias") != std::string::npos)
+        p.value().set_data(p.value().to(torch::kBFloat16));
     }
     auto x = torch::randn({m, k}, bf16_opts);
     auto g = torch::randn({m, n}, bf16_opts);
@@ -224,7 +212,7 @@ int main(int argc, char** argv) {
     const double bf16_ms = bench::median_ms([&] {
       torch::Tensor y;
       {
-        Bf16Autocast autocast;
+        bench::Bf16Autocast autocast;
         y = reference->forward(x);
       }
       y.backward(g);
@@ -232,7 +220,7 @@ int main(int argc, char** argv) {
     const double fp8_ms = bench::median_ms([&] {
       torch::Tensor y;
       {
-        Bf16Autocast autocast;
+        bench::Bf16Autocast autocast;
         Fp8Autocast region;
         y = fp8->forward(x);
       }

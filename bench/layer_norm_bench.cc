@@ -4,7 +4,6 @@
 // torch::nn::Linear under bf16 autocast and against the unfused Fp8LayerNorm + Fp8Linear.
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include "bench/bench_util.h"
@@ -12,21 +11,6 @@
 #include "ops/layer_norm.h"
 #include "plugin/fp8_autocast.h"
 #include "plugin/fp8_layer_norm.h"
-
-namespace {
-
-struct Bf16Autocast {
-  Bf16Autocast() {
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-  }
-  ~Bf16Autocast() {
-    at::autocast::set_autocast_enabled(at::kCUDA, false);
-    at::autocast::clear_cache();
-  }
-};
-
-}  // namespace
 
 int main(int argc, char** argv) {
   using namespace amp8;
@@ -50,8 +34,8 @@ int main(int argc, char** argv) {
   // Forward, bf16 → bf16: 2 B read + 2 B written per element.
   {
     const double ours = bench::median_ms([&] { layer_norm(x, gamma, beta, 1e-5); });
-    const double aten = bench::median_ms(
-        [&] { at::native_layer_norm(x, {hidden}, gamma_bf16, beta_bf16, 1e-5); });
+    const double aten =
+        bench::median_ms([&] { at::native_layer_norm(x, {hidden}, gamma_bf16, beta_bf16, 1e-5); });
     bench::Record("layer_norm_fwd_bf16", shape, cmd)
         .timing(ours, "at::native_layer_norm (bf16)", aten)
         .set("gbps", 4 * elems / ours / 1e6)
@@ -90,14 +74,13 @@ int main(int argc, char** argv) {
     auto stream = at::cuda::getCurrentCUDAStream().stream();
     for (int fp8 : {0, 1}) {
       const double ms = bench::median_ms([&] {
-        cuda::launch_layer_norm_fwd(x.const_data_ptr(), cuda::InputType::kBFloat16,
-                                    gamma.const_data_ptr<float>(), beta.const_data_ptr<float>(),
-                                    rows, hidden, 1e-5f,
-                                    fp8 ? out_fp8.mutable_data_ptr() : out_bf16.mutable_data_ptr(),
-                                    fp8, mean.mutable_data_ptr<float>(),
-                                    rstd.mutable_data_ptr<float>(), scale.const_data_ptr<float>(),
-                                    scale_inv.mutable_data_ptr<float>(),
-                                    amax.mutable_data_ptr<float>(), false, stream, threads);
+        cuda::launch_layer_norm_fwd(
+            x.const_data_ptr(), cuda::InputType::kBFloat16, gamma.const_data_ptr<float>(),
+            beta.const_data_ptr<float>(), rows, hidden, 1e-5f,
+            fp8 ? out_fp8.mutable_data_ptr() : out_bf16.mutable_data_ptr(), fp8,
+            mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(),
+            scale.const_data_ptr<float>(), scale_inv.mutable_data_ptr<float>(),
+            amax.mutable_data_ptr<float>(), false, stream, threads);
       });
       const double bytes = (fp8 ? 3 : 4) * elems;
       bench::Record(fp8 ? "layer_norm_fwd_fp8_threads" : "layer_norm_fwd_bf16_threads",
@@ -112,12 +95,10 @@ int main(int argc, char** argv) {
   {
     auto stats = layer_norm(x, gamma, beta, 1e-5).stats;
     auto aten_fwd = at::native_layer_norm(x, {hidden}, gamma_bf16, beta_bf16, 1e-5);
-    const double ours =
-        bench::median_ms([&] { layer_norm_backward(dy, x, stats, gamma, beta); });
+    const double ours = bench::median_ms([&] { layer_norm_backward(dy, x, stats, gamma, beta); });
     const double aten = bench::median_ms([&] {
-      at::native_layer_norm_backward(dy, x, {hidden}, std::get<1>(aten_fwd),
-                                     std::get<2>(aten_fwd), gamma_bf16, beta_bf16,
-                                     {true, true, true});
+      at::native_layer_norm_backward(dy, x, {hidden}, std::get<1>(aten_fwd), std::get<2>(aten_fwd),
+                                     gamma_bf16, beta_bf16, {true, true, true});
     });
     bench::Record("layer_norm_bwd_bf16", shape, cmd)
         .timing(ours, "at::native_layer_norm_backward (bf16)", aten)
@@ -141,8 +122,8 @@ int main(int argc, char** argv) {
         .print();
   }
   // LayerNorm → Linear, forward + backward, at a transformer's MLP input (M, K, N).
-  for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{16384, 4096, 14336},
-                         {8192, 4096, 4096}}) {
+  for (auto [m, k, n] :
+       {std::tuple<int64_t, int64_t, int64_t>{16384, 4096, 14336}, {8192, 4096, 4096}}) {
     torch::nn::LayerNorm ref_ln(torch::nn::LayerNormOptions({k}));
     torch::nn::Linear ref_linear(k, n);
     Fp8LayerNormLinear fused(k, n);
@@ -164,7 +145,7 @@ int main(int argc, char** argv) {
     const double bf16 = bench::median_ms([&] {
       torch::Tensor y;
       {
-        Bf16Autocast autocast;
+        bench::Bf16Autocast autocast;
         y = ref_linear->forward(ref_ln->forward(in));
       }
       y.backward(grad);
@@ -172,7 +153,7 @@ int main(int argc, char** argv) {
     const double ours = bench::median_ms([&] {
       torch::Tensor y;
       {
-        Bf16Autocast autocast;
+        bench::Bf16Autocast autocast;
         Fp8Autocast region;
         y = fused->forward(in);
       }
@@ -181,7 +162,7 @@ int main(int argc, char** argv) {
     const double unfused = bench::median_ms([&] {
       torch::Tensor y;
       {
-        Bf16Autocast autocast;
+        bench::Bf16Autocast autocast;
         Fp8Autocast region;
         y = unfused_linear->forward(unfused_ln->forward(in));
       }

@@ -46,7 +46,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
                                const torch::Tensor& weight, const torch::Tensor& bias,
                                const torch::Tensor& grad_anchor, Fp8LinearImpl* linear,
                                const detail::Fp8LinearCall& call, double eps) {
-    const int64_t hidden = ln_weight.size(0), out_features = weight.size(0);
+    const int64_t hidden = ln_weight.size(0);
     const auto& recipe = call.recipe;
     const auto format = recipe.forward_format();
     const auto x2d = input.reshape({-1, hidden}).contiguous();
@@ -85,51 +85,45 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     ctx->save_for_backward({x2d, stats.mean, stats.rstd, ln_weight, ln_bias, x_q.data,
                             x_q.scale_inv, x_t, call.weight_q.transposed.data,
                             call.weight_q.transposed.scale_inv});
-    ctx->saved_data["module"] = reinterpret_cast<int64_t>(linear);
-    ctx->saved_data["meta"] =
-        std::vector<int64_t>{rows, has_bias, static_cast<int64_t>(weight.scalar_type())};
-    ctx->saved_data["recipe"] = detail::pack_recipe(recipe);
-    ctx->saved_data["input_sizes"] = input.sizes().vec();
-
-    auto out_sizes = input.sizes().vec();
-    out_sizes.back() = out_features;
-    return y.reshape(out_sizes);
+    const detail::Fp8LinearSaved saved{linear,
+                                       recipe,
+                                       rows,
+                                       has_bias,
+                                       x2d.scalar_type(),
+                                       weight.scalar_type(),
+                                       input.sizes().vec()};
+    saved.save(ctx);
+    return saved.unflatten(y);
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
-    auto* linear = reinterpret_cast<Fp8LinearImpl*>(ctx->saved_data["module"].toInt());
-    const auto recipe = detail::unpack_recipe(ctx->saved_data["recipe"].toIntVector());
-    const auto meta = ctx->saved_data["meta"].toIntVector();
-    const int64_t rows = meta[0];
-    const bool has_bias = meta[1] != 0;
-    const auto weight_dtype = static_cast<at::ScalarType>(meta[2]);
-    const auto saved = ctx->get_saved_variables();
-    const auto& x2d = saved[0];
-    const LayerNormStats stats{saved[1], saved[2]};
-    const auto& ln_weight = saved[3];
-    const auto& ln_bias = saved[4];
+    const auto saved = detail::Fp8LinearSaved::load(ctx);
+    const auto& recipe = saved.recipe;
+    const auto tensors = ctx->get_saved_variables();
+    const auto& x2d = tensors[0];
+    const LayerNormStats stats{tensors[1], tensors[2]};
+    const auto& ln_weight = tensors[3];
+    const auto& ln_bias = tensors[4];
     const auto format = recipe.forward_format();
-    const Fp8Tensor w_t(saved[8], saved[9], format);
+    const Fp8Tensor w_t(tensors[8], tensors[9], format);
 
     const bool need_ln =
         ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
-    const bool need_weight = ctx->needs_input_grad(3) || linear->options.fp8_params();
+    const bool need_weight = ctx->needs_input_grad(3) || saved.linear->options.fp8_params();
     Fp8Tensor x_t;
     if (need_weight) {
-      x_t = saved[7].defined() ? Fp8Tensor(saved[7], saved[6], format)
-                               : fp8_transpose(Fp8Tensor(saved[5], saved[6], format));
+      x_t = tensors[7].defined() ? Fp8Tensor(tensors[7], tensors[6], format)
+                                 : fp8_transpose(Fp8Tensor(tensors[5], tensors[6], format));
     }
-    const int64_t out_features = w_t.data.size(1);
-    auto grads =
-        detail::fp8_linear_backward(*linear, grad_outputs[0].reshape({-1, out_features}), rows, x_t,
-                                    w_t, recipe, x2d.scalar_type(), weight_dtype, need_ln,
-                                    ctx->needs_input_grad(3), has_bias && ctx->needs_input_grad(4));
+    auto grads = detail::fp8_linear_backward(saved, grad_outputs[0].reshape({-1, w_t.data.size(1)}),
+                                             x_t, w_t, need_ln, ctx->needs_input_grad(3),
+                                             ctx->needs_input_grad(4));
     torch::Tensor grad_input, grad_ln_weight, grad_ln_bias;
     if (need_ln) {
       auto ln = layer_norm_backward(grads.input, x2d, stats, ln_weight, ln_bias);
       if (ctx->needs_input_grad(0)) {
-        grad_input = ln.grad_input.reshape(ctx->saved_data["input_sizes"].toIntVector());
+        grad_input = saved.unflatten(ln.grad_input);
       }
       if (ctx->needs_input_grad(1)) grad_ln_weight = ln.grad_gamma;
       if (ctx->needs_input_grad(2)) grad_ln_bias = ln.grad_beta;

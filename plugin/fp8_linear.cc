@@ -43,26 +43,51 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recip
   return cast_transpose(x, compute_current_scale(amax, format, recipe.fp8_margin()), format);
 }
 
-std::vector<int64_t> pack_recipe(const Fp8RecipeOptions& recipe) {
-  return {recipe.backward_format() == Fp8Format::kE5M2 ? 1 : 0, recipe.fp8_margin(),
-          recipe.amax_compute_algo() == AmaxComputeAlgo::kMostRecent ? 1 : 0,
-          recipe.delayed() ? 1 : 0, recipe.fp8_amax_history_len()};
+void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx) const {
+  std::vector<int64_t> packed = {reinterpret_cast<int64_t>(linear),
+                                 rows,
+                                 has_bias,
+                                 static_cast<int64_t>(input_dtype),
+                                 static_cast<int64_t>(weight_dtype),
+                                 recipe.backward_format() == Fp8Format::kE5M2,
+                                 recipe.fp8_margin(),
+                                 recipe.amax_compute_algo() == AmaxComputeAlgo::kMostRecent,
+                                 recipe.delayed(),
+                                 recipe.fp8_amax_history_len()};
+  ctx->saved_data["fp8_linear"] = std::move(packed);
+  ctx->saved_data["input_sizes"] = input_sizes;
 }
 
-Fp8RecipeOptions unpack_recipe(const std::vector<int64_t>& packed) {
-  return Fp8RecipeOptions()
-      .fp8(packed[0] ? "hybrid" : "e4m3")
-      .fp8_margin(static_cast<int>(packed[1]))
-      .fp8_amax_compute_algo(packed[2] ? "most_recent" : "max")
-      .fp8_recipe(packed[3] ? "delayed" : "tensorwise")
-      .fp8_amax_history_len(packed[4]);
+Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx) {
+  const auto packed = ctx->saved_data["fp8_linear"].toIntVector();
+  Fp8LinearSaved saved;
+  saved.linear = reinterpret_cast<Fp8LinearImpl*>(packed[0]);
+  saved.rows = packed[1];
+  saved.has_bias = packed[2] != 0;
+  saved.input_dtype = static_cast<at::ScalarType>(packed[3]);
+  saved.weight_dtype = static_cast<at::ScalarType>(packed[4]);
+  saved.recipe = Fp8RecipeOptions()
+                     .fp8(packed[5] ? "hybrid" : "e4m3")
+                     .fp8_margin(static_cast<int>(packed[6]))
+                     .fp8_amax_compute_algo(packed[7] ? "most_recent" : "max")
+                     .fp8_recipe(packed[8] ? "delayed" : "tensorwise")
+                     .fp8_amax_history_len(packed[9]);
+  saved.input_sizes = ctx->saved_data["input_sizes"].toIntVector();
+  return saved;
 }
 
-Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& module, const at::Tensor& grad_output2d,
-                                   int64_t rows, const Fp8Tensor& x_t, const Fp8Tensor& w_t,
-                                   const Fp8RecipeOptions& recipe, at::ScalarType input_dtype,
-                                   at::ScalarType weight_dtype, bool need_input, bool need_weight,
-                                   bool need_bias) {
+at::Tensor Fp8LinearSaved::unflatten(const at::Tensor& t2d) const {
+  auto sizes = input_sizes;
+  sizes.back() = t2d.size(1);
+  return t2d.reshape(sizes);
+}
+
+Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
+                                   const Fp8Tensor& x_t, const Fp8Tensor& w_t, bool need_input,
+                                   bool need_weight, bool need_bias) {
+  auto& module = *saved.linear;
+  const auto& recipe = saved.recipe;
+  const int64_t rows = saved.rows;
   auto g = pad_rows(grad_output2d, padded_rows(rows));
   if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
       g.scalar_type() != at::kHalf) {
@@ -79,7 +104,7 @@ Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& module, const at::Tensor& grad
   Fp8LinearGrads grads;
   if (need_input) {
     // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
-    grads.input = fp8_gemm(g_q.data, w_t, input_dtype).narrow(0, 0, rows);
+    grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
   }
   g_q.data = Fp8Tensor();  // the row-major copy served dgrad only: free it before wgrad
   if (module.options.fp8_params()) {
@@ -89,9 +114,11 @@ Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& module, const at::Tensor& grad
     Fp8LinearInternals::accumulate_main_grad_gemm(module, g_q.transposed, x_t);
   } else if (need_weight) {
     // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
-    grads.weight = fp8_gemm(g_q.transposed, x_t, weight_dtype);
+    grads.weight = fp8_gemm(g_q.transposed, x_t, saved.weight_dtype);
   }
-  if (need_bias) grads.bias = grad_output2d.sum(0, /*keepdim=*/false, at::kFloat).to(weight_dtype);
+  if (need_bias && saved.has_bias) {
+    grads.bias = grad_output2d.sum(0, /*keepdim=*/false, at::kFloat).to(saved.weight_dtype);
+  }
   return grads;
 }
 
@@ -108,9 +135,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                                const torch::Tensor& weight, const torch::Tensor& bias,
                                const torch::Tensor& grad_anchor, Fp8LinearImpl* module,
                                const detail::Fp8LinearCall& call) {
-    const int64_t in_features = weight.size(1), out_features = weight.size(0);
     const auto& recipe = call.recipe;
-    auto x2d = input.reshape({-1, in_features});
+    auto x2d = input.reshape({-1, weight.size(1)});
     const int64_t rows = x2d.size(0);
     auto x = detail::pad_rows(x2d, detail::padded_rows(rows));
 
@@ -126,39 +152,28 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
 
     ctx->save_for_backward({x_q.transposed.data, x_q.transposed.scale_inv,
                             call.weight_q.transposed.data, call.weight_q.transposed.scale_inv});
-    ctx->saved_data["module"] = reinterpret_cast<int64_t>(module);
-    ctx->saved_data["meta"] =
-        std::vector<int64_t>{rows, has_bias, static_cast<int64_t>(input.scalar_type()),
-                             static_cast<int64_t>(weight.scalar_type())};
-    ctx->saved_data["recipe"] = detail::pack_recipe(recipe);
-    ctx->saved_data["input_sizes"] = input.sizes().vec();
-
-    auto out_sizes = input.sizes().vec();
-    out_sizes.back() = out_features;
-    return y.reshape(out_sizes);
+    const detail::Fp8LinearSaved saved{module,
+                                       recipe,
+                                       rows,
+                                       has_bias,
+                                       input.scalar_type(),
+                                       weight.scalar_type(),
+                                       input.sizes().vec()};
+    saved.save(ctx);
+    return saved.unflatten(y);
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
-    auto* module = reinterpret_cast<Fp8LinearImpl*>(ctx->saved_data["module"].toInt());
-    const auto recipe = detail::unpack_recipe(ctx->saved_data["recipe"].toIntVector());
-    const auto meta = ctx->saved_data["meta"].toIntVector();
-    const int64_t rows = meta[0];
-    const bool has_bias = meta[1] != 0;
-    const auto input_dtype = static_cast<at::ScalarType>(meta[2]);
-    const auto weight_dtype = static_cast<at::ScalarType>(meta[3]);
-    const auto saved = ctx->get_saved_variables();
-    const Fp8Tensor x_t(saved[0], saved[1], recipe.forward_format());
-    const Fp8Tensor w_t(saved[2], saved[3], recipe.forward_format());
-    const int64_t out_features = w_t.data.size(1);
-
-    auto grads = detail::fp8_linear_backward(*module, grad_outputs[0].reshape({-1, out_features}),
-                                             rows, x_t, w_t, recipe, input_dtype, weight_dtype,
-                                             ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                             has_bias && ctx->needs_input_grad(2));
-    if (grads.input.defined()) {
-      grads.input = grads.input.reshape(ctx->saved_data["input_sizes"].toIntVector());
-    }
+    const auto saved = detail::Fp8LinearSaved::load(ctx);
+    const auto tensors = ctx->get_saved_variables();
+    const auto format = saved.recipe.forward_format();
+    const Fp8Tensor x_t(tensors[0], tensors[1], format);
+    const Fp8Tensor w_t(tensors[2], tensors[3], format);
+    auto grads = detail::fp8_linear_backward(saved, grad_outputs[0].reshape({-1, w_t.data.size(1)}),
+                                             x_t, w_t, ctx->needs_input_grad(0),
+                                             ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+    if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
     return {grads.input,     grads.weight,    grads.bias,
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }

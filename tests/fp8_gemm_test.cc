@@ -11,6 +11,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using testing::item;
+using testing::relative_error;
 
 // Quantized operand with current scaling, on `device`.
 Fp8Tensor operand(int64_t rows, int64_t cols, Fp8Format format, at::Device device) {
@@ -25,12 +26,6 @@ at::Tensor reference(const Fp8Tensor& a, const Fp8Tensor& b, const at::Tensor& b
   auto y = at::matmul(ad, bd.t());
   if (bias.defined()) y = y + bias.cpu().to(at::kDouble);
   return y;
-}
-
-double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
-  auto a = actual.cpu().to(at::kDouble);
-  auto e = expected.cpu().to(at::kDouble);
-  return ((a - e).norm() / e.norm()).item<double>();
 }
 
 // Per-dtype tolerance of ‖out − ref‖ / ‖ref‖. The products of FP8 values are exact; what

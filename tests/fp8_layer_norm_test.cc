@@ -17,19 +17,9 @@ namespace {
 
 using testing::BytesEqual;
 using testing::ExpectErrorContaining;
-
-double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  auto a = actual.detach().cpu().to(torch::kDouble);
-  auto e = expected.detach().cpu().to(torch::kDouble);
-  return ((a - e).norm() / e.norm()).item<double>();
-}
-
-// FP8 error bounds, derived in fp8_linear_test.cc: RMS relative rounding error of E4M3 is
-// 2^-4/√3, of E5M2 2^-3/√3; a GEMM of two rounded operands adds them in quadrature.
-constexpr double kE4M3Rms = 0.0625 / 1.7320508;
-constexpr double kE5M2Rms = 0.125 / 1.7320508;
-const double kForwardBound = std::sqrt(2.0) * kE4M3Rms;
-const double kHybridGradBound = std::sqrt(kE5M2Rms * kE5M2Rms + kE4M3Rms * kE4M3Rms);
+using testing::kForwardBound;
+using testing::kHybridGradBound;
+using testing::relative_error;
 
 class Fp8LayerNormTest : public testing::SeededTest {};
 

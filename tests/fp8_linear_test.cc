@@ -16,12 +16,10 @@ namespace {
 
 using testing::BytesEqual;
 using ::testing::HasSubstr;
-
-double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
-  auto a = actual.detach().cpu().to(torch::kDouble);
-  auto e = expected.detach().cpu().to(torch::kDouble);
-  return ((a - e).norm() / e.norm()).item<double>();
-}
+using testing::kE4M3Rms;
+using testing::kForwardBound;
+using testing::kHybridGradBound;
+using testing::relative_error;
 
 class Fp8LinearTest : public testing::SeededTest {};
 
@@ -49,21 +47,6 @@ TEST_F(Fp8LinearTest, OutsideAnFp8RegionItIsTorchLinear) {
   auto x = torch::randn({3, 7, 48});
   EXPECT_TRUE(BytesEqual(fp8->forward(x), reference->forward(x)));
 }
-
-// Error bounds of one FP8 GEMM against fp64, relative in the Frobenius norm. Rounding to a
-// format with m mantissa bits leaves a relative error uniform within half a spacing, and the
-// spacing is at most 2^-m of the value: an RMS relative error of at most 2^-(m+1)/√3 per
-// element (E4M3: 0.036, E5M2: 0.072), with delayed scaling keeping values out of the
-// subnormal range. For random data the relative error of a product of two independently
-// rounded operands is the root-sum-square of the two:
-//   forward (E4M3 × E4M3):                √2 · 0.036          = 0.051
-//   dgrad/wgrad, "hybrid" (E5M2 × E4M3):  √(0.072² + 0.036²)  = 0.081
-//   dgrad/wgrad, "e4m3":                                        0.051
-// A wrong scale, transpose or format gives errors near 1.
-constexpr double kE4M3Rms = 0.0625 / 1.7320508;
-constexpr double kE5M2Rms = 0.125 / 1.7320508;
-const double kForwardBound = std::sqrt(2.0) * kE4M3Rms;
-const double kHybridGradBound = std::sqrt(kE5M2Rms * kE5M2Rms + kE4M3Rms * kE4M3Rms);
 
 void forward_backward_case(torch::Device device, const std::string& fp8) {
   torch::manual_seed(3);

@@ -181,8 +181,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
                                            Case{at::kHalf, 64, 1024}, Case{at::kBFloat16, 7, 12288},
                                            Case{at::kFloat, 5, 20000}),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           return std::string(c10::toString(std::get<0>(info.param))) +
-                                  "_" +
+                           return std::string(c10::toString(std::get<0>(info.param))) + "_" +
                                   testing::shape_name(std::get<1>(info.param),
                                                       std::get<2>(info.param));
                          });

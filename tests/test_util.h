@@ -107,6 +107,28 @@ inline at::Tensor random_wide(at::IntArrayRef shape, at::ScalarType dtype) {
   return x.to(dtype);
 }
 
+// ‖actual − expected‖ / ‖expected‖ (Frobenius), computed in float64 on the CPU.
+inline double relative_error(const at::Tensor& actual, const at::Tensor& expected) {
+  auto a = actual.detach().cpu().to(at::kDouble);
+  auto e = expected.detach().cpu().to(at::kDouble);
+  return ((a - e).norm() / e.norm()).item<double>();
+}
+
+// Error bounds of one FP8 GEMM against fp64, relative in the Frobenius norm. Rounding to a
+// format with m mantissa bits leaves a relative error uniform within half a spacing, and the
+// spacing is at most 2^-m of the value: an RMS relative error of at most 2^-(m+1)/√3 per
+// element (E4M3: 0.036, E5M2: 0.072), with delayed scaling keeping values out of the
+// subnormal range. For random data the relative error of a product of two independently
+// rounded operands is the root-sum-square of the two:
+//   forward (E4M3 × E4M3):                √2 · 0.036          = 0.051
+//   dgrad/wgrad, "hybrid" (E5M2 × E4M3):  √(0.072² + 0.036²)  = 0.081
+//   dgrad/wgrad, "e4m3":                                        0.051
+// A wrong scale, transpose or format gives errors near 1.
+constexpr double kE4M3Rms = 0.0625 / 1.7320508;
+constexpr double kE5M2Rms = 0.125 / 1.7320508;
+const double kForwardBound = std::sqrt(2.0) * kE4M3Rms;
+const double kHybridGradBound = std::sqrt(kE5M2Rms * kE5M2Rms + kE4M3Rms * kE4M3Rms);
+
 inline std::string shape_name(int64_t rows, int64_t cols) {
   std::ostringstream os;
   os << rows << "x" << cols;

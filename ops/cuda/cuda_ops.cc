@@ -116,13 +116,10 @@ bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& gamma_f, const at::Tensor& grad_input,
                               const at::Tensor& grad_gamma_f, const at::Tensor& grad_beta_f) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool aligned = aligned16(grad_out.const_data_ptr()) && aligned16(x.const_data_ptr()) &&
-                       aligned16(grad_input.const_data_ptr()) &&
-                       (!gamma_f.defined() || aligned16(gamma_f.const_data_ptr()));
   const int64_t rows = x.size(0), hidden = x.size(1);
-  const int parts =
-      cuda::layer_norm_bwd_parts(rows, hidden, static_cast<int>(x.element_size()), aligned);
+  const int parts = cuda::layer_norm_bwd_parts(
+      grad_out.const_data_ptr(), x.const_data_ptr(), grad_input.const_data_ptr(),
+      optional_float_ptr(gamma_f), rows, hidden, static_cast<int>(x.element_size()));
   if (parts == 0) return false;
   auto workspace = at::empty({2, parts, hidden}, x.options().dtype(at::kFloat));
   const int rc = cuda::launch_layer_norm_bwd(

@@ -78,13 +78,14 @@ void check_aligned(const void* p, const char* name) {
 using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, int>;
 
 // Everything about one GEMM configuration that does not change from call to call: the
-// descriptors (with their fixed attributes) and the algorithm the heuristic chose. Per call only
-// the data and scale pointers are set. Plans are per thread, so no call waits on a lock and no
-// two threads share a descriptor whose pointers they are setting.
+// descriptors (with their fixed attributes) and the algorithm the heuristic chose (once found).
+// Per call only the data and scale pointers are set. Plans are per thread, so no call waits on a
+// lock and no two threads share a descriptor whose pointers they are setting.
 struct GemmPlan {
   MatmulDesc desc;
   MatrixLayout a_layout, b_layout, c_layout, d_layout;
   cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
 };
 
 std::map<PlanKey, std::unique_ptr<GemmPlan>>& plans() {
@@ -135,17 +136,6 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
       set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                static_cast<int32_t>(cuda_dtype(bias_dtype)));
     }
-    // The pointer attributes are set before the heuristic query (it may inspect them) and
-    // again on every call.
-    set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scale_inv.const_data_ptr<float>());
-    set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scale_inv.const_data_ptr<float>());
-    if (fp8_out) {
-      set_attr(desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, o.out_scale.const_data_ptr<float>());
-      if (o.out_amax.defined()) {
-        set_attr(desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, o.out_amax.mutable_data_ptr<float>());
-      }
-    }
-    if (o.bias.defined()) set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
     // C is read only when accumulating. With an FP8 D it must be a 16-bit type: the bias type,
     // or fp16 without a bias (LibTorch's _scaled_mm makes the same choice).
     const at::ScalarType c_dtype =
@@ -154,24 +144,10 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
     make_layout(plan->b_layout, cuda_dtype(a.data.scalar_type()), k, m, k);
     make_layout(plan->c_layout, cuda_dtype(c_dtype), n, m, n);
     make_layout(plan->d_layout, cuda_dtype(out_dtype), n, m, n);
-    Preference preference;
-    AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(preference.out()));
-    const uint64_t max_workspace = workspace_size;
-    AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        preference.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-        sizeof(max_workspace)));
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
-        handle, desc, plan->a_layout.get(), plan->b_layout.get(), plan->c_layout.get(),
-        plan->d_layout.get(), preference.get(), 1, &result, &found));
-    TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
-                " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
-                o.bias.defined() ? " with bias" : "");
-    plan->algo = result.algo;
     slot = std::move(plan);
   }
   GemmPlan& plan = *slot;
+  // The pointers change from call to call; they are set before the heuristic query too.
   auto* desc = plan.desc.get();
   set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, b.scale_inv.const_data_ptr<float>());
   set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, a.scale_inv.const_data_ptr<float>());
@@ -182,16 +158,34 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
     }
   }
   if (o.bias.defined()) set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
+  if (!plan.has_algo) {
+    Preference preference;
+    AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(preference.out()));
+    const uint64_t max_workspace = workspace_size;
+    AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.get(),
+                                                           CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                           &max_workspace, sizeof(max_workspace)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
+        handle, desc, plan.a_layout.get(), plan.b_layout.get(), plan.c_layout.get(),
+        plan.d_layout.get(), preference.get(), 1, &result, &found));
+    TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
+                " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
+                o.bias.defined() ? " with bias" : "");
+    plan.algo = result.algo;
+    plan.has_algo = true;
+  }
   const float alpha = 1.0f;
   const float beta = o.accumulate ? 1.0f : 0.0f;
   // cuBLASLt rejects C == D with different descriptors, which an FP8 D always has; C is not
   // read at beta = 0, so it gets no pointer then.
   const void* c_ptr = fp8_out ? nullptr : out.const_data_ptr();
-  AMP8_CUBLAS_CHECK(cublasLtMatmul(
-      handle, desc, &alpha, b.data.const_data_ptr(), plan.a_layout.get(), a.data.const_data_ptr(),
-      plan.b_layout.get(), &beta, c_ptr, plan.c_layout.get(), out.mutable_data_ptr(),
-      plan.d_layout.get(), &plan.algo, workspace, workspace_size,
-      at::cuda::getCurrentCUDAStream().stream()));
+  AMP8_CUBLAS_CHECK(
+      cublasLtMatmul(handle, desc, &alpha, b.data.const_data_ptr(), plan.a_layout.get(),
+                     a.data.const_data_ptr(), plan.b_layout.get(), &beta, c_ptr,
+                     plan.c_layout.get(), out.mutable_data_ptr(), plan.d_layout.get(), &plan.algo,
+                     workspace, workspace_size, at::cuda::getCurrentCUDAStream().stream()));
   return out;
 }
 

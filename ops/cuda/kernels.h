@@ -67,7 +67,9 @@ int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, con
 
 // Rows of the float32 partial-sum workspace launch_layer_norm_bwd needs (its `part` holds
 // 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.
-int layer_norm_bwd_parts(int64_t rows, int64_t hidden, int elem_bytes, bool aligned);
+// The pointers are those launch_layer_norm_bwd will get (their alignment picks the plan).
+int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const float* gamma,
+                         int64_t rows, int64_t hidden, int elem_bytes);
 
 // dx (x's type) from dy (x's type); dgamma/dbeta (float32 [hidden], either may be null).
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,

@@ -10,6 +10,7 @@
 
 #include "ops/cuda/fp8_convert.cuh"
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/launch_util.cuh"
 
 namespace amp8::cuda {
 namespace {
@@ -320,19 +321,6 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-int num_sms() {
-  static const int value = [] {
-    int device = 0, sms = 132;
-    if (cudaGetDevice(&device) == cudaSuccess) {
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    }
-    return sms;
-  }();
-  return value;
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // How a row of `hidden` elements is spread over a block: `vec` elements per access, `iters`
 // accesses per thread (at most max_elems elements per thread, so the row fits in registers),
 // `threads` threads (a multiple of 32; preferred_threads or fewer when possible, never more
@@ -357,19 +345,6 @@ RowPlan plan_row(int64_t hidden, int elem_bytes, bool aligned, int preferred_thr
     }
   }
   return RowPlan{};
-}
-
-template <typename F>
-int dispatch_type(InputType type, F&& f) {
-  switch (type) {
-    case InputType::kFloat:
-      return f(float{});
-    case InputType::kBFloat16:
-      return f(__nv_bfloat16{});
-    case InputType::kHalf:
-      return f(__half{});
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 // Calls f(std::integral_constant<int, kVec>, std::integral_constant<int, kIters>) for a plan.
@@ -406,15 +381,14 @@ int bwd_parts(int64_t rows, int threads) {
 int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, const float* beta,
                           int64_t rows, int64_t hidden, float eps, void* out, int out_fp8,
                           float* mean, float* rstd, const float* scale, float* scale_inv,
-                          float* amax, bool accumulate_amax, Stream stream,
-                          int preferred_threads) {
+                          float* amax, bool accumulate_amax, Stream stream, int preferred_threads) {
   if (preferred_threads < 32 || preferred_threads > kMaxThreads || preferred_threads % 32 != 0) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (out_fp8 != 0 && amax != nullptr && !accumulate_amax) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
-  return dispatch_type(type, [&](auto tag) {
+  return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kWide = 16 / sizeof(T);
     const bool aligned = aligned16(x) && aligned16(out) && (gamma == nullptr || aligned16(gamma)) &&
@@ -451,8 +425,19 @@ int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, con
   });
 }
 
-int layer_norm_bwd_parts(int64_t rows, int64_t hidden, int elem_bytes, bool aligned) {
-  const RowPlan plan = plan_row(hidden, elem_bytes, aligned, kBwdPreferredThreads, kBwdMaxElems);
+namespace {
+RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const float* gamma, int64_t hidden,
+                 int elem_bytes) {
+  const bool aligned =
+      aligned16(dy) && aligned16(x) && aligned16(dx) && (gamma == nullptr || aligned16(gamma));
+  if (hidden > (int64_t{1} << 30)) return RowPlan{};
+  return plan_row(hidden, elem_bytes, aligned, kBwdPreferredThreads, kBwdMaxElems);
+}
+}  // namespace
+
+int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const float* gamma,
+                         int64_t rows, int64_t hidden, int elem_bytes) {
+  const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, elem_bytes);
   return plan.ok() ? bwd_parts(rows, plan.threads) : 0;
 }
 
@@ -460,13 +445,11 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
                           const float* rstd, const float* gamma, int64_t rows, int64_t hidden,
                           void* dx, float* part, int parts, float* dgamma, float* dbeta,
                           Stream stream) {
-  return dispatch_type(type, [&](auto tag) {
+  return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kWide = 16 / sizeof(T);
-    const bool aligned =
-        aligned16(dy) && aligned16(x) && aligned16(dx) && (gamma == nullptr || aligned16(gamma));
-    const RowPlan plan = plan_row(hidden, sizeof(T), aligned, kBwdPreferredThreads, kBwdMaxElems);
-    if (!plan.ok() || hidden > (int64_t{1} << 30)) return kUnsupportedShape;
+    const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
+    if (!plan.ok()) return kUnsupportedShape;
     if (parts != bwd_parts(rows, plan.threads)) return static_cast<int>(cudaErrorInvalidValue);
     float* dgamma_part = dgamma != nullptr ? part : nullptr;
     float* dbeta_part = dbeta != nullptr ? part + static_cast<int64_t>(parts) * hidden : nullptr;

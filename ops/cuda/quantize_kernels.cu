@@ -8,6 +8,7 @@
 
 #include "ops/cuda/fp8_convert.cuh"
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/detail/scale_formula.h"
 
 namespace amp8::cuda {
@@ -15,23 +16,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
-int max_resident_blocks() {
-  static const int value = [] {
-    int device = 0, sms = 132;
-    if (cudaGetDevice(&device) == cudaSuccess) {
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    }
-    return sms * 8;
-  }();
-  return value;
-}
+int max_resident_blocks() { return num_sms() * 8; }
 
 int grid_for(int64_t work) {
   const int64_t blocks = (work + kThreads - 1) / kThreads;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, max_resident_blocks())));
 }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Elementwise quantization over n elements; 8 per thread-iteration where `vectorized`.
 template <typename T, bool kE5M2, bool kWriteOutput>
@@ -188,19 +178,6 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void current_scale_kernel(const float* amax, float* scale, float fp8_max,
                                      float margin_divisor) {
   *scale = detail::scale_from_amax(*amax, 1.0f, fp8_max, margin_divisor);
-}
-
-template <typename F>
-int dispatch_input(InputType type, F&& f) {
-  switch (type) {
-    case InputType::kFloat:
-      return f(float{});
-    case InputType::kBFloat16:
-      return f(__nv_bfloat16{});
-    case InputType::kHalf:
-      return f(__half{});
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // namespace

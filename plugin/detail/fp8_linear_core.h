@@ -2,6 +2,7 @@
 // The pieces of Fp8Linear's FP8 path that the fused modules (Fp8LayerNormLinear) reuse.
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
 #include <vector>
@@ -50,24 +51,35 @@ at::ScalarType compute_dtype(const at::Tensor& input);
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot);
 
-/// The recipe as integers, for autograd contexts (no strings on the hot path).
-std::vector<int64_t> pack_recipe(const Fp8RecipeOptions& recipe);
-Fp8RecipeOptions unpack_recipe(const std::vector<int64_t>& packed);
-
 struct Fp8LinearGrads {
   at::Tensor input;  ///< [rows, in_features]
   at::Tensor weight;
   at::Tensor bias;
 };
 
+/// The non-tensor state an FP8 linear autograd function keeps from forward to backward,
+/// stored in the context as integers (no strings on the hot path).
+struct Fp8LinearSaved {
+  Fp8LinearImpl* linear = nullptr;
+  Fp8RecipeOptions recipe;
+  int64_t rows = 0;  ///< rows of the flattened input, before padding
+  bool has_bias = false;
+  at::ScalarType input_dtype = at::kFloat;
+  at::ScalarType weight_dtype = at::kFloat;
+  std::vector<int64_t> input_sizes;
+
+  void save(torch::autograd::AutogradContext* ctx) const;
+  static Fp8LinearSaved load(torch::autograd::AutogradContext* ctx);
+  /// A [rows, features] tensor with the input's leading dimensions: [..., features].
+  at::Tensor unflatten(const at::Tensor& t2d) const;
+};
+
 /// The backward GEMMs of an FP8 linear layer: grad_output2d [rows, out_features] is quantized
 /// once (cast_transpose) into the gradient format; dgrad from w_t, wgrad from x_t (which may
 /// be undefined when no weight gradient is needed); under fp8_params the weight gradient goes
-/// to main_grad.
-Fp8LinearGrads fp8_linear_backward(Fp8LinearImpl& linear, const at::Tensor& grad_output2d,
-                                   int64_t rows, const Fp8Tensor& x_t, const Fp8Tensor& w_t,
-                                   const Fp8RecipeOptions& recipe, at::ScalarType input_dtype,
-                                   at::ScalarType weight_dtype, bool need_input, bool need_weight,
-                                   bool need_bias);
+/// to main_grad. need_bias is ignored for a layer without bias.
+Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
+                                   const Fp8Tensor& x_t, const Fp8Tensor& w_t, bool need_input,
+                                   bool need_weight, bool need_bias);
 
 }  // namespace amp8::detail
