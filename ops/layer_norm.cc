@@ -165,6 +165,7 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
   });
 }
 
+#ifdef AMP8_WITH_CUDA
 // ---- ATen composite, for CUDA shapes the fused kernels do not take ----
 
 at::Tensor normalized_composite(const at::Tensor& x, const at::Tensor& gamma_f,
@@ -179,17 +180,12 @@ at::Tensor normalized_composite(const at::Tensor& x, const at::Tensor& gamma_f,
   if (beta_f.defined()) y = y + beta_f;
   return y;
 }
+#endif
 
 LayerNormStats new_stats(const at::Tensor& x) {
   auto options = x.options().dtype(at::kFloat);
   return {at::empty({x.size(0)}, options), at::empty({x.size(0)}, options)};
 }
-
-#ifndef AMP8_WITH_CUDA
-[[noreturn]] void no_cuda(std::string_view op) {
-  TORCH_CHECK(false, op, ": got a CUDA tensor but amp8 was built without CUDA");
-}
-#endif
 
 }  // namespace
 
@@ -206,7 +202,7 @@ LayerNormResult layer_norm(const at::Tensor& x, const at::Tensor& gamma, const a
       out.copy_(normalized_composite(x, gamma_f, beta_f, eps, stats));
     }
 #else
-    no_cuda("layer_norm");
+    detail::no_cuda("layer_norm");
 #endif
   } else {
     layer_norm_cpu(x, gamma_f, beta_f, eps, out, stats.mean, stats.rstd);
@@ -237,9 +233,9 @@ LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
   const auto gamma_f = as_float(gamma), beta_f = as_float(beta);
   auto stats = new_stats(x);
   auto scale_inv = at::empty({1}, scale.options());
-  float* amax = amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
+    float* amax = amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
     if (!detail::layer_norm_cuda(x, gamma_f, beta_f, eps, result, stats.mean, stats.rstd, scale,
                                  scale_inv, amax, accumulate_amax)) {
       auto y = normalized_composite(x, gamma_f, beta_f, eps, stats);
@@ -248,7 +244,7 @@ LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
       scale_inv.copy_(q.scale_inv);
     }
 #else
-    no_cuda("layer_norm_fp8");
+    detail::no_cuda("layer_norm_fp8");
 #endif
   } else {
     const float s = scale.item<float>();
@@ -308,7 +304,7 @@ LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor&
       if (dbeta.defined()) dbeta.copy_(dyf.sum(0));
     }
 #else
-    no_cuda("layer_norm_backward");
+    detail::no_cuda("layer_norm_backward");
 #endif
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -330,7 +326,7 @@ Fp8Tensor fp8_transpose(const Fp8Tensor& t) {
   if (in.numel() > 0) detail::byte_transpose_cuda(in, out);
   return Fp8Tensor(out, t.scale_inv, t.format);
 #else
-  no_cuda("fp8_transpose");
+  detail::no_cuda("fp8_transpose");
 #endif
 }
 

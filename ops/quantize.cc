@@ -14,12 +14,6 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;
 
-#ifndef AMP8_WITH_CUDA
-[[noreturn]] void no_cuda(std::string_view op) {
-  TORCH_CHECK(false, op, ": got a CUDA tensor but amp8 was built without CUDA");
-}
-#endif
-
 template <typename T>
 float amax_cpu_typed(const T* x, int64_t n) {
   return at::parallel_reduce(
@@ -85,9 +79,11 @@ void record_amax(const at::Tensor& amax_out, float value, bool accumulate) {
   amax_out.fill_(accumulate ? detail::nan_max(amax_out.item<float>(), value) : value);
 }
 
+#ifdef AMP8_WITH_CUDA
 float* amax_ptr(const at::Tensor& amax_out) {
   return amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
 }
+#endif
 
 }  // namespace
 
@@ -100,7 +96,7 @@ Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
 #ifdef AMP8_WITH_CUDA
     detail::quantize_cuda(x, scale, format, out, scale_inv, amax_ptr(amax_out), accumulate_amax);
 #else
-    no_cuda("quantize");
+    detail::no_cuda("quantize");
 #endif
   } else {
     const float s = scale.item<float>();
@@ -126,7 +122,7 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
     detail::cast_transpose_cuda(x, scale, format, out, out_t, scale_inv, amax_ptr(amax_out),
                                 accumulate_amax);
 #else
-    no_cuda("cast_transpose");
+    detail::no_cuda("cast_transpose");
 #endif
   } else {
     const float s = scale.item<float>();
@@ -145,7 +141,7 @@ at::Tensor compute_amax(const at::Tensor& x) {
 #ifdef AMP8_WITH_CUDA
     detail::amax_cuda(x, result);
 #else
-    no_cuda("compute_amax");
+    detail::no_cuda("compute_amax");
 #endif
   } else {
     result.fill_(amax_cpu(x));
@@ -164,7 +160,7 @@ at::Tensor compute_current_scale(const at::Tensor& amax, Fp8Format format, int m
 #ifdef AMP8_WITH_CUDA
     detail::current_scale_cuda(amax.reshape({1}), fp8_max(format), margin_divisor, scale);
 #else
-    no_cuda("compute_current_scale");
+    detail::no_cuda("compute_current_scale");
 #endif
   } else {
     scale.fill_(detail::scale_from_amax(amax.item<float>(), 1.0f, fp8_max(format), margin_divisor));

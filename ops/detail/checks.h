@@ -7,6 +7,11 @@
 
 namespace amp8::detail {
 
+// The CUDA branch of an op in a build without CUDA.
+[[noreturn]] inline void no_cuda(std::string_view op) {
+  TORCH_CHECK(false, op, ": got a CUDA tensor but amp8 was built without CUDA");
+}
+
 inline void check_high_precision_input(const at::Tensor& x, std::string_view op) {
   TORCH_CHECK(x.defined(), op, ": x must be a defined tensor");
   const auto dtype = x.scalar_type();
