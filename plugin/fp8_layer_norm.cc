@@ -178,6 +178,7 @@ void Fp8LayerNormImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor Fp8LayerNormImpl::forward(const torch::Tensor& input) {
+  ++forward_calls_;
   const auto& shape = options.normalized_shape();
   const auto n = static_cast<int64_t>(shape.size());
   TORCH_CHECK(input.dim() >= n && input.sizes().slice(input.dim() - n).equals(shape),

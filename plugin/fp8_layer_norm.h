@@ -50,6 +50,8 @@ class Fp8LayerNormImpl : public torch::nn::Cloneable<Fp8LayerNormImpl> {
 
   /// Input [..., *normalized_shape] → output of the same shape and dtype.
   torch::Tensor forward(const torch::Tensor& input);
+  /// How many times forward() has run (see Fp8LinearImpl::forward_calls).
+  int64_t forward_calls() const { return forward_calls_; }
 
   Fp8LayerNormOptions options;
   torch::Tensor weight;  ///< [*normalized_shape], or undefined without elementwise_affine
@@ -57,6 +59,7 @@ class Fp8LayerNormImpl : public torch::nn::Cloneable<Fp8LayerNormImpl> {
 
  private:
   int64_t hidden_size() const;
+  int64_t forward_calls_ = 0;
 };
 
 TORCH_MODULE(Fp8LayerNorm);

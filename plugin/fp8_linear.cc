@@ -284,6 +284,16 @@ void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {
   weight_scale_inv.copy_(q.scale_inv);
 }
 
+void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::set_high_precision_weight: the module was not built with fp8_params");
+  update_fp8_weight(values);
+  torch::NoGradGuard no_grad;
+  high_precision_init_val_ =
+      values.detach().to(weight_scale_inv.device(), at::kFloat, /*non_blocking=*/false,
+                         /*copy=*/true);
+}
+
 void Fp8LinearImpl::zero_main_grad() {
   if (main_grad_.defined()) main_grad_.zero_();
 }
@@ -369,6 +379,7 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
               "Fp8Linear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
+  ++forward_calls_;
   auto call = Fp8LinearInternals::prepare(*this, input);
   if (!call) return high_precision_forward(input);
   const auto& anchor = Fp8LinearInternals::grad_anchor(*this);

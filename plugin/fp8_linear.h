@@ -105,6 +105,9 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
 
   /// Whether the weight shape allows FP8 GEMMs (both dimensions multiples of 16).
   bool fp8_eligible() const;
+  /// How many times forward() has run (lets MixedPrecisionPlugin verify that a module it
+  /// swapped into a model is the one the model's forward calls).
+  int64_t forward_calls() const { return forward_calls_; }
 
   // ---- fp8_params only ----
   /// The high-precision initial weight (float32), kept under Fp8ModelInit's
@@ -120,6 +123,10 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   void update_fp8_weight(const torch::Tensor& master);
   /// The stored FP8 weight as an Fp8Tensor (data + scale_inv).
   Fp8Tensor fp8_weight() const;
+  /// Replaces the weight with high-precision `values` ([out, in]): quantizes them with
+  /// update_fp8_weight and keeps them (float32) as the high-precision initial value, which
+  /// seeds the FP32 master weight. Used when an existing layer's weights move into this one.
+  void set_high_precision_weight(const torch::Tensor& values);
 
   Fp8LinearOptions options;
   torch::Tensor weight;
@@ -150,6 +157,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   torch::Tensor main_grad_;
   c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group_;  // of the last FP8 forward
   std::optional<Fp8CastTranspose> weight_cache_;
+  int64_t forward_calls_ = 0;
   int64_t weight_cache_version_ = -1;
   const void* weight_cache_data_ = nullptr;
 };

@@ -1,0 +1,399 @@
+#include "plugin/mixed_precision_plugin.h"
+
+#include <torch/nn/utils/clip_grad.h>
+
+#include <limits>
+#include <unordered_map>
+
+#include "plugin/autocast_guard.h"
+#include "plugin/fp8_autocast.h"
+#include "plugin/fp8_layer_norm.h"
+#include "plugin/fp8_linear.h"
+
+namespace amp8 {
+namespace {
+
+const void* key(const torch::Tensor& t) { return t.unsafeGetTensorImpl(); }
+
+bool is_fp8_dtype(c10::ScalarType dtype) {
+  return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
+}
+
+std::string dtype_name(c10::ScalarType dtype) { return c10::toString(dtype); }
+
+}  // namespace
+
+// ---- MixedPrecisionOptions ----
+
+std::string MixedPrecisionOptions::canonical_precision() const {
+  if (precision_ == "32" || precision_ == "32-true") return "32";
+  if (precision_ == "16-mixed" || precision_ == "fp16-mixed") return "16-mixed";
+  if (precision_ == "bf16-mixed") return "bf16-mixed";
+  TORCH_CHECK(false,
+              "precision must be \"32\" (or \"32-true\"), \"16-mixed\" (or \"fp16-mixed\") or "
+              "\"bf16-mixed\", got \"",
+              precision_, "\"");
+}
+
+c10::ScalarType MixedPrecisionOptions::compute_dtype() const {
+  const auto precision = canonical_precision();
+  if (precision == "16-mixed") return at::kHalf;
+  if (precision == "bf16-mixed") return at::kBFloat16;
+  return at::kFloat;
+}
+
+c10::ScalarType MixedPrecisionOptions::resolved_params_dtype() const {
+  return params_dtype_ ? *params_dtype_ : compute_dtype();
+}
+
+Fp8RecipeOptions MixedPrecisionOptions::fp8_recipe_options() const {
+  return Fp8RecipeOptions()
+      .fp8(fp8_)
+      .fp8_margin(fp8_margin_)
+      .fp8_amax_history_len(fp8_amax_history_len_)
+      .fp8_amax_compute_algo(fp8_amax_compute_algo_)
+      .fp8_recipe(fp8_recipe_);
+}
+
+void MixedPrecisionOptions::validate() const {
+  const auto precision = canonical_precision();
+  if (params_dtype_) {
+    const auto dtype = *params_dtype_;
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                "params_dtype must be float32, float16 or bfloat16, got ", dtype_name(dtype));
+  }
+  TORCH_CHECK(fp8_ == "none" || fp8_ == "hybrid" || fp8_ == "e4m3",
+              "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"", fp8_, "\"");
+  if (fp8_enabled()) {
+    TORCH_CHECK(precision != "32", "fp8 = \"", fp8_,
+                "\" needs a mixed precision (\"bf16-mixed\" or \"16-mixed\"); precision \"32\" "
+                "takes only fp8 = \"none\"");
+    fp8_recipe_options().validate();
+  }
+  TORCH_CHECK(fp8_params_ == false || fp8_enabled(),
+              "fp8_params = true needs fp8 = \"hybrid\" or \"e4m3\", got fp8 = \"none\"");
+  TORCH_CHECK(fp8_min_gemm_size_ >= 0, "fp8_min_gemm_size must be >= 0, got ", fp8_min_gemm_size_);
+  TORCH_CHECK(num_layers_at_start_in_bf16_ >= 0, "num_layers_at_start_in_bf16 must be >= 0, got ",
+              num_layers_at_start_in_bf16_);
+  TORCH_CHECK(num_layers_at_end_in_bf16_ >= 0, "num_layers_at_end_in_bf16 must be >= 0, got ",
+              num_layers_at_end_in_bf16_);
+  LossScalerOptions()
+      .loss_scale(fp16_loss_scale_)
+      .initial_scale(fp16_initial_loss_scale_)
+      .min_scale(fp16_min_loss_scale_)
+      .growth_interval(fp16_loss_scale_window_)
+      .hysteresis(fp16_hysteresis_)
+      .validate();
+}
+
+// ---- MixedPrecisionPlugin ----
+
+MixedPrecisionPlugin::MixedPrecisionPlugin(const MixedPrecisionOptions& options)
+    : options_(options) {
+  options_.validate();
+  if (options_.canonical_precision() == "16-mixed") {
+    scaler_.emplace(LossScalerOptions()
+                        .loss_scale(options_.fp16_loss_scale())
+                        .initial_scale(options_.fp16_initial_loss_scale())
+                        .min_scale(options_.fp16_min_loss_scale())
+                        .growth_interval(options_.fp16_loss_scale_window())
+                        .hysteresis(options_.fp16_hysteresis()));
+  }
+  if (options_.fp8_enabled()) fp8_recipe_ = options_.fp8_recipe_options();
+}
+
+std::string MixedPrecisionPlugin::name() const {
+  std::string name = options_.canonical_precision();
+  if (options_.fp8_enabled()) {
+    name += " fp8=" + options_.fp8();
+    if (options_.fp8_params()) name += " fp8_params";
+  }
+  return name;
+}
+
+void MixedPrecisionPlugin::convert_module(torch::nn::Module& model) {
+  TORCH_CHECK(model_ == nullptr,
+              "MixedPrecisionPlugin: convert_module/connect was already called; use one plugin per "
+              "model");
+  model_ = &model;
+  if (options_.fp8_enabled()) {
+    conversion_ = convert_to_fp8(
+        model, Fp8ConversionOptions()
+                   .fp8_amax_history_len(options_.fp8_amax_history_len())
+                   .fp8_min_gemm_size(options_.fp8_min_gemm_size())
+                   .fp8_params(options_.fp8_params())
+                   .num_layers_at_start_in_bf16(options_.num_layers_at_start_in_bf16())
+                   .num_layers_at_end_in_bf16(options_.num_layers_at_end_in_bf16()));
+  }
+  const auto params_dtype = options_.resolved_params_dtype();
+  if (params_dtype == at::kFloat) return;
+  torch::NoGradGuard no_grad;
+  for (auto& param : model.parameters()) {
+    const auto dtype = param.scalar_type();
+    if (!param.is_floating_point() || is_fp8_dtype(dtype) || dtype == params_dtype) continue;
+    // The master is seeded from the value before the cast, not from its half rounding.
+    master_seeds_.emplace_back(param, param.detach().to(at::kFloat, /*non_blocking=*/false,
+                                                        /*copy=*/true));
+    param.set_data(param.detach().to(params_dtype));
+  }
+}
+
+void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK(model_ != nullptr,
+              "MixedPrecisionPlugin: call convert_module (or connect) before convert_optimizer");
+  TORCH_CHECK(masters_.empty(), "MixedPrecisionPlugin: convert_optimizer was already called");
+  TORCH_CHECK(optimizer.state().empty(),
+              "MixedPrecisionPlugin: connect the plugin before the optimizer's first step (the "
+              "optimizer already holds state for ",
+              optimizer.state().size(), " parameters)");
+  std::unordered_map<const void*, torch::Tensor> replaced, seeds;
+  for (const auto& [old_param, new_param] : conversion_.replaced_params) replaced[key(old_param)] = new_param;
+  for (const auto& [param, seed] : master_seeds_) seeds[key(param)] = seed;
+  std::unordered_map<const void*, std::shared_ptr<Fp8LinearImpl>> fp8_owners;
+  for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
+    auto linear = std::dynamic_pointer_cast<Fp8LinearImpl>(item.value());
+    if (linear && linear->options.fp8_params()) fp8_owners[key(linear->weight)] = linear;
+  }
+
+  torch::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& param : group.params()) {
+      Master entry;
+      entry.model = param;
+      if (auto it = replaced.find(key(param)); it != replaced.end()) entry.model = it->second;
+      if (auto owner = fp8_owners.find(key(entry.model)); owner != fp8_owners.end()) {
+        const auto& linear = owner->second;
+        auto seed = linear->high_precision_init_val();
+        if (!seed.defined()) {
+          TORCH_WARN_ONCE("MixedPrecisionPlugin: an fp8_params weight has no high-precision "
+                          "initial value (built with preserve_high_precision_init_val=false or "
+                          "cleared); its FP32 master is seeded from the FP8 values");
+          seed = linear->fp8_weight().dequantize(at::kFloat);
+        }
+        entry.master = seed.detach().to(at::kFloat, false, /*copy=*/true).requires_grad_(true);
+        entry.fp8_owner = linear;
+        linear->clear_high_precision_init_val();
+      } else if (entry.model.scalar_type() == at::kFloat) {
+        entry.master = entry.model;
+      } else {
+        TORCH_CHECK(entry.model.is_floating_point() && !is_fp8_dtype(entry.model.scalar_type()),
+                    "MixedPrecisionPlugin: the optimizer holds a parameter of dtype ",
+                    dtype_name(entry.model.scalar_type()),
+                    " that is not an FP8 module's weight; expected floating-point parameters");
+        auto seed = seeds.find(key(entry.model));
+        entry.master = (seed != seeds.end() ? seed->second : entry.model.detach().to(at::kFloat))
+                           .requires_grad_(true);
+      }
+      param = entry.master;
+      masters_.push_back(std::move(entry));
+    }
+  }
+  master_seeds_.clear();
+}
+
+ForwardContext MixedPrecisionPlugin::forward_context() {
+  ForwardContext context;
+  const auto dtype = options_.compute_dtype();
+  if (options_.autocast_enabled() && dtype != at::kFloat) {
+    context.push(std::make_shared<AutocastGuard>(dtype));
+  }
+  if (options_.fp8_enabled()) {
+    context.push(std::make_shared<Fp8Autocast>(fp8_recipe_, /*enabled=*/true, group_));
+  }
+  return context;
+}
+
+torch::Tensor MixedPrecisionPlugin::convert_input(const torch::Tensor& input) {
+  const auto params_dtype = options_.resolved_params_dtype();
+  if (!input.defined() || !input.is_floating_point() || params_dtype == at::kFloat ||
+      input.scalar_type() == params_dtype) {
+    return input;
+  }
+  return input.to(params_dtype);
+}
+
+torch::Tensor MixedPrecisionPlugin::convert_output(const torch::Tensor& output) {
+  if (!output.defined() || !output.is_floating_point() || output.scalar_type() == at::kFloat) {
+    return output;
+  }
+  return output.to(at::kFloat);
+}
+
+void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
+  TORCH_CHECK(loss.defined() && loss.numel() == 1,
+              "MixedPrecisionPlugin::backward: loss must be a tensor with one element, got ",
+              loss.defined() ? loss.sizes() : at::IntArrayRef{});
+  if (scaler_) {
+    loss.to(at::kFloat).mul(scaler_->scale()).backward();
+  } else {
+    loss.backward();
+  }
+}
+
+void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer) {
+  if (gradients_ready_) return;
+  TORCH_CHECK(model_ != nullptr && (!masters_.empty() || optimizer.param_groups().empty()),
+              "MixedPrecisionPlugin: connect(model, optimizer) before stepping");
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  grads.reserve(masters_.size());
+  for (auto& entry : masters_) {
+    torch::Tensor grad;
+    if (entry.fp8_owner) {
+      grad = entry.fp8_owner->main_grad();
+    } else if (entry.master.is_same(entry.model)) {
+      grad = entry.master.grad();
+    } else if (entry.model.grad().defined()) {
+      grad = entry.model.grad().to(at::kFloat);
+    }
+    if (!entry.master.is_same(entry.model)) entry.master.mutable_grad() = grad;
+    if (grad.defined()) grads.push_back(grad);
+  }
+  found_inf_ = false;
+  if (scaler_) {
+    auto found_inf = scaler_->unscale_(grads);
+    if (group_) {
+      std::vector<torch::Tensor> tensors{found_inf};
+      group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
+    }
+    found_inf_ = found_inf.item<float>() > 0.0f;
+  }
+  gradients_ready_ = true;
+}
+
+double MixedPrecisionPlugin::clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) {
+  TORCH_CHECK(max_norm > 0, "clip_gradients: max_norm must be positive, got ", max_norm);
+  unscale_gradients(optimizer);
+  if (found_inf_) return std::numeric_limits<double>::infinity();  // the step will be skipped
+  // clip_grad_norm_ takes the parameters and reads their .grad().
+  std::vector<torch::Tensor> params;
+  for (const auto& entry : masters_) {
+    if (entry.master.grad().defined()) params.push_back(entry.master);
+  }
+  if (params.empty()) return 0.0;
+  return torch::nn::utils::clip_grad_norm_(params, max_norm);
+}
+
+bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
+  unscale_gradients(optimizer);
+  check_swapped_modules_ran();
+  if (scaler_) scaler_->update(found_inf_);
+  const bool step = !found_inf_;
+  if (step) {
+    optimizer.step();
+    torch::NoGradGuard no_grad;
+    for (auto& entry : masters_) {
+      if (entry.fp8_owner) {
+        entry.fp8_owner->update_fp8_weight(entry.master);
+      } else if (!entry.master.is_same(entry.model)) {
+        entry.model.copy_(entry.master);
+      }
+    }
+  } else {
+    ++skipped_steps_;
+  }
+  clear_gradients();
+  return step;
+}
+
+void MixedPrecisionPlugin::clear_gradients() {
+  for (auto& entry : masters_) {
+    if (entry.fp8_owner) entry.fp8_owner->zero_main_grad();
+    if (entry.model.defined()) entry.model.mutable_grad().reset();
+    entry.master.mutable_grad().reset();
+  }
+  gradients_ready_ = false;
+  found_inf_ = false;
+}
+
+void MixedPrecisionPlugin::check_swapped_modules_ran() {
+  if (swapped_modules_checked_) return;
+  swapped_modules_checked_ = true;
+  std::string never_ran;
+  for (const auto& converted : conversion_.modules) {
+    if (converted.parent_is_container) continue;
+    int64_t calls = 0;
+    if (auto linear = std::dynamic_pointer_cast<Fp8LinearImpl>(converted.replacement)) {
+      calls = linear->forward_calls();
+    } else if (auto norm = std::dynamic_pointer_cast<Fp8LayerNormImpl>(converted.replacement)) {
+      calls = norm->forward_calls();
+    }
+    if (calls == 0) never_ran += (never_ran.empty() ? "" : ", ") + converted.path;
+  }
+  TORCH_CHECK(never_ran.empty(),
+              "MixedPrecisionPlugin: convert_module swapped ", never_ran,
+              " for FP8 modules, but the model's forward never called them. The model most "
+              "likely calls the torch::nn::Linear / LayerNorm held in a typed member, which a "
+              "swap cannot re-point in C++. Declare those members as amp8::Fp8Linear / "
+              "amp8::Fp8LayerNorm (drop-in replacements that compute in high precision outside "
+              "an FP8 region), or hold the layers in a torch::nn::Sequential, ModuleList or "
+              "ModuleDict");
+}
+
+double MixedPrecisionPlugin::loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
+
+std::vector<torch::Tensor> MixedPrecisionPlugin::master_params() const {
+  std::vector<torch::Tensor> masters;
+  masters.reserve(masters_.size());
+  for (const auto& entry : masters_) masters.push_back(entry.master);
+  return masters;
+}
+
+void MixedPrecisionPlugin::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("precision", c10::IValue(name()));
+  archive.write("skipped_steps", torch::tensor({skipped_steps_}, at::kLong));
+  archive.write("num_masters", torch::tensor({static_cast<int64_t>(masters_.size())}, at::kLong));
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    // A float32 parameter is its own master: the model's archive already holds it.
+    if (masters_[i].master.is_same(masters_[i].model)) continue;
+    archive.write("master." + std::to_string(i), masters_[i].master.detach(), /*is_buffer=*/true);
+  }
+  if (scaler_) {
+    torch::serialize::OutputArchive scaler_archive;
+    scaler_->save(scaler_archive);
+    archive.write("loss_scaler", scaler_archive);
+  }
+}
+
+void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
+  c10::IValue precision;
+  TORCH_CHECK(archive.try_read("precision", precision) && precision.isString(),
+              "MixedPrecisionPlugin::load: the checkpoint holds no precision-plugin state");
+  TORCH_CHECK(precision.toStringRef() == name(),
+              "MixedPrecisionPlugin::load: the checkpoint was written with precision \"",
+              precision.toStringRef(), "\", this plugin is \"", name(), "\"");
+  torch::Tensor skipped, num_masters;
+  TORCH_CHECK(archive.try_read("skipped_steps", skipped) && archive.try_read("num_masters", num_masters),
+              "MixedPrecisionPlugin::load: the checkpoint lacks skipped_steps / num_masters");
+  TORCH_CHECK(num_masters.item<int64_t>() == static_cast<int64_t>(masters_.size()),
+              "MixedPrecisionPlugin::load: the checkpoint holds ", num_masters.item<int64_t>(),
+              " master parameters, the optimizer connected to this plugin has ", masters_.size());
+  // Read and check everything before changing anything.
+  std::vector<torch::Tensor> values(masters_.size());
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    const auto& master = masters_[i].master;
+    if (master.is_same(masters_[i].model)) continue;
+    const auto name = "master." + std::to_string(i);
+    TORCH_CHECK(archive.try_read(name, values[i], /*is_buffer=*/true),
+                "MixedPrecisionPlugin::load: the checkpoint lacks ", name);
+    TORCH_CHECK(values[i].sizes() == master.sizes() && values[i].scalar_type() == at::kFloat,
+                "MixedPrecisionPlugin::load: ", name, " must be float32 of shape ", master.sizes(),
+                ", got ", dtype_name(values[i].scalar_type()), " of shape ", values[i].sizes());
+  }
+  std::optional<LossScaler> scaler = scaler_;
+  if (scaler) {
+    torch::serialize::InputArchive scaler_archive;
+    TORCH_CHECK(archive.try_read("loss_scaler", scaler_archive),
+                "MixedPrecisionPlugin::load: the checkpoint holds no loss-scaler state");
+    scaler->load(scaler_archive);
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    if (values[i].defined()) masters_[i].master.copy_(values[i]);
+  }
+  scaler_ = scaler;
+  skipped_steps_ = skipped.item<int64_t>();
+  clear_gradients();
+}
+
+}  // namespace amp8

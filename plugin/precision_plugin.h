@@ -1,0 +1,103 @@
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace amp8 {
+
+/// What PrecisionPlugin::forward_context() returns: a move-only RAII handle. While it lives,
+/// the regions the plugin opened (at::autocast, the FP8 region) are active; destroying it
+/// closes them in reverse order of opening.
+class ForwardContext {
+ public:
+  ForwardContext() = default;
+  ForwardContext(ForwardContext&&) = default;
+  ForwardContext& operator=(ForwardContext&& other) {
+    close();
+    guards_ = std::move(other.guards_);
+    return *this;
+  }
+  ForwardContext(const ForwardContext&) = delete;
+  ForwardContext& operator=(const ForwardContext&) = delete;
+  ~ForwardContext() { close(); }
+
+  /// Adds a guard; it is destroyed before every guard added earlier.
+  void push(std::shared_ptr<void> guard) { guards_.push_back(std::move(guard)); }
+  /// Closes the regions now (the destructor then does nothing).
+  void close() {
+    while (!guards_.empty()) guards_.pop_back();
+  }
+
+ private:
+  std::vector<std::shared_ptr<void>> guards_;
+};
+
+/// The hooks a precision adds to a training loop: Lightning's Precision plugin, in C++. The
+/// defaults are full precision ("32"): no conversion, no scaling.
+///
+///   plugin.connect(*model, optimizer);
+///   for (...) {
+///     torch::Tensor loss;
+///     { auto guard = plugin.forward_context(); loss = loss_fn(model->forward(plugin.convert_input(x))); }
+///     plugin.backward(loss);
+///     plugin.optimizer_step(optimizer);   // consumes the gradients: no zero_grad() needed
+///   }
+///
+/// A plugin keeps pointers into the model and optimizer given to connect(): they must outlive
+/// it (or the next connect()).
+class PrecisionPlugin {
+ public:
+  virtual ~PrecisionPlugin() = default;
+
+  /// The precision's name as a user writes it: "32", "16-mixed", "bf16-mixed" (+ " fp8=...").
+  virtual std::string name() const { return "32"; }
+
+  /// convert_module(model), then convert_optimizer(optimizer). Call it once, before the
+  /// optimizer's first step.
+  virtual void connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+    convert_module(model);
+    convert_optimizer(optimizer);
+  }
+  /// Converts the model for this precision (module swaps, parameter dtypes). Default: nothing.
+  virtual void convert_module(torch::nn::Module& model) {}
+  /// Rewires the optimizer for this precision (master parameters). Default: nothing.
+  virtual void convert_optimizer(torch::optim::Optimizer& optimizer) {}
+
+  /// The regions the forward pass (and the loss) must run in. Default: none.
+  virtual ForwardContext forward_context() { return {}; }
+  /// Casts a model input to what the converted model expects. Default: unchanged.
+  virtual torch::Tensor convert_input(const torch::Tensor& input) { return input; }
+  /// Casts a model output for the loss. Default: unchanged.
+  virtual torch::Tensor convert_output(const torch::Tensor& output) { return output; }
+
+  /// Back-propagates `loss` (scaled, where the precision scales losses).
+  virtual void backward(const torch::Tensor& loss) { loss.backward(); }
+  /// Makes the optimizer's gradients ready and true-sized: copied from the model where the
+  /// optimizer holds master copies, divided by the loss scale. Idempotent within a step.
+  virtual void unscale_gradients(torch::optim::Optimizer& optimizer) {}
+  /// Clips the optimizer's gradients to a global L2 norm of `max_norm`, in float32, after
+  /// unscaling; returns the norm before clipping.
+  virtual double clip_gradients(torch::optim::Optimizer& optimizer, double max_norm);
+  /// Steps the optimizer unless the step must be skipped (non-finite gradients under loss
+  /// scaling); returns whether it stepped. Either way the gradients are consumed: afterwards
+  /// every gradient of the model and the optimizer is cleared.
+  virtual bool optimizer_step(torch::optim::Optimizer& optimizer);
+
+  /// The loss scale in use (1 when the precision does not scale).
+  virtual double loss_scale() const { return 1.0; }
+  /// Steps skipped since the start of training (non-finite gradients).
+  virtual int64_t skipped_steps() const { return 0; }
+
+  /// Everything of the plugin that changes during training.
+  virtual void save(torch::serialize::OutputArchive& archive) const {}
+  virtual void load(torch::serialize::InputArchive& archive) {}
+};
+
+}  // namespace amp8

@@ -1,0 +1,271 @@
+#include "plugin/trainer.h"
+
+#include <ATen/Context.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/cuda.h>
+#include <torch/serialize.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <mutex>
+#include <regex>
+
+#include "plugin/checkpoint.h"
+
+namespace amp8 {
+namespace {
+
+constexpr int64_t kCheckpointVersion = 1;
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
+  const auto total = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  if (total >= 3600) {
+    std::snprintf(buf, sizeof(buf), "%lld:%02lld:%02lld", static_cast<long long>(total / 3600),
+                  static_cast<long long>(total / 60 % 60), static_cast<long long>(total % 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%02lld:%02lld", static_cast<long long>(total / 60),
+                  static_cast<long long>(total % 60));
+  }
+  return buf;
+}
+
+std::vector<at::Generator> default_generators() {
+  std::vector<at::Generator> generators{at::detail::getDefaultCPUGenerator()};
+  const auto cuda_devices = static_cast<int64_t>(torch::cuda::device_count());
+  for (int64_t i = 0; i < cuda_devices; ++i) {
+    generators.push_back(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, i)));
+  }
+  return generators;
+}
+
+void save_rng_states(torch::serialize::OutputArchive& archive) {
+  const auto generators = default_generators();
+  archive.write("num_rng_states", torch::tensor({static_cast<int64_t>(generators.size())}));
+  for (size_t i = 0; i < generators.size(); ++i) {
+    auto generator = generators[i];
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    archive.write("rng_state." + std::to_string(i), generator.get_state());
+  }
+}
+
+void load_rng_states(torch::serialize::InputArchive& archive) {
+  torch::Tensor count;
+  TORCH_CHECK(archive.try_read("num_rng_states", count), "checkpoint: the trainer state has no RNG states");
+  auto generators = default_generators();
+  // A checkpoint from a machine with another GPU count restores what both have.
+  const auto n = std::min<int64_t>(count.item<int64_t>(), generators.size());
+  for (int64_t i = 0; i < n; ++i) {
+    torch::Tensor state;
+    TORCH_CHECK(archive.try_read("rng_state." + std::to_string(i), state),
+                "checkpoint: RNG state ", i, " is missing");
+    std::lock_guard<std::mutex> lock(generators[i].mutex());
+    generators[i].set_state(state);
+  }
+}
+
+}  // namespace
+
+PluginHandle::PluginHandle(std::shared_ptr<PrecisionPlugin> plugin) : plugin_(std::move(plugin)) {
+  TORCH_CHECK(plugin_ != nullptr, "Trainer: plugins must not be null");
+}
+
+Trainer::Trainer(TrainerOptions options_, PluginHandle plugins_)
+    : options(std::move(options_)), plugins(std::move(plugins_)), log(&std::cout) {}
+
+void Trainer::connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  if (connected_model_ == &model) return;
+  TORCH_CHECK(connected_model_ == nullptr,
+              "Trainer: this trainer's plugin is connected to another model; use one Trainer per "
+              "model");
+  plugins->connect(model, optimizer);
+  connected_model_ = &model;
+}
+
+void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                  const TrainingStep& training_step, const std::string& ckpt_path) {
+  TORCH_CHECK(options.max_steps() >= 0, "max_steps must be >= 0, got ", options.max_steps());
+  TORCH_CHECK(options.accumulate_grad_batches() >= 1, "accumulate_grad_batches must be >= 1, got ",
+              options.accumulate_grad_batches());
+  TORCH_CHECK(options.log_every_n_steps() >= 0, "log_every_n_steps must be >= 0, got ",
+              options.log_every_n_steps());
+  TORCH_CHECK(options.gradient_clip_val() >= 0 && std::isfinite(options.gradient_clip_val()),
+              "gradient_clip_val must be >= 0, got ", options.gradient_clip_val());
+  TORCH_CHECK(options.every_n_train_steps() >= 0, "every_n_train_steps must be >= 0, got ",
+              options.every_n_train_steps());
+  TORCH_CHECK(options.every_n_train_steps() == 0 || !options.checkpoint_dir().empty(),
+              "every_n_train_steps = ", options.every_n_train_steps(),
+              " needs a checkpoint_dir to write to");
+  if (!options.checkpoint_dir().empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(options.checkpoint_dir(), error);
+    TORCH_CHECK(std::filesystem::is_directory(options.checkpoint_dir()), "checkpoint_dir ",
+                options.checkpoint_dir(), " is not a folder and cannot be created");
+  }
+  TORCH_CHECK(static_cast<bool>(training_step), "Trainer::fit: training_step must be callable");
+
+  connect(model, optimizer);
+  if (!ckpt_path.empty()) {
+    std::string path = ckpt_path;
+    if (std::filesystem::is_directory(ckpt_path)) {
+      path = latest_checkpoint(ckpt_path);
+      TORCH_CHECK(!path.empty(), "Trainer::fit: no step_<N>.ckpt checkpoint in ", ckpt_path);
+    }
+    load_checkpoint(path, model, optimizer);
+  }
+  model.train();
+  for (auto& callback : callbacks) callback->on_train_start(*this);
+
+  auto& precision = *plugins;
+  const int64_t micro_batches = options.accumulate_grad_batches();
+  start_ = std::chrono::steady_clock::now();
+  start_step_ = global_step_;
+  auto interval_start = start_;
+  int64_t interval_steps = 0;
+  while (global_step_ < options.max_steps()) {
+    const int64_t step = global_step_;
+    for (auto& callback : callbacks) callback->on_train_batch_start(*this, step);
+    torch::Tensor loss_sum;
+    for (int64_t micro = 0; micro < micro_batches; ++micro) {
+      torch::Tensor loss;
+      {
+        auto context = precision.forward_context();
+        loss = training_step(TrainStepInput{step, micro, precision});
+      }
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "Trainer: the training step must return a loss with one element, got ",
+                  loss.defined() ? loss.sizes() : at::IntArrayRef{});
+      precision.backward(micro_batches > 1 ? loss / static_cast<double>(micro_batches) : loss);
+      auto detached = loss.detach().to(at::kFloat).reshape({});
+      loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
+    }
+    StepMetrics metrics;
+    metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    if (options.gradient_clip_val() > 0) {
+      metrics.grad_norm = precision.clip_gradients(optimizer, options.gradient_clip_val());
+    }
+    metrics.stepped = precision.optimizer_step(optimizer);
+    ++global_step_;
+    ++interval_steps;
+    metrics.step = global_step_;
+    metrics.loss = loss_sum.item<double>() / static_cast<double>(micro_batches);
+    metrics.loss_scale = precision.loss_scale();
+    metrics.skipped_steps = precision.skipped_steps();
+    history_.push_back(metrics);
+
+    const int64_t every = options.log_every_n_steps();
+    if (every > 0 && (global_step_ % every == 0 || global_step_ == options.max_steps())) {
+      const auto now = std::chrono::steady_clock::now();
+      print_progress(metrics, std::chrono::duration<double>(now - interval_start).count(),
+                     interval_steps);
+      interval_start = now;
+      interval_steps = 0;
+    }
+    for (auto& callback : callbacks) callback->on_train_batch_end(*this, metrics);
+    if (options.every_n_train_steps() > 0 && global_step_ % options.every_n_train_steps() == 0) {
+      char name[32];
+      std::snprintf(name, sizeof(name), "step_%08lld.ckpt", static_cast<long long>(global_step_));
+      const auto path = (std::filesystem::path(options.checkpoint_dir()) / name).string();
+      save_checkpoint(path, model, optimizer);
+      for (auto& callback : callbacks) callback->on_save_checkpoint(*this, path);
+    }
+  }
+  for (auto& callback : callbacks) callback->on_train_end(*this);
+}
+
+void Trainer::print_progress(const StepMetrics& metrics, double interval_s, int64_t interval_steps) {
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const int64_t done = global_step_ - start_step_;
+  const double eta =
+      done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(options.max_steps() - global_step_)
+               : std::numeric_limits<double>::quiet_NaN();
+  char line[320];
+  int n = std::snprintf(line, sizeof(line), "step %lld/%lld | loss %.4f",
+                        static_cast<long long>(global_step_),
+                        static_cast<long long>(options.max_steps()), metrics.loss);
+  if (options.tokens_per_micro_batch() > 0 && interval_s > 0) {
+    const double tokens = static_cast<double>(options.tokens_per_micro_batch()) *
+                          static_cast<double>(options.accumulate_grad_batches() * interval_steps);
+    n += std::snprintf(line + n, sizeof(line) - n, " | %.0f tok/s", tokens / interval_s);
+  }
+  if (metrics.loss_scale != 1.0 || metrics.skipped_steps > 0) {
+    n += std::snprintf(line + n, sizeof(line) - n, " | loss scale %g | skipped %lld",
+                       metrics.loss_scale, static_cast<long long>(metrics.skipped_steps));
+  }
+  if (std::isfinite(metrics.grad_norm)) {
+    n += std::snprintf(line + n, sizeof(line) - n, " | grad norm %.3f", metrics.grad_norm);
+  }
+  std::snprintf(line + n, sizeof(line) - n, " | %s elapsed, ETA %s", format_duration(elapsed).c_str(),
+                format_duration(eta).c_str());
+  *log << line << std::endl;
+}
+
+std::string Trainer::save_checkpoint(const std::string& path, torch::nn::Module& model,
+                                     torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive, model_archive, optimizer_archive, plugin_archive,
+      trainer_archive;
+  archive.write("amp8_checkpoint_version", torch::tensor({kCheckpointVersion}));
+  model.save(model_archive);
+  optimizer.save(optimizer_archive);
+  plugins->save(plugin_archive);
+  trainer_archive.write("global_step", torch::tensor({global_step_}));
+  save_rng_states(trainer_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", optimizer_archive);
+  archive.write("plugin", plugin_archive);
+  archive.write("trainer", trainer_archive);
+  save_atomically(archive, path);
+  return path;
+}
+
+void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
+                              torch::optim::Optimizer& optimizer) {
+  connect(model, optimizer);
+  torch::serialize::InputArchive archive, model_archive, optimizer_archive, plugin_archive,
+      trainer_archive;
+  load_archive(archive, path);
+  torch::Tensor version, step;
+  TORCH_CHECK(archive.try_read("amp8_checkpoint_version", version),
+              "checkpoint ", path, " is not an amp8 checkpoint (no amp8_checkpoint_version)");
+  TORCH_CHECK(version.item<int64_t>() == kCheckpointVersion, "checkpoint ", path, " has version ",
+              version.item<int64_t>(), ", this amp8 reads version ", kCheckpointVersion);
+  TORCH_CHECK(archive.try_read("model", model_archive) &&
+                  archive.try_read("optimizer", optimizer_archive) &&
+                  archive.try_read("plugin", plugin_archive) &&
+                  archive.try_read("trainer", trainer_archive),
+              "checkpoint ", path, " lacks one of model / optimizer / plugin / trainer");
+  TORCH_CHECK(trainer_archive.try_read("global_step", step), "checkpoint ", path,
+              " lacks trainer/global_step");
+  // The plugin first: it checks the precision and the masters before changing anything.
+  plugins->load(plugin_archive);
+  model.load(model_archive);
+  optimizer.load(optimizer_archive);
+  load_rng_states(trainer_archive);
+  global_step_ = step.item<int64_t>();
+}
+
+std::string Trainer::latest_checkpoint(const std::string& folder) {
+  static const std::regex pattern(R"(step_(\d+)\.ckpt)");
+  std::string best;
+  long long best_step = -1;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
+    std::smatch match;
+    const auto name = entry.path().filename().string();
+    if (entry.is_regular_file() && std::regex_match(name, match, pattern)) {
+      const long long step = std::stoll(match[1].str());
+      if (step > best_step) {
+        best_step = step;
+        best = entry.path().string();
+      }
+    }
+  }
+  return best;
+}
+
+}  // namespace amp8

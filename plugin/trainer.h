@@ -1,0 +1,151 @@
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "plugin/mixed_precision_plugin.h"
+#include "plugin/precision_plugin.h"
+
+namespace amp8 {
+
+/// Options of Trainer (Lightning's Trainer arguments of the same names).
+struct TrainerOptions {
+  /// Optimizer steps to run (a resumed run continues up to it). Default: 100.
+  TORCH_ARG(int64_t, max_steps) = 100;
+  /// Micro-batches per optimizer step; their losses are averaged. Default: 1.
+  TORCH_ARG(int64_t, accumulate_grad_batches) = 1;
+  /// A progress line every this many steps (and at the last one); 0 = none. Default: 10.
+  TORCH_ARG(int64_t, log_every_n_steps) = 10;
+  /// Clip gradients to this global L2 norm (float32, after unscaling); 0 = off. Default: 0.
+  TORCH_ARG(double, gradient_clip_val) = 0.0;
+  /// Save a checkpoint into checkpoint_dir every this many steps; 0 = never. Default: 0.
+  TORCH_ARG(int64_t, every_n_train_steps) = 0;
+  /// Folder of the checkpoints (step_<N>.ckpt). Default: "" (none).
+  TORCH_ARG(std::string, checkpoint_dir) = "";
+  /// Tokens in one micro-batch, for the tokens/s figure; 0 = not shown. Default: 0.
+  TORCH_ARG(int64_t, tokens_per_micro_batch) = 0;
+};
+
+/// What one optimizer step did.
+struct StepMetrics {
+  int64_t step = 0;         ///< 1-based: the number of optimizer steps done, this one included
+  double loss = 0.0;        ///< mean over the step's micro-batches
+  bool stepped = true;      ///< false when the step was skipped (non-finite gradients)
+  double loss_scale = 1.0;  ///< the scale after the step
+  int64_t skipped_steps = 0;
+  double grad_norm = 0.0;   ///< before clipping; NaN when clipping is off
+};
+
+class Trainer;
+
+/// Hooks into Trainer::fit (Lightning's Callback). Default: nothing.
+class Callback {
+ public:
+  virtual ~Callback() = default;
+  virtual void on_train_start(Trainer& trainer) {}
+  /// Before optimizer step `step` (0-based) runs its micro-batches: e.g. set the learning rate.
+  virtual void on_train_batch_start(Trainer& trainer, int64_t step) {}
+  /// After the step; `metrics.loss` is exact (read from the device).
+  virtual void on_train_batch_end(Trainer& trainer, const StepMetrics& metrics) {}
+  virtual void on_save_checkpoint(Trainer& trainer, const std::string& path) {}
+  virtual void on_train_end(Trainer& trainer) {}
+};
+
+/// The precision plugin a Trainer uses; assignable from a plugin, its options, or a preset:
+///   trainer.plugins = amp8::recipes::fp16_mixed();
+class PluginHandle {
+ public:
+  PluginHandle() : plugin_(std::make_shared<PrecisionPlugin>()) {}
+  PluginHandle(std::shared_ptr<PrecisionPlugin> plugin);
+  PluginHandle(const MixedPrecisionOptions& options)
+      : plugin_(std::make_shared<MixedPrecisionPlugin>(options)) {}
+  template <typename Plugin,
+            typename = std::enable_if_t<std::is_base_of_v<PrecisionPlugin, std::decay_t<Plugin>>>>
+  PluginHandle(Plugin&& plugin)
+      : plugin_(std::make_shared<std::decay_t<Plugin>>(std::forward<Plugin>(plugin))) {}
+
+  PrecisionPlugin* operator->() const { return plugin_.get(); }
+  PrecisionPlugin& operator*() const { return *plugin_; }
+  const std::shared_ptr<PrecisionPlugin>& get() const { return plugin_; }
+
+ private:
+  std::shared_ptr<PrecisionPlugin> plugin_;
+};
+
+/// What the training step receives: which micro-batch to compute, and the precision plugin
+/// (for convert_input / convert_output).
+struct TrainStepInput {
+  int64_t step;         ///< 0-based optimizer step
+  int64_t micro_batch;  ///< 0-based, < accumulate_grad_batches
+  PrecisionPlugin& precision;
+};
+
+/// The small training loop the recipes use (NeMo's nl.Trainer with a precision plugin):
+///
+///   amp8::Trainer trainer(amp8::TrainerOptions().max_steps(300).log_every_n_steps(50));
+///   trainer.plugins = amp8::recipes::bf16_mixed();
+///   trainer.fit(*model, optimizer, [&](const amp8::TrainStepInput& in) {
+///     auto [x, y] = batch(in.step, in.micro_batch);            // deterministic in (step, micro)
+///     return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+///   });
+///
+/// fit() connects the plugin (module swaps, master params) on its first call, runs each step's
+/// micro-batches inside the plugin's forward context, back-propagates through the plugin,
+/// clips, steps (a skipped step still counts as a step, as Megatron's iterations do), prints a
+/// progress line (step/total, loss, tokens/s, loss scale, skipped steps, elapsed, ETA) and saves
+/// checkpoints. A checkpoint holds the model (parameters and buffers: FP8 metadata included), the
+/// optimizer state, the plugin (master params, loss scaler), the step and the RNG states, and is
+/// written atomically. fit(..., ckpt_path) resumes from a checkpoint (a file, or a folder: its
+/// latest step_<N>.ckpt) and continues exactly as the uninterrupted run would have, provided the
+/// training step draws its data from (step, micro_batch).
+class Trainer {
+ public:
+  using TrainingStep = std::function<torch::Tensor(const TrainStepInput&)>;
+
+  explicit Trainer(TrainerOptions options = {}, PluginHandle plugins = {});
+
+  void fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+           const TrainingStep& training_step, const std::string& ckpt_path = "");
+
+  /// Writes a checkpoint of the current state to `path` (atomically) and returns it.
+  std::string save_checkpoint(const std::string& path, torch::nn::Module& model,
+                              torch::optim::Optimizer& optimizer);
+  /// Restores the state saved by save_checkpoint; connects the plugin first when needed.
+  void load_checkpoint(const std::string& path, torch::nn::Module& model,
+                       torch::optim::Optimizer& optimizer);
+  /// The newest step_<N>.ckpt in `folder`, or "" when there is none.
+  static std::string latest_checkpoint(const std::string& folder);
+
+  int64_t global_step() const { return global_step_; }
+  /// One entry per step run by this Trainer object (a resumed run starts after the checkpoint).
+  const std::vector<StepMetrics>& history() const { return history_; }
+
+  TrainerOptions options;
+  PluginHandle plugins;
+  std::vector<std::shared_ptr<Callback>> callbacks;
+  /// Where progress lines go. Default: std::cout.
+  std::ostream* log;
+
+ private:
+  void connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  void print_progress(const StepMetrics& metrics, double interval_s, int64_t interval_steps);
+
+  int64_t global_step_ = 0;
+  std::vector<StepMetrics> history_;
+  const torch::nn::Module* connected_model_ = nullptr;
+  std::chrono::steady_clock::time_point start_;
+  int64_t start_step_ = 0;
+};
+
+}  // namespace amp8

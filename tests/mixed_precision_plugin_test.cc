@@ -1,0 +1,586 @@
+// MixedPrecisionPlugin: presets, configuration errors, module conversion, FP32 master params,
+// fp16 loss scaling in a training loop, autocast, and every precision trained against fp32.
+#include "plugin/mixed_precision_plugin.h"
+
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "ops/fp8_format.h"
+#include "plugin/autocast_guard.h"
+#include "plugin/fp8_layer_norm.h"
+#include "plugin/fp8_linear.h"
+#include "recipes/precision.h"
+#include "tests/test_models.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using testing::BytesEqual;
+using testing::ExpectErrorContaining;
+using testing::MlpData;
+using testing::SequenceData;
+using testing::TinyTransformer;
+
+bool is_fp8(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// Every tensor an optimizer holds (parameters and state) must be float32.
+void expect_optimizer_sees_only_fp32(torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+  }
+  int64_t state_tensors = 0;
+  for (const auto& [key, state] : optimizer.state()) {
+    if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(state.get())) {
+      EXPECT_EQ(adam->exp_avg().scalar_type(), at::kFloat);
+      EXPECT_EQ(adam->exp_avg_sq().scalar_type(), at::kFloat);
+      state_tensors += 2;
+    } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
+      EXPECT_EQ(adamw->exp_avg().scalar_type(), at::kFloat);
+      EXPECT_EQ(adamw->exp_avg_sq().scalar_type(), at::kFloat);
+      state_tensors += 2;
+    } else if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
+      EXPECT_EQ(sgd->momentum_buffer().scalar_type(), at::kFloat);
+      state_tensors += 1;
+    }
+  }
+  EXPECT_GT(state_tensors, 0) << "the optimizer has stepped, it must hold state";
+}
+
+// ---- presets and configuration ----
+
+TEST(PrecisionPresetsTest, CarryNeMoValues) {
+  const auto bf16 = recipes::bf16_mixed();
+  EXPECT_EQ(bf16.canonical_precision(), "bf16-mixed");
+  EXPECT_EQ(bf16.resolved_params_dtype(), at::kBFloat16);
+  EXPECT_FALSE(bf16.autocast_enabled());
+  EXPECT_TRUE(bf16.grad_reduce_in_fp32());
+  EXPECT_EQ(bf16.fp8(), "none");
+
+  const auto fp16 = recipes::fp16_mixed();
+  EXPECT_EQ(fp16.canonical_precision(), "16-mixed");
+  EXPECT_EQ(fp16.resolved_params_dtype(), at::kHalf);
+  EXPECT_FALSE(fp16.grad_reduce_in_fp32());
+  EXPECT_EQ(fp16.fp16_initial_loss_scale(), 4294967296.0);
+  EXPECT_EQ(fp16.fp16_loss_scale_window(), 1000);
+  EXPECT_EQ(fp16.fp16_hysteresis(), 2);
+  EXPECT_EQ(fp16.fp16_min_loss_scale(), 1.0);
+  EXPECT_FALSE(fp16.fp16_loss_scale().has_value());
+
+  for (const auto& fp8 : {recipes::bf16_with_fp8_mixed(), recipes::fp16_with_fp8_mixed()}) {
+    EXPECT_EQ(fp8.fp8(), "hybrid");
+    EXPECT_EQ(fp8.fp8_margin(), 0);
+    EXPECT_EQ(fp8.fp8_amax_history_len(), 1024);
+    EXPECT_EQ(fp8.fp8_amax_compute_algo(), "max");
+    EXPECT_EQ(fp8.fp8_recipe(), "delayed");
+    EXPECT_TRUE(fp8.fp8_params());
+  }
+  EXPECT_EQ(recipes::bf16_with_fp8_mixed().resolved_params_dtype(), at::kBFloat16);
+  EXPECT_EQ(recipes::fp16_with_fp8_mixed().resolved_params_dtype(), at::kHalf);
+
+  // Every field overrides Options-style, and the plugin converts from the options.
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8("e4m3").fp8_params(false);
+  EXPECT_EQ(plugin.name(), "bf16-mixed fp8=e4m3");
+  EXPECT_EQ(MixedPrecisionPlugin(recipes::fp16_mixed()).loss_scale(), 4294967296.0);
+  EXPECT_EQ(MixedPrecisionPlugin(recipes::bf16_mixed()).loss_scale(), 1.0);
+  EXPECT_FALSE(MixedPrecisionPlugin(recipes::bf16_mixed()).scaler().has_value());
+  EXPECT_EQ(MixedPrecisionPlugin(MixedPrecisionOptions("fp16-mixed")).name(), "16-mixed");
+  EXPECT_EQ(MixedPrecisionPlugin(MixedPrecisionOptions("32-true")).name(), "32");
+}
+
+TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
+  auto make = [](const MixedPrecisionOptions& options) {
+    return [options] { MixedPrecisionPlugin plugin(options); };
+  };
+  ExpectErrorContaining(make(MixedPrecisionOptions("bf17-mixed")),
+                        "precision must be \"32\" (or \"32-true\"), \"16-mixed\" (or "
+                        "\"fp16-mixed\") or \"bf16-mixed\", got \"bf17-mixed\"");
+  ExpectErrorContaining(make(MixedPrecisionOptions("32").fp8("hybrid")),
+                        "precision \"32\" takes only fp8 = \"none\"");
+  ExpectErrorContaining(make(recipes::bf16_mixed().fp8("e5m2")),
+                        "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"e5m2\"");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_margin(-1)),
+                        "fp8_margin must be in [0, 126], got -1");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_amax_history_len(0)),
+                        "fp8_amax_history_len must be in [1, 1048576], got 0");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_amax_compute_algo("mean")),
+                        "fp8_amax_compute_algo");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_amax_compute_algo("mean")),
+                        "\"mean\"");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("current")),
+                        "fp8_recipe must be \"delayed\" or \"tensorwise\"");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(0.0)),
+                        "loss_scale must be positive and finite");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(-8.0)), "loss_scale");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_initial_loss_scale(0.0)),
+                        "initial_loss_scale must be positive");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_hysteresis(0)), "hysteresis must be >= 1");
+  ExpectErrorContaining(make(recipes::bf16_mixed().fp8_params(true)),
+                        "fp8_params = true needs fp8 = \"hybrid\" or \"e4m3\"");
+  ExpectErrorContaining(make(recipes::bf16_mixed().params_dtype(at::kDouble)),
+                        "params_dtype must be float32, float16 or bfloat16, got Double");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().num_layers_at_start_in_bf16(-1)),
+                        "num_layers_at_start_in_bf16 must be >= 0");
+}
+
+TEST(MixedPrecisionPluginTest, Fp8OnAModelWithNoEligibleLayerIsAnError) {
+  auto model = torch::nn::Sequential(torch::nn::Linear(10, 7), torch::nn::ReLU(),
+                                     torch::nn::Linear(7, 3));
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed();
+  ExpectErrorContaining([&] { plugin.connect(*model, optimizer); },
+                        "fp8 is on but the model has no linear layer FP8 can run");
+}
+
+TEST(MixedPrecisionPluginTest, TooManyLayersKeptInBf16IsAnError) {
+  TinyTransformer model(2);
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().num_layers_at_start_in_bf16(2).num_layers_at_end_in_bf16(1);
+  ExpectErrorContaining([&] { plugin.connect(*model, optimizer); },
+                        "num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = 3 exceeds the "
+                        "model's 2 layers");
+}
+
+TEST(MixedPrecisionPluginTest, ConnectAfterTheFirstStepIsAnError) {
+  auto model = testing::make_mlp();
+  torch::optim::Adam optimizer(model->parameters(), 1e-3);
+  model->forward(torch::randn({4, 32})).sum().backward();
+  optimizer.step();
+  MixedPrecisionPlugin plugin = recipes::bf16_mixed();
+  ExpectErrorContaining([&] { plugin.connect(*model, optimizer); },
+                        "connect the plugin before the optimizer's first step");
+}
+
+// ---- module conversion ----
+
+class ConvertModuleTest : public testing::SeededTest {};
+
+TEST_F(ConvertModuleTest, SwapsLinearAndLayerNormKeepingValuesAndBf16Layers) {
+  TinyTransformer model(4);
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& item : model->named_parameters()) before[item.key()] = item.value().detach().clone();
+  torch::optim::AdamW optimizer(model->parameters(), 1e-3);
+  MixedPrecisionPlugin plugin =
+      recipes::bf16_with_fp8_mixed().fp8_params(false).num_layers_at_start_in_bf16(1).num_layers_at_end_in_bf16(1);
+  plugin.connect(*model, optimizer);
+
+  // Blocks 0 and 3 stay torch::nn; blocks 1, 2, the embedding and the head are swapped.
+  std::set<std::string> swapped;
+  for (const auto& converted : plugin.conversion().modules) {
+    swapped.insert(converted.path);
+    EXPECT_TRUE(converted.parent_is_container) << converted.path;
+  }
+  const std::set<std::string> expected = {
+      "embed.0",          "head.0",          "head.1",
+      "blocks.1.ln1.0",   "blocks.1.qkv.0",  "blocks.1.proj.0", "blocks.1.ln2.0",
+      "blocks.1.mlp.0",   "blocks.1.mlp.2",  "blocks.2.ln1.0",  "blocks.2.qkv.0",
+      "blocks.2.proj.0",  "blocks.2.ln2.0",  "blocks.2.mlp.0",  "blocks.2.mlp.2"};
+  EXPECT_EQ(swapped, expected);
+  EXPECT_EQ(plugin.conversion().kept_in_high_precision.size(), 12u);  // 6 modules × 2 blocks
+  EXPECT_TRUE(model->blocks[0]->as<testing::TinyBlockImpl>()->qkv->ptr(0)->as<torch::nn::LinearImpl>());
+  EXPECT_TRUE(model->blocks[1]->as<testing::TinyBlockImpl>()->qkv->ptr(0)->as<Fp8LinearImpl>());
+  EXPECT_TRUE(model->blocks[1]->as<testing::TinyBlockImpl>()->ln2->ptr(0)->as<Fp8LayerNormImpl>());
+  EXPECT_TRUE(model->head->ptr(0)->as<Fp8LayerNormImpl>());
+
+  // Same parameter names; values = the originals rounded to bf16; masters = the originals.
+  const auto masters = plugin.master_params();
+  std::vector<torch::Tensor> originals;
+  for (const auto& item : model->named_parameters()) {
+    ASSERT_TRUE(before.count(item.key())) << item.key();
+    EXPECT_EQ(item.value().scalar_type(), at::kBFloat16) << item.key();
+    EXPECT_TRUE(BytesEqual(item.value(), before[item.key()].to(at::kBFloat16))) << item.key();
+    originals.push_back(before[item.key()]);
+  }
+  ASSERT_EQ(masters.size(), originals.size());
+  for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(BytesEqual(masters[i], originals[i]));
+
+  // The swapped modules are the ones the forward runs.
+  auto x = torch::randn({2, 16, 16});
+  { auto context = plugin.forward_context(); model->forward(plugin.convert_input(x)); }
+  EXPECT_EQ(model->blocks[1]->as<testing::TinyBlockImpl>()->qkv->ptr(0)->as<Fp8LinearImpl>()->forward_calls(), 1);
+}
+
+TEST_F(ConvertModuleTest, IneligibleShapesStayAndAreReported) {
+  auto model = torch::nn::Sequential(torch::nn::Linear(32, 48), torch::nn::ReLU(),
+                                     torch::nn::Linear(48, 10));
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed();
+  plugin.connect(*model, optimizer);
+  EXPECT_TRUE(model->ptr(0)->as<Fp8LinearImpl>());
+  EXPECT_TRUE(model->ptr(2)->as<torch::nn::LinearImpl>());
+  ASSERT_EQ(plugin.conversion().kept_in_high_precision.size(), 1u);
+  EXPECT_NE(plugin.conversion().kept_in_high_precision[0].find("2 (shape 10x48 not a multiple of 16)"),
+            std::string::npos);
+}
+
+// A model that calls a typed torch::nn::Linear member: a swap cannot reach it; the plugin says
+// so at the first step instead of silently training in bf16.
+struct TypedMemberNetImpl : torch::nn::Module {
+  TypedMemberNetImpl() { fc = register_module("fc", torch::nn::Linear(32, 32)); }
+  torch::Tensor forward(const torch::Tensor& x) { return fc->forward(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(TypedMemberNet);
+
+TEST_F(ConvertModuleTest, ASwapTheForwardNeverCallsIsReported) {
+  TypedMemberNet model;
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false);
+  plugin.connect(*model, optimizer);
+  ASSERT_EQ(plugin.conversion().modules.size(), 1u);
+  EXPECT_FALSE(plugin.conversion().modules[0].parent_is_container);
+  model->fc->weight = model->fc->weight.detach().to(at::kBFloat16).requires_grad_(true);
+  model->fc->bias = model->fc->bias.detach().to(at::kBFloat16).requires_grad_(true);
+  torch::Tensor loss;
+  { auto context = plugin.forward_context(); loss = model->forward(plugin.convert_input(torch::randn({4, 32}))).to(at::kFloat).sum(); }
+  plugin.backward(loss);
+  ExpectErrorContaining([&] { plugin.optimizer_step(optimizer); },
+                        "convert_module swapped fc for FP8 modules, but the model's forward never "
+                        "called them");
+}
+
+// ---- FP32 master params ----
+
+enum class OptimizerKind { kSgd, kAdam, kAdamW };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(OptimizerKind kind,
+                                                        std::vector<torch::Tensor> params) {
+  switch (kind) {
+    case OptimizerKind::kSgd:
+      return std::make_unique<torch::optim::SGD>(
+          params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
+    case OptimizerKind::kAdam:
+      return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+    case OptimizerKind::kAdamW:
+      return std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+  }
+  return nullptr;
+}
+
+class MasterParamsTest : public testing::SeededTest,
+                         public ::testing::WithParamInterface<OptimizerKind> {};
+
+// The optimizer steps FP32 masters with the half gradients cast to float32: exactly what the
+// same optimizer does to float32 copies given those gradients. The model then holds the
+// masters rounded to bf16.
+TEST_P(MasterParamsTest, StepsLikeFp32OnTheHalfGradients) {
+  auto model = testing::make_mlp();
+  std::vector<torch::Tensor> reference_params;
+  for (const auto& p : model->parameters()) reference_params.push_back(p.detach().clone().requires_grad_(true));
+  auto optimizer = make_optimizer(GetParam(), model->parameters());
+  auto reference = make_optimizer(GetParam(), reference_params);
+  MixedPrecisionPlugin plugin = recipes::bf16_mixed();
+  plugin.connect(*model, *optimizer);
+  MlpData data(5);
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = data.batch(step, 0, 16);
+    torch::Tensor loss;
+    {
+      auto context = plugin.forward_context();
+      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+    }
+    plugin.backward(loss);
+    const auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      ASSERT_EQ(params[i].grad().scalar_type(), at::kBFloat16);
+      reference_params[i].mutable_grad() = params[i].grad().to(at::kFloat);
+    }
+    EXPECT_TRUE(plugin.optimizer_step(*optimizer));
+    reference->step();
+    const auto masters = plugin.master_params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(BytesEqual(masters[i], reference_params[i])) << "param " << i << " step " << step;
+      EXPECT_TRUE(BytesEqual(params[i], masters[i].to(at::kBFloat16)));
+      EXPECT_FALSE(params[i].grad().defined()) << "optimizer_step consumes the gradients";
+    }
+  }
+  expect_optimizer_sees_only_fp32(*optimizer);
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, MasterParamsTest,
+                         ::testing::Values(OptimizerKind::kSgd, OptimizerKind::kAdam,
+                                           OptimizerKind::kAdamW),
+                         [](const auto& info) {
+                           switch (info.param) {
+                             case OptimizerKind::kSgd: return std::string("SGD");
+                             case OptimizerKind::kAdam: return std::string("Adam");
+                             default: return std::string("AdamW");
+                           }
+                         });
+
+TEST_F(MasterParamsTest, Fp8ParamsMastersAreTheHighPrecisionValues) {
+  auto model = testing::make_mlp();
+  std::vector<torch::Tensor> before;
+  for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+  torch::optim::Adam optimizer(model->parameters(), 1e-3);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  plugin.connect(*model, optimizer);
+  auto masters = plugin.master_params();
+  ASSERT_EQ(masters.size(), before.size());
+  for (size_t i = 0; i < masters.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(masters[i], before[i])) << "master " << i << " seeded from the originals";
+  }
+  auto* first = model->ptr(0)->as<Fp8LinearImpl>();
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->weight.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_EQ(first->bias.scalar_type(), at::kBFloat16);
+  EXPECT_FALSE(first->high_precision_init_val().defined()) << "released once the master has it";
+
+  MlpData data(6);
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = data.batch(step, 0, 32);
+    torch::Tensor loss;
+    {
+      auto context = plugin.forward_context();
+      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+    }
+    plugin.backward(loss);
+    EXPECT_TRUE(plugin.optimizer_step(optimizer));
+  }
+  masters = plugin.master_params();
+  EXPECT_FALSE(BytesEqual(masters[0], before[0])) << "the master moved";
+  // The FP8 weight is the master re-quantized (current scaling: within E4M3's rounding).
+  const auto dequantized = first->fp8_weight().dequantize(at::kFloat);
+  EXPECT_LE(testing::relative_error(dequantized, masters[0]), testing::kE4M3Rms * 1.5);
+  EXPECT_EQ(first->weight.scalar_type(), at::kFloat8_e4m3fn);
+  expect_optimizer_sees_only_fp32(optimizer);
+}
+
+// ---- fp16 loss scaling inside the loop ----
+
+class LossScalingTest : public testing::SeededTest {};
+
+// Inf gradients injected at chosen steps: the steps are skipped (parameters untouched) and the
+// scale follows Megatron's hysteresis exactly.
+TEST_F(LossScalingTest, InjectedOverflowsSkipStepsAndMoveTheScaleExactly) {
+  auto model = testing::make_mlp();
+  torch::optim::SGD optimizer(model->parameters(), 0.01);
+  MixedPrecisionPlugin plugin =
+      recipes::fp16_mixed().fp16_initial_loss_scale(256).fp16_loss_scale_window(3);
+  plugin.connect(*model, optimizer);
+  const std::set<int> overflow = {4, 5, 7, 11, 12, 13};
+  const std::vector<double> expected_scale = {256, 256, 512, 512, 256, 256, 128,
+                                              128, 128, 256, 256, 128, 64,  64};
+  MlpData data(8);
+  int64_t skipped = 0;
+  for (int step = 1; step <= 14; ++step) {
+    auto [x, y] = data.batch(step, 0, 16);
+    torch::Tensor loss;
+    {
+      auto context = plugin.forward_context();
+      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+    }
+    plugin.backward(loss);
+    if (overflow.count(step)) model->ptr(2)->as<torch::nn::LinearImpl>()->weight.grad()[3][5] = INFINITY;
+    std::vector<torch::Tensor> params_before;
+    for (const auto& p : plugin.master_params()) params_before.push_back(p.detach().clone());
+    const bool stepped = plugin.optimizer_step(optimizer);
+    EXPECT_EQ(stepped, overflow.count(step) == 0) << "step " << step;
+    skipped += stepped ? 0 : 1;
+    EXPECT_EQ(plugin.loss_scale(), expected_scale[step - 1]) << "scale after step " << step;
+    EXPECT_EQ(plugin.skipped_steps(), skipped);
+    const auto masters = plugin.master_params();
+    bool unchanged = true;
+    for (size_t i = 0; i < masters.size(); ++i) unchanged &= masters[i].equal(params_before[i]);
+    EXPECT_EQ(unchanged, !stepped) << "step " << step;
+    for (const auto& m : masters) EXPECT_TRUE(torch::isfinite(m).all().item<bool>());
+  }
+}
+
+TEST_F(LossScalingTest, GradientsReachTheOptimizerUnscaled) {
+  // Same gradients in fp16 with loss scale 2^10 as the bf16 plugin without one, up to rounding:
+  // the scale is divided out before the optimizer sees them.
+  auto model = testing::make_mlp();
+  torch::optim::SGD optimizer(model->parameters(), 0.0);  // lr 0: inspect the gradients only
+  MixedPrecisionPlugin plugin = recipes::fp16_mixed().fp16_loss_scale(1024.0);
+  plugin.connect(*model, optimizer);
+  auto [x, y] = MlpData(9).batch(0, 0, 16);
+  torch::Tensor loss;
+  {
+    auto context = plugin.forward_context();
+    loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+  }
+  plugin.backward(loss);
+  plugin.unscale_gradients(optimizer);
+  auto masters = plugin.master_params();
+  // The float32 reference gradient, on float32 copies of the fp16 weights.
+  auto reference = testing::make_mlp();
+  {
+    torch::NoGradGuard no_grad;
+    auto src = model->parameters();
+    auto dst = reference->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i].to(at::kFloat));
+  }
+  torch::mse_loss(reference->forward(x.to(at::kHalf).to(at::kFloat)), y).backward();
+  const auto ref = reference->parameters();
+  for (size_t i = 0; i < masters.size(); ++i) {
+    ASSERT_TRUE(masters[i].grad().defined());
+    EXPECT_EQ(masters[i].grad().scalar_type(), at::kFloat);
+    EXPECT_LE(testing::relative_error(masters[i].grad(), ref[i].grad()), 2e-2) << "param " << i;
+  }
+  const double norm = plugin.clip_gradients(optimizer, 1e-3);
+  EXPECT_GT(norm, 1e-3);
+  double clipped = 0;
+  for (const auto& m : masters) clipped += m.grad().pow(2).sum().item<double>();
+  EXPECT_NEAR(std::sqrt(clipped), 1e-3, 1e-5) << "clipped to the global norm";
+  EXPECT_TRUE(plugin.optimizer_step(optimizer));
+}
+
+// ---- autocast ----
+
+TEST(AutocastGuardTest, EnablesAndRestoresStateAndDtype) {
+  at::autocast::set_autocast_dtype(at::kCPU, at::kHalf);
+  ASSERT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  auto a = torch::randn({8, 8}), b = torch::randn({8, 8});
+  {
+    AutocastGuard outer(at::kBFloat16);
+    EXPECT_TRUE(at::autocast::is_autocast_enabled(at::kCPU));
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kBFloat16);
+    {
+      AutocastGuard inner(at::kBFloat16, {at::kCPU}, /*enabled=*/false);
+      EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kFloat);
+    }
+    EXPECT_TRUE(at::autocast::is_autocast_enabled(at::kCPU));
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kBFloat16);
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  EXPECT_EQ(at::autocast::get_autocast_dtype(at::kCPU), at::kHalf);
+  EXPECT_EQ(torch::mm(a, b).scalar_type(), at::kFloat);
+  at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+}
+
+TEST(AutocastGuardTest, PluginWithAutocastKeepsFloat32ParamsAsTheirOwnMasters) {
+  auto model = testing::make_mlp();
+  torch::optim::Adam optimizer(model->parameters(), 1e-3);
+  MixedPrecisionPlugin plugin = MixedPrecisionOptions("bf16-mixed").params_dtype(at::kFloat).autocast_enabled(true);
+  plugin.connect(*model, optimizer);
+  const auto params = model->parameters();
+  const auto masters = plugin.master_params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(params[i].scalar_type(), at::kFloat);
+    EXPECT_TRUE(masters[i].is_same(params[i]));
+  }
+  torch::Tensor out;
+  {
+    auto context = plugin.forward_context();
+    out = model->forward(plugin.convert_input(torch::randn({4, 32})));
+    EXPECT_TRUE(at::autocast::is_autocast_enabled(at::kCPU));
+  }
+  EXPECT_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(plugin.convert_output(out).scalar_type(), at::kFloat);
+}
+
+// ---- every precision against fp32 ----
+
+struct PrecisionCase {
+  std::string name;
+  MixedPrecisionOptions options;
+  double bound;  // relative difference of the final loss to fp32's
+};
+
+std::vector<PrecisionCase> precision_cases() {
+  return {
+      {"fp32", MixedPrecisionOptions("32"), 0.0},
+      {"bf16_mixed", recipes::bf16_mixed(), 0.01},
+      {"fp16_mixed", recipes::fp16_mixed(), 0.01},
+      // FP8 (forced on for these small GEMMs): within issue 3's 2% bound for FP8 training.
+      {"bf16_with_fp8_mixed", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 0.02},
+      {"fp16_with_fp8_mixed", recipes::fp16_with_fp8_mixed().fp8_min_gemm_size(0), 0.02},
+  };
+}
+
+struct TrainResult {
+  double final_loss;  // mean of the last 20 steps
+  bool params_ok;
+};
+
+template <typename Model, typename Data>
+TrainResult train(Model model, const Data& data, const PrecisionCase& precision,
+                  torch::Device device, int steps) {
+  model->to(device);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(2e-3).weight_decay(0.01));
+  MixedPrecisionPlugin plugin = precision.options;
+  plugin.connect(*model, optimizer);
+  std::vector<double> losses;
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = data.batch(step, 0);
+    x = x.to(device);
+    y = y.to(device);
+    torch::Tensor loss;
+    {
+      auto context = plugin.forward_context();
+      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+    }
+    plugin.backward(loss);
+    plugin.clip_gradients(optimizer, 1.0);
+    plugin.optimizer_step(optimizer);
+    losses.push_back(loss.item<double>());
+  }
+  double tail = 0;
+  for (int i = steps - 20; i < steps; ++i) tail += losses[i];
+  // Model parameters in params_dtype (FP8 weights under fp8_params); the optimizer all float32.
+  const auto dtype = precision.options.resolved_params_dtype();
+  bool params_ok = true;
+  for (const auto& p : model->parameters()) {
+    const bool ok = p.scalar_type() == dtype || (precision.options.fp8_params() && is_fp8(p.scalar_type()));
+    EXPECT_TRUE(ok) << precision.name << ": a model parameter is " << p.scalar_type();
+    params_ok &= ok;
+  }
+  for (const auto& m : plugin.master_params()) EXPECT_EQ(m.scalar_type(), at::kFloat);
+  expect_optimizer_sees_only_fp32(optimizer);
+  return {tail / 20, params_ok};
+}
+
+class PrecisionTrainingTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  torch::Device device() const {
+    return GetParam() == "GPU_CUDA" ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+  }
+  void SetUp() override {
+    if (GetParam() == "GPU_CUDA") AMP8_REQUIRE_CUDA();
+  }
+};
+
+TEST_P(PrecisionTrainingTest, MlpEveryPrecisionEndsNearFp32) {
+  MlpData data(21);
+  double fp32 = 0;
+  for (const auto& precision : precision_cases()) {
+    torch::manual_seed(1);
+    const auto result = train(testing::make_mlp(), data, precision, device(), 300);
+    if (precision.name == "fp32") {
+      fp32 = result.final_loss;
+      continue;
+    }
+    EXPECT_LE(std::abs(result.final_loss - fp32) / fp32, precision.bound)
+        << precision.name << " " << result.final_loss << " vs fp32 " << fp32;
+  }
+  EXPECT_LT(fp32, 0.2) << "the MLP learns: noise floor 0.09, loss at start ~0.5";
+}
+
+TEST_P(PrecisionTrainingTest, TransformerEveryPrecisionEndsNearFp32) {
+  SequenceData data(22);
+  double fp32 = 0;
+  for (const auto& precision : precision_cases()) {
+    torch::manual_seed(2);
+    const auto result = train(TinyTransformer(2), data, precision, device(), 300);
+    if (precision.name == "fp32") {
+      fp32 = result.final_loss;
+      continue;
+    }
+    EXPECT_LE(std::abs(result.final_loss - fp32) / fp32, precision.bound)
+        << precision.name << " " << result.final_loss << " vs fp32 " << fp32;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, PrecisionTrainingTest, ::testing::Values("CPU", "GPU_CUDA"),
+                         [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
+}  // namespace amp8

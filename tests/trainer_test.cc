@@ -1,0 +1,293 @@
+// Trainer: progress lines, gradient accumulation, exact resume in every precision, atomic
+// checkpoints that survive a writer killed mid-write, and clear errors for bad checkpoints.
+#include "plugin/trainer.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "plugin/checkpoint.h"
+#include "recipes/precision.h"
+#include "tests/test_models.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::BytesEqual;
+using testing::ExpectErrorContaining;
+using testing::SequenceData;
+using testing::TinyTransformer;
+
+// A fresh folder under the test's temporary directory.
+fs::path scratch_dir(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  auto dir = fs::path(base ? base : fs::temp_directory_path().string()) /
+             ("amp8_trainer_test_" + std::to_string(::getpid())) / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// Everything a run leaves behind that must match bit for bit.
+struct RunState {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params, buffers, masters;
+};
+
+struct RunSetup {
+  MixedPrecisionOptions precision;
+  torch::Device device = torch::kCPU;
+};
+
+// Builds model + optimizer + trainer from the seed, trains up to `max_steps` (resuming from
+// `resume` when given) and returns the state.
+RunState run(const RunSetup& setup, int64_t max_steps, const fs::path& checkpoint_dir,
+             int64_t every_n, const std::string& resume = "") {
+  torch::manual_seed(77);
+  TinyTransformer model(2, /*dropout=*/0.1);  // dropout: the RNG state must resume too
+  model->to(setup.device);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(2e-3));
+  Trainer trainer(TrainerOptions()
+                      .max_steps(max_steps)
+                      .accumulate_grad_batches(2)
+                      .gradient_clip_val(1.0)
+                      .log_every_n_steps(0)
+                      .every_n_train_steps(every_n)
+                      .checkpoint_dir(checkpoint_dir.string()),
+                  setup.precision);
+  SequenceData data(31);
+  const auto device = setup.device;
+  trainer.fit(*model, optimizer,
+              [&](const TrainStepInput& in) {
+                auto [x, y] = data.batch(in.step, in.micro_batch);
+                auto out = model->forward(in.precision.convert_input(x.to(device)));
+                return torch::mse_loss(in.precision.convert_output(out), y.to(device));
+              },
+              resume);
+  RunState state;
+  for (const auto& m : trainer.history()) state.losses.push_back(m.loss);
+  for (const auto& p : model->parameters()) state.params.push_back(p.detach().cpu().clone());
+  for (const auto& b : model->buffers()) state.buffers.push_back(b.detach().cpu().clone());
+  auto* plugin = dynamic_cast<MixedPrecisionPlugin*>(trainer.plugins.get().get());
+  for (const auto& m : plugin->master_params()) state.masters.push_back(m.detach().cpu().clone());
+  return state;
+}
+
+void expect_identical(const RunState& actual, const RunState& expected, const std::string& what) {
+  ASSERT_EQ(actual.losses.size(), expected.losses.size()) << what;
+  for (size_t i = 0; i < actual.losses.size(); ++i) {
+    EXPECT_EQ(actual.losses[i], expected.losses[i]) << what << ": loss of step " << i + 1;
+  }
+  ASSERT_EQ(actual.params.size(), expected.params.size());
+  for (size_t i = 0; i < actual.params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(actual.params[i], expected.params[i])) << what << ": param " << i;
+  }
+  ASSERT_EQ(actual.buffers.size(), expected.buffers.size());
+  for (size_t i = 0; i < actual.buffers.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(actual.buffers[i], expected.buffers[i])) << what << ": buffer " << i;
+  }
+  ASSERT_EQ(actual.masters.size(), expected.masters.size());
+  for (size_t i = 0; i < actual.masters.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(actual.masters[i], expected.masters[i])) << what << ": master " << i;
+  }
+}
+
+struct ResumeCase {
+  std::string name;
+  MixedPrecisionOptions precision;
+};
+
+std::vector<ResumeCase> resume_cases() {
+  return {
+      {"fp32", MixedPrecisionOptions("32")},
+      {"bf16_mixed", recipes::bf16_mixed()},
+      // A small loss scale window so the scale grows (and its state matters) within 40 steps.
+      {"fp16_mixed", recipes::fp16_mixed().fp16_initial_loss_scale(1024).fp16_loss_scale_window(7)},
+      {"bf16_with_fp8_mixed", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_amax_history_len(16)},
+      {"bf16_with_fp8_mixed_no_fp8_params",
+       recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_min_gemm_size(0).fp8_amax_history_len(4)},
+      {"fp16_with_fp8_mixed", recipes::fp16_with_fp8_mixed().fp8_min_gemm_size(0).fp16_initial_loss_scale(1024)},
+  };
+}
+
+class TrainerResumeTest : public ::testing::TestWithParam<std::string> {};
+
+// 20 steps, checkpoint, fresh objects, 20 more == 40 uninterrupted steps, bit for bit.
+TEST_P(TrainerResumeTest, ResumeIsBitIdenticalInEveryPrecision) {
+  const bool cuda = GetParam() == "GPU_CUDA";
+  if (cuda) AMP8_REQUIRE_CUDA();
+  const torch::Device device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+  for (const auto& c : resume_cases()) {
+    SCOPED_TRACE(c.name);
+    const RunSetup setup{c.precision, device};
+    const auto dir = scratch_dir("resume_" + c.name + "_" + GetParam());
+    const auto uninterrupted = run(setup, 40, dir / "full", 0);
+    const auto first = run(setup, 20, dir / "split", 20);
+    ASSERT_TRUE(fs::exists(dir / "split" / "step_00000020.ckpt"));
+    const auto second = run(setup, 40, dir / "split", 0, (dir / "split").string());
+    RunState joined = second;
+    joined.losses.insert(joined.losses.begin(), first.losses.begin(), first.losses.end());
+    expect_identical(joined, uninterrupted, c.name);
+    EXPECT_NE(first.losses.front(), uninterrupted.losses.back()) << "the run trained";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, TrainerResumeTest, ::testing::Values("CPU", "GPU_CUDA"),
+                         [](const auto& info) { return std::string(info.param); });
+
+class TrainerTest : public testing::SeededTest {};
+
+TEST_F(TrainerTest, PrintsProgressLines) {
+  auto model = testing::make_mlp();
+  torch::optim::Adam optimizer(model->parameters(), 1e-3);
+  Trainer trainer(TrainerOptions().max_steps(20).log_every_n_steps(10).tokens_per_micro_batch(64));
+  trainer.plugins = recipes::fp16_mixed().fp16_initial_loss_scale(4096);
+  std::ostringstream log;
+  trainer.log = &log;
+  testing::MlpData data(3);
+  trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+    auto [x, y] = data.batch(in.step, in.micro_batch);
+    return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+  });
+  const auto text = log.str();
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 2u) << text;
+  EXPECT_EQ(lines[0].rfind("step 10/20 | loss ", 0), 0u) << lines[0];
+  EXPECT_EQ(lines[1].rfind("step 20/20 | loss ", 0), 0u) << lines[1];
+  for (const auto& line : lines) {
+    EXPECT_NE(line.find(" tok/s"), std::string::npos) << line;
+    EXPECT_NE(line.find("| loss scale 4096 | skipped 0"), std::string::npos) << line;
+    EXPECT_NE(line.find(" elapsed, ETA "), std::string::npos) << line;
+  }
+  EXPECT_EQ(trainer.global_step(), 20);
+  ASSERT_EQ(trainer.history().size(), 20u);
+  EXPECT_LT(trainer.history().back().loss, trainer.history().front().loss);
+}
+
+TEST_F(TrainerTest, AccumulationAveragesMicroBatches) {
+  // Two micro-batches of 16 rows == one batch of the same 32 rows, in fp32.
+  testing::MlpData data(4);
+  auto batch32 = [&](int64_t step) {
+    auto [x0, y0] = data.batch(step, 0, 16);
+    auto [x1, y1] = data.batch(step, 1, 16);
+    return std::make_pair(torch::cat({x0, x1}), torch::cat({y0, y1}));
+  };
+  torch::manual_seed(5);
+  auto a = testing::make_mlp();
+  torch::manual_seed(5);
+  auto b = testing::make_mlp();
+  torch::optim::SGD opt_a(a->parameters(), 0.1), opt_b(b->parameters(), 0.1);
+  Trainer accumulate(TrainerOptions().max_steps(3).accumulate_grad_batches(2).log_every_n_steps(0));
+  accumulate.fit(*a, opt_a, [&](const TrainStepInput& in) {
+    auto [x, y] = data.batch(in.step, in.micro_batch, 16);
+    return torch::mse_loss(a->forward(x), y);
+  });
+  Trainer whole(TrainerOptions().max_steps(3).log_every_n_steps(0));
+  whole.fit(*b, opt_b, [&](const TrainStepInput& in) {
+    auto [x, y] = batch32(in.step);
+    return torch::mse_loss(b->forward(x), y);
+  });
+  const auto pa = a->parameters(), pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_LE(testing::relative_error(pa[i], pb[i]), 1e-6) << "param " << i;
+  }
+}
+
+// A writer killed mid-write (SIGKILL of a forked child saving to the same path) leaves the
+// previous checkpoint loadable and intact.
+TEST_F(TrainerTest, CheckpointSurvivesAWriterKilledMidWrite) {
+  const auto dir = scratch_dir("killed");
+  const auto path = (dir / "last.ckpt").string();
+  // A model big enough that one save takes a while (~16 MB).
+  auto model = torch::nn::Sequential(torch::nn::Linear(2048, 2048));
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  Trainer trainer(TrainerOptions().log_every_n_steps(0));
+  trainer.save_checkpoint(path, *model, optimizer);
+  const auto saved_weight = model->ptr(0)->as<torch::nn::LinearImpl>()->weight.detach().clone();
+
+  bool killed_mid_write = false;
+  for (int attempt = 0; attempt < 50 && !killed_mid_write; ++attempt) {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      // The child rewrites the checkpoint with different weights until it is killed.
+      {
+        torch::NoGradGuard no_grad;
+        model->ptr(0)->as<torch::nn::LinearImpl>()->weight.fill_(-1.0f);
+      }
+      for (;;) trainer.save_checkpoint(path, *model, optimizer);
+    }
+    const auto temporary = path + ".tmp." + std::to_string(child);
+    // Wait until the child is writing (its temporary file has bytes), then kill it.
+    std::error_code error;
+    for (int i = 0; i < 200000; ++i) {
+      if (fs::exists(temporary, error) && fs::file_size(temporary, error) > 0) break;
+      ::usleep(50);
+    }
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    killed_mid_write = fs::exists(temporary, error);
+    fs::remove(temporary, error);
+
+    // Whatever the child got to, the checkpoint at `path` is complete: either the original or
+    // one of the child's complete writes.
+    auto fresh = torch::nn::Sequential(torch::nn::Linear(2048, 2048));
+    torch::optim::SGD fresh_optimizer(fresh->parameters(), 0.1);
+    Trainer reader(TrainerOptions().log_every_n_steps(0));
+    ASSERT_NO_THROW(reader.load_checkpoint(path, *fresh, fresh_optimizer));
+    const auto weight = fresh->ptr(0)->as<torch::nn::LinearImpl>()->weight;
+    const bool original = weight.equal(saved_weight);
+    const bool childs = weight.eq(-1.0f).all().item<bool>();
+    EXPECT_TRUE(original || childs) << "a torn checkpoint was loaded";
+    if (childs) trainer.save_checkpoint(path, *model, optimizer);  // restore the original
+  }
+  EXPECT_TRUE(killed_mid_write) << "no attempt killed the writer mid-write";
+}
+
+TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
+  const auto dir = scratch_dir("bad");
+  auto model = testing::make_mlp();
+  torch::optim::Adam optimizer(model->parameters(), 1e-3);
+  Trainer trainer(TrainerOptions().log_every_n_steps(0), recipes::bf16_mixed());
+  ExpectErrorContaining([&] { trainer.load_checkpoint((dir / "missing.ckpt").string(), *model, optimizer); },
+                        "missing.ckpt does not exist or is not a file");
+  {
+    std::ofstream junk(dir / "junk.ckpt");
+    junk << "not an archive";
+  }
+  ExpectErrorContaining([&] { trainer.load_checkpoint((dir / "junk.ckpt").string(), *model, optimizer); },
+                        "junk.ckpt is not a readable archive");
+  ExpectErrorContaining([&] { trainer.save_checkpoint(dir.string(), *model, optimizer); },
+                        "is a folder, expected a file path");
+  ExpectErrorContaining([&] { trainer.save_checkpoint((dir / "no" / "x.ckpt").string(), *model, optimizer); },
+                        "does not exist or is not a folder");
+
+  // A checkpoint of another precision names both.
+  trainer.save_checkpoint((dir / "bf16.ckpt").string(), *model, optimizer);
+  auto other = testing::make_mlp();
+  torch::optim::Adam other_optimizer(other->parameters(), 1e-3);
+  Trainer fp16(TrainerOptions().log_every_n_steps(0), recipes::fp16_mixed());
+  ExpectErrorContaining([&] { fp16.load_checkpoint((dir / "bf16.ckpt").string(), *other, other_optimizer); },
+                        "the checkpoint was written with precision \"bf16-mixed\", this plugin is "
+                        "\"16-mixed\"");
+  ExpectErrorContaining([&] { fp16.fit(*other, other_optimizer, {}, (dir / "nothing").string()); },
+                        "training_step must be callable");
+  Trainer no_dir(TrainerOptions().every_n_train_steps(5));
+  ExpectErrorContaining([&] {
+    no_dir.fit(*other, other_optimizer, [](const TrainStepInput&) { return torch::zeros({1}); });
+  }, "every_n_train_steps = 5 needs a checkpoint_dir");
+}
+
+}  // namespace
+}  // namespace amp8
