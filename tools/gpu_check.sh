@@ -41,7 +41,8 @@ fi
 echo "build took $((SECONDS - start)) s" | tee -a "$LOG"
 
 echo "== benchmarks" | tee -a "$LOG"
-for bench in cast_transpose_bench fp8_gemm_bench fp8_linear_bench layer_norm_bench scale_update_bench; do
+for bench in cast_transpose_bench fp8_gemm_bench fp8_linear_bench gpt_stack_bench layer_norm_bench \
+             scale_update_bench; do
   if [[ -x "$BUILD/$bench" ]]; then
     "$BUILD/$bench" | tee "$OUT/$bench.jsonl" || status=1
   else

@@ -1,0 +1,179 @@
+// Training step of a 12-layer GPT block stack (hidden 2048, sequence 2048, micro-batch 8) built
+// from torch::nn modules, in each precision the plugin offers: fp32 (TF32 off), bf16-mixed,
+// fp16-mixed, bf16 + FP8 (hybrid, delayed; with and without fp8_params), plus a bare bf16 loop
+// without the plugin (bf16 params stepped by AdamW directly) to bound the plugin's overhead.
+// One JSON line per case: step time, tokens/s, peak memory, speedup against fp32 and bf16-mixed.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+
+#include "bench/bench_util.h"
+#include "plugin/mixed_precision_plugin.h"
+#include "recipes/precision.h"
+
+namespace {
+
+constexpr int64_t kLayers = 12, kHidden = 2048, kHeads = 16, kSeq = 2048, kMicroBatch = 8;
+
+// Pre-LayerNorm block; the projections sit in Sequential containers so the plugin can swap them.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    using namespace torch::nn;
+    ln1 = register_module("ln1", Sequential(LayerNorm(LayerNormOptions({kHidden}))));
+    qkv = register_module("qkv", Sequential(Linear(kHidden, 3 * kHidden)));
+    proj = register_module("proj", Sequential(Linear(kHidden, kHidden)));
+    ln2 = register_module("ln2", Sequential(LayerNorm(LayerNormOptions({kHidden}))));
+    mlp = register_module("mlp", Sequential(Linear(kHidden, 4 * kHidden), GELU(GELUOptions().approximate("tanh")),
+                                            Linear(4 * kHidden, kHidden)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const int64_t b = x.size(0), t = x.size(1);
+    auto parts = qkv->forward(ln1->forward(x)).view({b, t, 3, kHeads, kHidden / kHeads}).unbind(2);
+    auto attn = at::scaled_dot_product_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2),
+                                                 parts[2].transpose(1, 2), {}, 0.0, /*is_causal=*/true);
+    x = x + proj->forward(attn.transpose(1, 2).reshape({b, t, kHidden}));
+    return x + mlp->forward(ln2->forward(x));
+  }
+  torch::nn::Sequential ln1{nullptr}, qkv{nullptr}, proj{nullptr}, ln2{nullptr}, mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct StackImpl : torch::nn::Module {
+  StackImpl() {
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t i = 0; i < kLayers; ++i) blocks->push_back(Block());
+    final_ln = register_module("final_ln", torch::nn::Sequential(torch::nn::LayerNorm(
+                                               torch::nn::LayerNormOptions({kHidden}))));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
+    return final_ln->forward(x);
+  }
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Sequential final_ln{nullptr};
+};
+TORCH_MODULE(Stack);
+
+Stack make_stack() {
+  torch::manual_seed(0);
+  Stack stack;
+  stack->to(torch::kCUDA);
+  return stack;
+}
+
+struct Measured {
+  double step_ms = 0, peak_bytes = 0, loss = 0;
+};
+
+// Median step time over `reps` steps after `warmup`, and the peak allocated bytes of one step.
+Measured measure(const std::function<torch::Tensor()>& step, int warmup, int reps) {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  Measured m;
+  m.loss = step().item<double>();
+  torch::cuda::synchronize();
+  alloc::resetPeakStats(0);
+  step();
+  torch::cuda::synchronize();
+  m.peak_bytes = static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[aggregate].peak);
+  m.step_ms = amp8::bench::median_ms([&] { step(); }, warmup, reps);
+  return m;
+}
+
+Measured plugin_case(const amp8::MixedPrecisionOptions& precision, const torch::Tensor& x,
+                     const torch::Tensor& y, int warmup, int reps) {
+  auto model = make_stack();
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  amp8::MixedPrecisionPlugin plugin = precision;
+  plugin.connect(*model, optimizer);
+  auto result = measure(
+      [&] {
+        torch::Tensor loss;
+        {
+          auto context = plugin.forward_context();
+          loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+        }
+        plugin.backward(loss);
+        plugin.optimizer_step(optimizer);
+        return loss.detach();
+      },
+      warmup, reps);
+  return result;
+}
+
+Measured bare_bf16_case(const torch::Tensor& x, const torch::Tensor& y, int warmup, int reps) {
+  auto model = make_stack();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->parameters()) p.set_data(p.to(torch::kBFloat16));
+  }
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  const auto x16 = x.to(torch::kBFloat16);
+  return measure(
+      [&] {
+        auto loss = torch::mse_loss(model->forward(x16).to(torch::kFloat), y);
+        loss.backward();
+        optimizer.step();
+        optimizer.zero_grad();
+        return loss.detach();
+      },
+      warmup, reps);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string cmd = amp8::bench::command_line(argc, argv);
+  const std::string shape = std::to_string(kLayers) + " layers x hidden " + std::to_string(kHidden) +
+                            " x seq " + std::to_string(kSeq) + " x batch " + std::to_string(kMicroBatch);
+  const double tokens = static_cast<double>(kSeq * kMicroBatch);
+  torch::manual_seed(1);
+  const auto options = torch::TensorOptions().device(torch::kCUDA);
+  const auto x = torch::randn({kMicroBatch, kSeq, kHidden}, options);
+  const auto y = torch::randn({kMicroBatch, kSeq, kHidden}, options);
+
+  // fp32 with TF32 off: the reference every mixed precision is measured against.
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+  const auto fp32 = plugin_case(amp8::MixedPrecisionOptions("32"), x, y, 2, 5);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  const auto bf16 = plugin_case(amp8::recipes::bf16_mixed(), x, y, 3, 10);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+
+  auto emit = [&](const std::string& name, const Measured& m, const std::string& baseline,
+                  double baseline_ms) {
+    amp8::bench::Record(name, shape, cmd)
+        .timing(m.step_ms, baseline, baseline_ms)
+        .set("tokens_per_s", tokens / (m.step_ms / 1000.0))
+        .set("peak_mem_bytes", m.peak_bytes)
+        .set("first_loss", m.loss)
+        .print();
+  };
+  emit("gpt_stack_step_fp32", fp32, "fp32 (TF32 off)", fp32.step_ms);
+  emit("gpt_stack_step_bf16_mixed", bf16, "fp32 (TF32 off)", fp32.step_ms);
+
+  const auto fp16 = plugin_case(amp8::recipes::fp16_mixed(), x, y, 3, 10);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  emit("gpt_stack_step_fp16_mixed", fp16, "bf16-mixed", bf16.step_ms);
+
+  const auto fp8 = plugin_case(amp8::recipes::bf16_with_fp8_mixed(), x, y, 3, 10);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  emit("gpt_stack_step_bf16_fp8_params", fp8, "bf16-mixed", bf16.step_ms);
+
+  const auto fp8_no_params = plugin_case(amp8::recipes::bf16_with_fp8_mixed().fp8_params(false), x, y, 3, 10);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  emit("gpt_stack_step_bf16_fp8", fp8_no_params, "bf16-mixed", bf16.step_ms);
+
+  // The bare loop has no FP32 masters: the difference to bf16-mixed bounds what the plugin
+  // adds per step (hooks, gradient copy into FP32, the FP32 optimizer step, the copy back).
+  const auto bare = bare_bf16_case(x, y, 3, 10);
+  amp8::bench::Record("gpt_stack_step_plugin_overhead", shape, cmd)
+      .timing(bf16.step_ms, "bare bf16 loop (bf16 params stepped directly, no masters)", bare.step_ms)
+      .set("overhead_fraction_of_bf16_step", (bf16.step_ms - bare.step_ms) / bf16.step_ms)
+      .set("peak_mem_bytes", bare.peak_bytes)
+      .print();
+  return 0;
+}
