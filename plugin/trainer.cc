@@ -205,8 +205,8 @@ void Trainer::print_progress(const StepMetrics& metrics, double interval_s, int6
   *log << line << std::endl;
 }
 
-std::string Trainer::save_checkpoint(const std::string& path, torch::nn::Module& model,
-                                     torch::optim::Optimizer& optimizer) {
+torch::serialize::OutputArchive Trainer::checkpoint_archive(torch::nn::Module& model,
+                                                            torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive, model_archive, optimizer_archive, plugin_archive,
       trainer_archive;
   archive.write("amp8_checkpoint_version", torch::tensor({kCheckpointVersion}));
@@ -219,6 +219,12 @@ std::string Trainer::save_checkpoint(const std::string& path, torch::nn::Module&
   archive.write("optimizer", optimizer_archive);
   archive.write("plugin", plugin_archive);
   archive.write("trainer", trainer_archive);
+  return archive;
+}
+
+std::string Trainer::save_checkpoint(const std::string& path, torch::nn::Module& model,
+                                     torch::optim::Optimizer& optimizer) {
+  auto archive = checkpoint_archive(model, optimizer);
   save_atomically(archive, path);
   return path;
 }

@@ -121,6 +121,10 @@ class Trainer {
   /// Writes a checkpoint of the current state to `path` (atomically) and returns it.
   std::string save_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer& optimizer);
+  /// The archive save_checkpoint writes: model (parameters and buffers), optimizer, plugin,
+  /// trainer (step, RNG states), and a format version.
+  torch::serialize::OutputArchive checkpoint_archive(torch::nn::Module& model,
+                                                     torch::optim::Optimizer& optimizer);
   /// Restores the state saved by save_checkpoint; connects the plugin first when needed.
   void load_checkpoint(const std::string& path, torch::nn::Module& model,
                        torch::optim::Optimizer& optimizer);

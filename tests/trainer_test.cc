@@ -123,7 +123,12 @@ class TrainerResumeTest : public ::testing::TestWithParam<std::string> {};
 // 20 steps, checkpoint, fresh objects, 20 more == 40 uninterrupted steps, bit for bit.
 TEST_P(TrainerResumeTest, ResumeIsBitIdenticalInEveryPrecision) {
   const bool cuda = GetParam() == "GPU_CUDA";
-  if (cuda) AMP8_REQUIRE_CUDA();
+  if (cuda) {
+    AMP8_REQUIRE_CUDA();
+    // Bit-identical on the GPU needs deterministic kernels (attention backward, cuBLAS).
+    ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 1);
+    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+  }
   const torch::Device device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
   for (const auto& c : resume_cases()) {
     SCOPED_TRACE(c.name);
@@ -215,27 +220,39 @@ TEST_F(TrainerTest, CheckpointSurvivesAWriterKilledMidWrite) {
   trainer.save_checkpoint(path, *model, optimizer);
   const auto saved_weight = model->ptr(0)->as<torch::nn::LinearImpl>()->weight.detach().clone();
 
+  // The child's checkpoint (different weights) is built before the fork: the child only writes
+  // (a process forked after CUDA was initialised must not use CUDA).
+  auto other = torch::nn::Sequential(torch::nn::Linear(2048, 2048));
+  {
+    torch::NoGradGuard no_grad;
+    other->ptr(0)->as<torch::nn::LinearImpl>()->weight.fill_(-1.0f);
+  }
+  torch::optim::SGD other_optimizer(other->parameters(), 0.1);
+  Trainer other_trainer(TrainerOptions().log_every_n_steps(0));
+  auto childs_archive = other_trainer.checkpoint_archive(*other, other_optimizer);
+
   bool killed_mid_write = false;
   for (int attempt = 0; attempt < 50 && !killed_mid_write; ++attempt) {
     const pid_t child = ::fork();
     ASSERT_GE(child, 0);
     if (child == 0) {
-      // The child rewrites the checkpoint with different weights until it is killed.
-      {
-        torch::NoGradGuard no_grad;
-        model->ptr(0)->as<torch::nn::LinearImpl>()->weight.fill_(-1.0f);
-      }
-      for (;;) trainer.save_checkpoint(path, *model, optimizer);
+      for (;;) save_atomically(childs_archive, path);  // until killed
     }
     const auto temporary = path + ".tmp." + std::to_string(child);
     // Wait until the child is writing (its temporary file has bytes), then kill it.
     std::error_code error;
-    for (int i = 0; i < 200000; ++i) {
+    int status = 0;
+    bool child_exited = false;
+    for (int i = 0; i < 100000; ++i) {
       if (fs::exists(temporary, error) && fs::file_size(temporary, error) > 0) break;
+      if (::waitpid(child, &status, WNOHANG) == child) {
+        child_exited = true;
+        break;
+      }
       ::usleep(50);
     }
+    ASSERT_FALSE(child_exited) << "the writer died on its own, status " << status;
     ::kill(child, SIGKILL);
-    int status = 0;
     ::waitpid(child, &status, 0);
     killed_mid_write = fs::exists(temporary, error);
     fs::remove(temporary, error);
