@@ -137,7 +137,7 @@ Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps)
   std::vector<double> unscale, step;
   for (int i = 0; i < reps + 2; ++i) {
     forward_backward();
-    at::cuda::CUDAEvent a, b, c;
+    at::cuda::CUDAEvent a(cudaEventDefault), b(cudaEventDefault), c(cudaEventDefault);
     a.record(stream);
     plugin.unscale_gradients(optimizer);
     b.record(stream);

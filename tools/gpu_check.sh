@@ -6,7 +6,9 @@
 #   OUTDIR/ctest.xml                JUnit report of ctest
 #   OUTDIR/<benchmark>.jsonl        one JSON object per benchmark case
 # AMP8_BENCHMARKS="gpt_stack_bench ..." limits the benchmarks run (default: all of them);
-# AMP8_SKIP_TESTS=1 skips ctest.
+# AMP8_SKIP_TESTS=1 skips ctest; AMP8_TEST_REGEX limits it (ctest -R, e.g. _CUDA).
+# The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
+# processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
 # GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
 # or from an installed GTest when there is none. Exits non-zero if anything fails.
 set -uo pipefail
@@ -54,7 +56,11 @@ for bench in $BENCHMARKS; do
 done
 echo "== tests" | tee -a "$LOG"
 start=$SECONDS
-[[ "${AMP8_SKIP_TESTS:-0}" == 1 ]] || ctest --test-dir "$BUILD" --output-on-failure -j4 --output-junit "$OUT/ctest.xml" >>"$LOG" 2>&1 || status=1
+CTEST_ARGS=()
+[[ -n "${AMP8_TEST_REGEX:-}" ]] && CTEST_ARGS=(-R "$AMP8_TEST_REGEX")
+[[ "${AMP8_SKIP_TESTS:-0}" == 1 ]] ||
+  OMP_NUM_THREADS=1 ctest --test-dir "$BUILD" --output-on-failure -j4 "${CTEST_ARGS[@]}" \
+    --output-junit "$OUT/ctest.xml" >>"$LOG" 2>&1 || status=1
 grep -E "tests passed|tests failed|Total Test time" "$LOG" | tail -3
 grep -cE "\(Skipped\)" "$LOG" | sed 's/^/skipped: /'
 grep -E "\*\*\*Failed|\(Failed\)|Exception" "$LOG" | head -20
