@@ -70,6 +70,7 @@ Stack make_stack() {
 
 struct Measured {
   double step_ms = 0, peak_bytes = 0, loss = 0;
+  int64_t settle_skipped = 0, skipped_while_timed = 0;
 };
 
 // Median step time over `reps` steps after `warmup`, and the peak allocated bytes of one step.
@@ -93,18 +94,28 @@ Measured plugin_case(const amp8::MixedPrecisionOptions& precision, const torch::
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
   amp8::MixedPrecisionPlugin plugin = precision;
   plugin.connect(*model, optimizer);
-  auto result = measure(
-      [&] {
-        torch::Tensor loss;
-        {
-          auto context = plugin.forward_context();
-          loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-        }
-        plugin.backward(loss);
-        plugin.optimizer_step(optimizer);
-        return loss.detach();
-      },
-      warmup, reps);
+  auto step = [&] {
+    torch::Tensor loss;
+    {
+      auto context = plugin.forward_context();
+      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+    }
+    plugin.backward(loss);
+    plugin.optimizer_step(optimizer);
+    return loss.detach();
+  };
+  // fp16 starts at a loss scale of 2^32: its first steps overflow and are skipped (no optimizer
+  // step, no optimizer state). Time only steps that step: run until three in a row are taken.
+  int64_t taken_in_a_row = 0;
+  for (int i = 0; i < 64 && taken_in_a_row < 3; ++i) {
+    const auto skipped = plugin.skipped_steps();
+    step();
+    taken_in_a_row = plugin.skipped_steps() == skipped ? taken_in_a_row + 1 : 0;
+  }
+  const auto skipped_before = plugin.skipped_steps();
+  auto result = measure(step, warmup, reps);
+  result.settle_skipped = skipped_before;
+  result.skipped_while_timed = plugin.skipped_steps() - skipped_before;
   return result;
 }
 
@@ -203,6 +214,8 @@ int main(int argc, char** argv) {
         .set("tokens_per_s", tokens / (m.step_ms / 1000.0))
         .set("peak_mem_bytes", m.peak_bytes)
         .set("first_loss", m.loss)
+        .set("skipped_before_timing", static_cast<double>(m.settle_skipped))
+        .set("skipped_while_timed", static_cast<double>(m.skipped_while_timed))
         .print();
   };
   emit("gpt_stack_step_fp32", fp32, "fp32 (TF32 off)", fp32.step_ms);
