@@ -269,17 +269,20 @@ class MasterParamsTest : public testing::SeededTest,
 // The optimizer steps FP32 masters with the half gradients cast to float32: exactly what the
 // same optimizer does to float32 copies given those gradients. The model then holds the
 // masters rounded to bf16.
-TEST_P(MasterParamsTest, StepsLikeFp32OnTheHalfGradients) {
+void steps_like_fp32_on_the_half_gradients(OptimizerKind kind, torch::Device device) {
   auto model = testing::make_mlp();
+  model->to(device);
   std::vector<torch::Tensor> reference_params;
   for (const auto& p : model->parameters()) reference_params.push_back(p.detach().clone().requires_grad_(true));
-  auto optimizer = make_optimizer(GetParam(), model->parameters());
-  auto reference = make_optimizer(GetParam(), reference_params);
+  auto optimizer = make_optimizer(kind, model->parameters());
+  auto reference = make_optimizer(kind, reference_params);
   MixedPrecisionPlugin plugin = recipes::bf16_mixed();
   plugin.connect(*model, *optimizer);
   MlpData data(5);
   for (int step = 0; step < 4; ++step) {
     auto [x, y] = data.batch(step, 0, 16);
+    x = x.to(device);
+    y = y.to(device);
     torch::Tensor loss;
     {
       auto context = plugin.forward_context();
@@ -301,6 +304,15 @@ TEST_P(MasterParamsTest, StepsLikeFp32OnTheHalfGradients) {
     }
   }
   expect_optimizer_sees_only_fp32(*optimizer);
+}
+
+TEST_P(MasterParamsTest, StepsLikeFp32OnTheHalfGradients) {
+  steps_like_fp32_on_the_half_gradients(GetParam(), torch::kCPU);
+}
+
+TEST_P(MasterParamsTest, StepsLikeFp32OnTheHalfGradients_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  steps_like_fp32_on_the_half_gradients(GetParam(), torch::kCUDA);
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, MasterParamsTest,
@@ -358,8 +370,9 @@ class LossScalingTest : public testing::SeededTest {};
 
 // Inf gradients injected at chosen steps: the steps are skipped (parameters untouched) and the
 // scale follows Megatron's hysteresis exactly.
-TEST_F(LossScalingTest, InjectedOverflowsSkipStepsAndMoveTheScaleExactly) {
+void injected_overflows_skip_steps(torch::Device device) {
   auto model = testing::make_mlp();
+  model->to(device);
   torch::optim::SGD optimizer(model->parameters(), 0.01);
   MixedPrecisionPlugin plugin =
       recipes::fp16_mixed().fp16_initial_loss_scale(256).fp16_loss_scale_window(3);
@@ -371,6 +384,8 @@ TEST_F(LossScalingTest, InjectedOverflowsSkipStepsAndMoveTheScaleExactly) {
   int64_t skipped = 0;
   for (int step = 1; step <= 14; ++step) {
     auto [x, y] = data.batch(step, 0, 16);
+    x = x.to(device);
+    y = y.to(device);
     torch::Tensor loss;
     {
       auto context = plugin.forward_context();
@@ -391,6 +406,15 @@ TEST_F(LossScalingTest, InjectedOverflowsSkipStepsAndMoveTheScaleExactly) {
     EXPECT_EQ(unchanged, !stepped) << "step " << step;
     for (const auto& m : masters) EXPECT_TRUE(torch::isfinite(m).all().item<bool>());
   }
+}
+
+TEST_F(LossScalingTest, InjectedOverflowsSkipStepsAndMoveTheScaleExactly) {
+  injected_overflows_skip_steps(torch::kCPU);
+}
+
+TEST_F(LossScalingTest, InjectedOverflowsSkipStepsAndMoveTheScaleExactly_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  injected_overflows_skip_steps(torch::kCUDA);
 }
 
 TEST_F(LossScalingTest, GradientsReachTheOptimizerUnscaled) {
