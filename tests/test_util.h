@@ -2,6 +2,7 @@
 // Shared helpers of the amp8 test suites.
 
 #include <ATen/ATen.h>
+#include <ftw.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
@@ -12,6 +13,15 @@
 #include <string>
 
 namespace amp8::testing {
+
+// Removes a folder and everything in it (a missing one is fine). Not std::filesystem::remove_all:
+// the torch 2.11 wheel's libtorch.so exports its own copy of that symbol, which the dynamic
+// linker picks and which crashes on a non-empty folder.
+inline void remove_tree(const std::string& path) {
+  ::nftw(
+      path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
+      16, FTW_DEPTH | FTW_PHYS);
+}
 
 inline bool cuda_available() { return torch::cuda::is_available(); }
 

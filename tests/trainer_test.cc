@@ -31,7 +31,7 @@ fs::path scratch_dir(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
   auto dir = fs::path(base ? base : fs::temp_directory_path().string()) /
              ("amp8_trainer_test_" + std::to_string(::getpid())) / name;
-  fs::remove_all(dir);
+  testing::remove_tree(dir.string());
   fs::create_directories(dir);
   return dir;
 }

@@ -1,0 +1,161 @@
+#include "recipes/gpt/cli.h"
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include <filesystem>
+#include <ostream>
+#include <sstream>
+
+#include "recipes/gpt/loss_plot.h"
+#include "recipes/gpt/pretrain.h"
+
+namespace amp8::recipes {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<std::string> split(const std::string& list) {
+  std::vector<std::string> items;
+  std::stringstream stream(list);
+  for (std::string item; std::getline(stream, item, ',');) {
+    if (!item.empty()) items.push_back(item);
+  }
+  return items;
+}
+
+std::string folder_name(std::string name) {
+  for (char& c : name) {
+    if (c == '+' || c == '=' || c == ' ') c = '_';
+  }
+  return name;
+}
+
+}  // namespace
+
+int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"GPT pretraining in C++ with amp8: byte-level GPT, any precision (NeMo's knobs)",
+               "gpt_pretrain"};
+  // A flag given twice takes its last value (so a command can be extended by appending flags).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  std::string config = "tiny", precision = "auto", fp8 = "none", algo = "max", data, device = "auto",
+              save_dir, resume, compare;
+  int fp8_margin = 0;
+  int64_t history = 1024, steps = 300, micro_batch = -1, grad_accum = 1, seq = -1, log_every = 25,
+          save_every = 0;
+  bool fp8_params = true;
+  double lr = -1;
+  uint64_t seed = 1234;
+  app.add_option("--config", config, "model config: tiny, small, 125m, 350m, 1b")->capture_default_str();
+  app.add_option("--precision", precision, "32, bf16-mixed, 16-mixed (fp16-mixed), or auto (bf16-mixed on a GPU, 32 on the CPU)")
+      ->capture_default_str();
+  app.add_option("--fp8", fp8, "none, hybrid (E4M3 forward, E5M2 gradients) or e4m3")->capture_default_str();
+  app.add_option("--fp8-margin", fp8_margin, "scale = (fp8_max / amax) / 2^margin")->capture_default_str();
+  app.add_option("--fp8-amax-history-len", history, "steps of amax history per FP8 tensor")->capture_default_str();
+  app.add_option("--fp8-amax-compute-algo", algo, "max or most_recent")->capture_default_str();
+  app.add_option("--fp8-params", fp8_params, "with FP8: keep linear weights only in FP8 (NeMo's FP8 presets: true)")
+      ->capture_default_str();
+  app.add_option("--steps", steps, "optimizer steps")->capture_default_str();
+  app.add_option("--micro-batch", micro_batch, "sequences per micro-batch (default: the config's)");
+  app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")->capture_default_str();
+  app.add_option("--seq", seq, "tokens (bytes) per sequence (default: the config's)");
+  app.add_option("--lr", lr, "peak learning rate (default: the config's)");
+  app.add_option("--data", data, "a text file, read as bytes (default: the built-in corpus)");
+  app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str();
+  app.add_option("--save-dir", save_dir, "metrics.jsonl, loss.svg and checkpoints/ (default: runs/gpt_<config>)");
+  app.add_option("--save-every", save_every, "checkpoint every N steps (default: at the end)");
+  app.add_option("--resume", resume, "continue from a checkpoint file or a save-dir");
+  app.add_option("--seed", seed, "seed of the initial weights and of the data order")->capture_default_str();
+  app.add_option("--log-every", log_every, "a progress line every N steps")->capture_default_str();
+  app.add_option("--compare", compare,
+                 "run several precisions with the same seed and draw their curves in one picture, "
+                 "e.g. 32,bf16-mixed,bf16-mixed+fp8");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e, out, err);
+  }
+
+  try {
+    auto recipe = gpt_pretrain_recipe(config);
+    if (micro_batch > 0) recipe.micro_batch = micro_batch;
+    if (seq > 0) recipe.seq = seq;
+    if (lr > 0) recipe.lr = lr, recipe.min_lr = std::min(recipe.min_lr, lr);
+    TORCH_CHECK(micro_batch == -1 || micro_batch >= 1, "--micro-batch must be >= 1, got ", micro_batch);
+    TORCH_CHECK(seq == -1 || seq >= 1, "--seq must be >= 1, got ", seq);
+    TORCH_CHECK(lr == -1 || lr > 0, "--lr must be positive, got ", lr);
+    TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
+    TORCH_CHECK(save_every >= 0, "--save-every must be >= 0, got ", save_every);
+    recipe.trainer.max_steps(steps).accumulate_grad_batches(grad_accum).log_every_n_steps(log_every)
+        .every_n_train_steps(save_every);
+    recipe.data = data;
+    recipe.device = device;
+    recipe.seed = seed;
+    recipe.resume = resume;
+    if (!save_dir.empty()) recipe.save_dir = save_dir;
+    // Only "auto" precision looks at the device: bf16-mixed on a GPU, 32 on the CPU.
+    const bool on_cuda = device == "auto" ? torch::cuda::is_available() : device.rfind("cuda", 0) == 0;
+    const torch::Device precision_device = on_cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+
+    auto precision_for = [&](const std::string& name, const std::string& fp8_format) {
+      auto options = precision_from_flags(name, fp8_format, precision_device);
+      if (options.fp8_enabled()) {
+        options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
+            .fp8_params(fp8_params);
+      }
+      options.validate();
+      return options;
+    };
+
+    if (compare.empty()) {
+      recipe.precision = precision_for(precision, fp8);
+      recipe.model.fp8_amax_history_len(history);
+      const auto result = run_pretraining(recipe, out);
+      out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s
+          << " tokens/s; metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
+      return 0;
+    }
+
+    TORCH_CHECK(resume.empty(), "--compare and --resume cannot be combined");
+    std::vector<std::pair<std::string, MixedPrecisionOptions>> runs;
+    for (const auto& item : split(compare)) {
+      const auto plus = item.find('+');
+      const std::string name = item.substr(0, plus);
+      std::string format = "none";
+      if (plus != std::string::npos) {
+        const auto rest = item.substr(plus);
+        TORCH_CHECK(rest == "+fp8" || rest == "+fp8=hybrid" || rest == "+fp8=e4m3", "--compare: \"",
+                    item, "\": expected <precision>, <precision>+fp8 or <precision>+fp8=e4m3");
+        format = rest == "+fp8=e4m3" ? "e4m3" : "hybrid";
+      }
+      runs.emplace_back(item, precision_for(name, format));  // every item checked before any run
+    }
+    TORCH_CHECK(!runs.empty(), "--compare needs at least one precision, got \"", compare, "\"");
+    std::vector<LossCurve> curves;
+    const std::string base = recipe.save_dir;
+    for (const auto& [name, options] : runs) {
+      auto run = recipe;
+      run.precision = options;
+      run.save_dir = (fs::path(base) / folder_name(name)).string();
+      const auto result = run_pretraining(run, out);
+      LossCurve curve{name + " (final " + std::to_string(result.final_loss).substr(0, 6) + ")", {}};
+      for (const auto& m : result.history) curve.points.emplace_back(static_cast<double>(m.step), m.loss);
+      curves.push_back(std::move(curve));
+      out << "gpt_pretrain: " << name << ": final loss " << result.final_loss << ", "
+          << result.tokens_per_s << " tokens/s" << std::endl;
+    }
+    const auto picture = (fs::path(base) / "compare.svg").string();
+    write_loss_svg(picture, curves, "GPT " + config + ": loss by precision (same seed and data)");
+    out << "gpt_pretrain: comparison picture " << picture << std::endl;
+    return 0;
+  } catch (const c10::Error& e) {
+    err << "gpt_pretrain: error: " << e.what_without_backtrace() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    err << "gpt_pretrain: error: " << e.what() << std::endl;
+    return 2;
+  }
+}
+
+}  // namespace amp8::recipes

@@ -1,0 +1,108 @@
+#include "recipes/gpt/gpt_model.h"
+
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/dropout.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+namespace amp8::recipes {
+
+GptConfig GptConfig::named(const std::string& name) {
+  if (name == "tiny") return GptConfig().hidden(64).layers(2).heads(4).max_seq_len(256);
+  if (name == "small") return GptConfig().hidden(256).layers(4).heads(8).max_seq_len(512);
+  if (name == "125m") return GptConfig().hidden(768).layers(12).heads(12).max_seq_len(1024);
+  if (name == "350m") return GptConfig().hidden(1024).layers(24).heads(16).max_seq_len(1024);
+  if (name == "1b") return GptConfig().hidden(2048).layers(18).heads(16).max_seq_len(2048);
+  std::string accepted;
+  for (const auto& n : names()) accepted += (accepted.empty() ? "\"" : ", \"") + n + "\"";
+  TORCH_CHECK(false, "config must be one of ", accepted, ", got \"", name, "\"");
+}
+
+std::vector<std::string> GptConfig::names() { return {"tiny", "small", "125m", "350m", "1b"}; }
+
+void GptConfig::validate() const {
+  TORCH_CHECK(vocab_size_ >= 1, "vocab_size must be >= 1, got ", vocab_size_);
+  TORCH_CHECK(max_seq_len_ >= 1, "max_seq_len must be >= 1, got ", max_seq_len_);
+  TORCH_CHECK(layers_ >= 1, "layers must be >= 1, got ", layers_);
+  TORCH_CHECK(heads_ >= 1 && hidden_ % heads_ == 0, "hidden (", hidden_,
+              ") must be a positive multiple of heads (", heads_, ")");
+  TORCH_CHECK(mlp_ratio_ >= 1, "mlp_ratio must be >= 1, got ", mlp_ratio_);
+  TORCH_CHECK(dropout_ >= 0 && dropout_ < 1, "dropout must be in [0, 1), got ", dropout_);
+}
+
+GptBlockImpl::GptBlockImpl(const GptConfig& config) : config_(config) {
+  const int64_t h = config.hidden(), mlp = config.mlp_ratio() * h;
+  auto ln_linear = [&](int64_t out) {
+    return Fp8LayerNormLinear(Fp8LayerNormLinearOptions(h, out)
+                                  .eps(config.eps())
+                                  .fp8_min_gemm_size(config.fp8_min_gemm_size())
+                                  .fp8_amax_history_len(config.fp8_amax_history_len()));
+  };
+  auto linear = [&](int64_t in, int64_t out) {
+    return Fp8Linear(Fp8LinearOptions(in, out)
+                         .fp8_min_gemm_size(config.fp8_min_gemm_size())
+                         .fp8_amax_history_len(config.fp8_amax_history_len()));
+  };
+  ln_qkv = register_module("ln_qkv", ln_linear(3 * h));
+  proj = register_module("proj", linear(h, h));
+  ln_fc1 = register_module("ln_fc1", ln_linear(mlp));
+  fc2 = register_module("fc2", linear(mlp, h));
+}
+
+torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
+  const int64_t b = x.size(0), t = x.size(1), h = config_.hidden(), heads = config_.heads();
+  const double dropout = is_training() ? config_.dropout() : 0.0;
+  auto qkv = ln_qkv->forward(x).view({b, t, 3, heads, h / heads}).unbind(2);
+  auto attn = at::scaled_dot_product_attention(qkv[0].transpose(1, 2), qkv[1].transpose(1, 2),
+                                               qkv[2].transpose(1, 2), {}, dropout,
+                                               /*is_causal=*/true);
+  namespace F = torch::nn::functional;
+  auto out = x + F::dropout(proj->forward(attn.transpose(1, 2).reshape({b, t, h})),
+                            F::DropoutFuncOptions().p(dropout).training(is_training()));
+  auto hidden = F::gelu(ln_fc1->forward(out), F::GELUFuncOptions().approximate("tanh"));
+  return out + F::dropout(fc2->forward(hidden),
+                          F::DropoutFuncOptions().p(dropout).training(is_training()));
+}
+
+GptModelImpl::GptModelImpl(const GptConfig& config) : config_(config) {
+  config.validate();
+  token_embedding = register_module("token_embedding",
+                                    torch::nn::Embedding(config.vocab_size(), config.hidden()));
+  position_embedding = register_module(
+      "position_embedding", torch::nn::Embedding(config.max_seq_len(), config.hidden()));
+  {
+    torch::NoGradGuard no_grad;
+    torch::nn::init::normal_(token_embedding->weight, 0.0, 0.02);
+    torch::nn::init::normal_(position_embedding->weight, 0.0, 0.02);
+  }
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < config.layers(); ++i) blocks->push_back(GptBlock(config));
+  final_norm = register_module(
+      "final_norm", Fp8LayerNorm(Fp8LayerNormOptions({config.hidden()}).eps(config.eps())));
+}
+
+torch::Tensor GptModelImpl::forward(const torch::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
+              "GptModel: tokens must be int64 [batch, seq], got ", tokens.scalar_type(), " ",
+              tokens.sizes());
+  const int64_t t = tokens.size(1);
+  TORCH_CHECK(t <= config_.max_seq_len(), "GptModel: sequence length ", t,
+              " exceeds max_seq_len ", config_.max_seq_len());
+  auto positions = torch::arange(t, tokens.options());
+  auto x = token_embedding->forward(tokens) + position_embedding->forward(positions);
+  namespace F = torch::nn::functional;
+  x = F::dropout(x, F::DropoutFuncOptions().p(is_training() ? config_.dropout() : 0.0)
+                        .training(is_training()));
+  for (const auto& block : *blocks) x = block->as<GptBlockImpl>()->forward(x);
+  // The output head is the token embedding, tied (GPT-2); computed in the activations' dtype.
+  return F::linear(final_norm->forward(x), token_embedding->weight.to(x.scalar_type()));
+}
+
+int64_t GptModelImpl::parameter_count() const {
+  int64_t count = 0;
+  for (const auto& p : parameters()) count += p.numel();
+  return count;
+}
+
+}  // namespace amp8::recipes

@@ -1,0 +1,92 @@
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "plugin/fp8_layer_norm.h"
+#include "plugin/fp8_linear.h"
+
+namespace amp8::recipes {
+
+/// Shape of a decoder-only GPT. Named configs: GptConfig::named("tiny" | "small" | "125m" |
+/// "350m" | "1b").
+struct GptConfig {
+  /// Tokens: bytes. Default: 256.
+  TORCH_ARG(int64_t, vocab_size) = 256;
+  /// Longest sequence (position embeddings). Default: 256.
+  TORCH_ARG(int64_t, max_seq_len) = 256;
+  /// Default: 64.
+  TORCH_ARG(int64_t, hidden) = 64;
+  /// Default: 2.
+  TORCH_ARG(int64_t, layers) = 2;
+  /// Default: 4.
+  TORCH_ARG(int64_t, heads) = 4;
+  /// MLP width = mlp_ratio × hidden. Default: 4.
+  TORCH_ARG(int64_t, mlp_ratio) = 4;
+  /// Default: 0.
+  TORCH_ARG(double, dropout) = 0.0;
+  /// LayerNorm eps. Default: 1e-5.
+  TORCH_ARG(double, eps) = 1e-5;
+  /// As Fp8LinearOptions::fp8_min_gemm_size. Default: 0 (every GEMM in FP8 inside an FP8
+  /// region, as Transformer Engine does).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = 0;
+  /// Rows of amax history of the FP8 layers. Default: 1024.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+
+ public:
+  /// tiny (~0.1 M parameters, CPU), small (~3 M), 125m (GPT-2 small shape, seq 1024),
+  /// 350m (GPT-2 medium shape), 1b (hidden 2048, 18 layers). Throws naming the accepted names.
+  static GptConfig named(const std::string& name);
+  static std::vector<std::string> names();
+  void validate() const;
+};
+
+/// Pre-LayerNorm transformer block: x + proj(attn(ln1·qkv(x))), then x + fc2(gelu(ln2·fc1(x))).
+/// LayerNorm+QKV and LayerNorm+FC1 are Fp8LayerNormLinear (the LayerNorm output goes straight
+/// to FP8 in an FP8 region); the output projection and FC2 are Fp8Linear; causal attention is
+/// at::scaled_dot_product_attention.
+class GptBlockImpl : public torch::nn::Module {
+ public:
+  explicit GptBlockImpl(const GptConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+
+  Fp8LayerNormLinear ln_qkv{nullptr};
+  Fp8Linear proj{nullptr};
+  Fp8LayerNormLinear ln_fc1{nullptr};
+  Fp8Linear fc2{nullptr};
+
+ private:
+  GptConfig config_;
+};
+TORCH_MODULE(GptBlock);
+
+/// Decoder-only GPT: token + position embeddings, `layers` blocks, a final Fp8LayerNorm, and an
+/// output head tied to the token embedding. Built under Fp8ModelInit, its linear weights are
+/// kept in FP8 (fp8_params).
+class GptModelImpl : public torch::nn::Module {
+ public:
+  explicit GptModelImpl(const GptConfig& config);
+  /// tokens [batch, seq] (int64) → logits [batch, seq, vocab_size].
+  torch::Tensor forward(const torch::Tensor& tokens);
+  int64_t parameter_count() const;
+  const GptConfig& config() const { return config_; }
+
+  torch::nn::Embedding token_embedding{nullptr};
+  torch::nn::Embedding position_embedding{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  Fp8LayerNorm final_norm{nullptr};
+
+ private:
+  GptConfig config_;
+};
+TORCH_MODULE(GptModel);
+
+}  // namespace amp8::recipes

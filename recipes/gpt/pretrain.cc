@@ -1,0 +1,262 @@
+#include "recipes/gpt/pretrain.h"
+
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define AMP8_HAS_CUDA_ALLOCATOR 1
+#endif
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adamw.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <ostream>
+
+#include "plugin/checkpoint.h"
+#include "recipes/gpt/data.h"
+#include "recipes/gpt/loss_plot.h"
+#include "recipes/precision.h"
+
+namespace amp8::recipes {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr double kPi = 3.14159265358979323846;
+
+torch::Device resolve_device(const std::string& name) {
+  if (name == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA) : torch::kCPU;
+  std::optional<torch::Device> device;
+  try {
+    device.emplace(name);
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "device must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got \"", name, "\"");
+  }
+  TORCH_CHECK(device->is_cpu() || device->is_cuda(),
+              "device must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got \"", name, "\"");
+  if (device->is_cuda()) {
+    TORCH_CHECK(torch::cuda::is_available(), "device \"", name, "\" asked for, but no CUDA GPU is available");
+    TORCH_CHECK(!device->has_index() || device->index() < static_cast<int>(torch::cuda::device_count()),
+                "device \"", name, "\": there are only ", torch::cuda::device_count(), " GPUs");
+  }
+  return *device;
+}
+
+// Linear warm-up to lr, then cosine decay to min_lr at max_steps.
+class LearningRateSchedule : public Callback {
+ public:
+  LearningRateSchedule(torch::optim::Optimizer& optimizer, const PretrainRecipe& recipe)
+      : optimizer_(optimizer), recipe_(recipe) {}
+  void on_train_batch_start(Trainer& trainer, int64_t step) override {
+    lr_ = rate(step);
+    for (auto& group : optimizer_.param_groups()) group.options().set_lr(lr_);
+  }
+  double lr() const { return lr_; }
+
+ private:
+  double rate(int64_t step) const {
+    const int64_t warmup = recipe_.warmup_steps, total = recipe_.trainer.max_steps();
+    if (step < warmup) return recipe_.lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+    const double progress =
+        total > warmup ? static_cast<double>(step - warmup) / static_cast<double>(total - warmup) : 1.0;
+    return recipe_.min_lr + 0.5 * (recipe_.lr - recipe_.min_lr) * (1.0 + std::cos(kPi * std::min(1.0, progress)));
+  }
+  torch::optim::Optimizer& optimizer_;
+  const PretrainRecipe& recipe_;
+  double lr_ = 0;
+};
+
+// One JSON object per step into metrics.jsonl.
+class MetricsWriter : public Callback {
+ public:
+  MetricsWriter(const std::string& path, bool append, const LearningRateSchedule& schedule,
+                int64_t tokens_per_step)
+      : out_(path, append ? std::ios::app : std::ios::trunc), schedule_(schedule),
+        tokens_per_step_(tokens_per_step) {
+    TORCH_CHECK(out_.good(), "cannot write the metrics file ", path);
+    last_ = std::chrono::steady_clock::now();
+  }
+  void on_train_batch_end(Trainer& trainer, const StepMetrics& m) override {
+    const auto now = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    nlohmann::json line = {{"step", m.step},
+                           {"loss", m.loss},
+                           {"lr", schedule_.lr()},
+                           {"loss_scale", m.loss_scale},
+                           {"skipped_steps", m.skipped_steps},
+                           {"stepped", m.stepped},
+                           {"tokens_per_s", seconds > 0 ? tokens_per_step_ / seconds : 0.0}};
+    if (std::isfinite(m.grad_norm)) line["grad_norm"] = m.grad_norm;
+    out_ << line.dump() << "\n";
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+  const LearningRateSchedule& schedule_;
+  double tokens_per_step_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+std::vector<std::pair<double, double>> read_losses(const std::string& metrics_path) {
+  std::vector<std::pair<double, double>> points;
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto json = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (json.is_discarded() || !json.contains("step") || !json.contains("loss")) continue;
+    points.emplace_back(json["step"].get<double>(),
+                        json["loss"].is_number() ? json["loss"].get<double>() : NAN);
+  }
+  return points;
+}
+
+}  // namespace
+
+PretrainRecipe gpt_pretrain_recipe(const std::string& config) {
+  PretrainRecipe recipe;
+  recipe.config_name = config;
+  recipe.model = GptConfig::named(config);
+  if (config == "tiny") {
+    recipe.micro_batch = 16, recipe.seq = 128, recipe.lr = 3e-3, recipe.min_lr = 3e-4;
+  } else if (config == "small") {
+    recipe.micro_batch = 16, recipe.seq = 256, recipe.lr = 1e-3, recipe.min_lr = 1e-4;
+  } else {
+    recipe.micro_batch = 8, recipe.seq = recipe.model.max_seq_len(), recipe.lr = 6e-4,
+    recipe.min_lr = 6e-5;
+  }
+  recipe.save_dir = "runs/gpt_" + config;
+  return recipe;
+}
+
+MixedPrecisionOptions precision_from_flags(const std::string& precision, const std::string& fp8,
+                                           const torch::Device& device) {
+  std::string name = precision == "auto" ? (device.is_cuda() ? "bf16-mixed" : "32") : precision;
+  MixedPrecisionOptions options(name);
+  const auto canonical = options.canonical_precision();  // throws naming the accepted values
+  TORCH_CHECK(fp8 == "none" || fp8 == "hybrid" || fp8 == "e4m3",
+              "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"", fp8, "\"");
+  const bool with_fp8 = fp8 != "none";
+  if (canonical == "bf16-mixed") options = with_fp8 ? bf16_with_fp8_mixed() : bf16_mixed();
+  if (canonical == "16-mixed") options = with_fp8 ? fp16_with_fp8_mixed() : fp16_mixed();
+  if (canonical == "32") options = MixedPrecisionOptions("32").fp8(fp8);  // fp8 here is an error
+  if (with_fp8) options.fp8(fp8);
+  return options;
+}
+
+PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) {
+  // ---- check everything before writing anything ----
+  const auto device = resolve_device(recipe.device);
+  recipe.model.validate();
+  recipe.precision.validate();
+  TORCH_CHECK(recipe.micro_batch >= 1, "micro-batch must be >= 1, got ", recipe.micro_batch);
+  TORCH_CHECK(recipe.seq >= 1 && recipe.seq <= recipe.model.max_seq_len(), "seq must be in [1, ",
+              recipe.model.max_seq_len(), "] for config \"", recipe.config_name, "\", got ", recipe.seq);
+  TORCH_CHECK(recipe.lr > 0 && std::isfinite(recipe.lr), "lr must be positive, got ", recipe.lr);
+  TORCH_CHECK(recipe.min_lr >= 0 && recipe.min_lr <= recipe.lr, "min_lr must be in [0, lr], got ",
+              recipe.min_lr);
+  TORCH_CHECK(recipe.trainer.max_steps() >= 1, "steps must be >= 1, got ", recipe.trainer.max_steps());
+  TORCH_CHECK(recipe.trainer.accumulate_grad_batches() >= 1, "grad-accum must be >= 1, got ",
+              recipe.trainer.accumulate_grad_batches());
+  const auto data = recipe.data.empty() ? ByteDataset::builtin() : ByteDataset::from_file(recipe.data);
+  TORCH_CHECK(data.size() >= recipe.seq + 1, "data ", data.source(), " has ", data.size(),
+              " bytes, fewer than seq + 1 = ", recipe.seq + 1);
+  TORCH_CHECK(!recipe.save_dir.empty(), "save-dir must not be empty");
+  std::error_code error;
+  TORCH_CHECK(!fs::exists(recipe.save_dir, error) || fs::is_directory(recipe.save_dir, error),
+              "save-dir ", recipe.save_dir, " exists and is not a folder");
+  std::string resume = recipe.resume;
+  if (!resume.empty()) {
+    if (fs::is_directory(resume, error)) {
+      const auto checkpoints = fs::path(resume) / "checkpoints";
+      resume = Trainer::latest_checkpoint(fs::is_directory(checkpoints, error) ? checkpoints.string() : resume);
+      TORCH_CHECK(!resume.empty(), "resume: no step_<N>.ckpt checkpoint in ", recipe.resume);
+    }
+    TORCH_CHECK(fs::is_regular_file(resume, error), "resume: checkpoint ", resume, " does not exist");
+  }
+
+  // ---- build ----
+  fs::create_directories(fs::path(recipe.save_dir) / "checkpoints", error);
+  TORCH_CHECK(!error, "cannot create save-dir ", recipe.save_dir, ": ", error.message());
+  torch::manual_seed(recipe.seed);
+  GptModel model{nullptr};
+  {
+    std::optional<Fp8ModelInit> fp8_init;
+    if (recipe.precision.fp8_params()) fp8_init.emplace();
+    model = GptModel(recipe.model);
+  }
+  model->to(device);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(recipe.lr)
+                                                         .betas({0.9, 0.95})
+                                                         .weight_decay(recipe.weight_decay));
+  auto trainer_options = recipe.trainer;
+  trainer_options.checkpoint_dir((fs::path(recipe.save_dir) / "checkpoints").string());
+  if (trainer_options.every_n_train_steps() == 0) trainer_options.every_n_train_steps(trainer_options.max_steps());
+  const int64_t tokens_per_micro_batch = recipe.micro_batch * recipe.seq;
+  trainer_options.tokens_per_micro_batch(tokens_per_micro_batch);
+  Trainer trainer(trainer_options, recipe.precision);
+  trainer.log = &log;
+  auto schedule = std::make_shared<LearningRateSchedule>(optimizer, recipe);
+  const auto metrics_path = (fs::path(recipe.save_dir) / "metrics.jsonl").string();
+  trainer.callbacks.push_back(schedule);
+  trainer.callbacks.push_back(std::make_shared<MetricsWriter>(
+      metrics_path, !resume.empty(), *schedule,
+      tokens_per_micro_batch * trainer_options.accumulate_grad_batches()));
+
+  log << "gpt_pretrain: config " << recipe.config_name << " (" << model->parameter_count() / 1e6
+      << " M parameters), precision " << trainer.plugins->name() << ", device " << device
+      << ", data " << data.source() << " (" << data.size() << " bytes), " << trainer_options.max_steps()
+      << " steps of " << trainer_options.accumulate_grad_batches() << " x " << recipe.micro_batch
+      << " x " << recipe.seq << " tokens" << (resume.empty() ? "" : ", resuming from " + resume)
+      << std::endl;
+#ifdef AMP8_HAS_CUDA_ALLOCATOR
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+#endif
+
+  const auto vocab = recipe.model.vocab_size();
+  const auto start = std::chrono::steady_clock::now();
+  trainer.fit(*model, optimizer,
+              [&](const TrainStepInput& in) {
+                auto [inputs, targets] = data.batch(recipe.seed, in.step, in.micro_batch,
+                                                    recipe.micro_batch, recipe.seq, device);
+                auto logits = in.precision.convert_output(model->forward(in.precision.convert_input(inputs)));
+                return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}),
+                                                            targets.reshape({-1}));
+              },
+              resume);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  PretrainResult result;
+  result.history = trainer.history();
+  result.parameters = model->parameter_count();
+  result.precision = trainer.plugins->name();
+  result.metrics_path = metrics_path;
+  const size_t tail = std::min<size_t>(10, result.history.size());
+  for (size_t i = result.history.size() - tail; i < result.history.size(); ++i) {
+    result.final_loss += result.history[i].loss / static_cast<double>(tail);
+  }
+  result.tokens_per_s = seconds > 0 ? static_cast<double>(result.history.size()) *
+                                          static_cast<double>(tokens_per_micro_batch) *
+                                          static_cast<double>(trainer_options.accumulate_grad_batches()) / seconds
+                                    : 0.0;
+#ifdef AMP8_HAS_CUDA_ALLOCATOR
+  if (device.is_cuda()) {
+    const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    result.peak_memory_bytes = static_cast<double>(
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index())
+            .allocated_bytes[aggregate]
+            .peak);
+  }
+#endif
+  result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();
+  write_loss_svg(result.picture_path, {{result.precision, read_losses(metrics_path)}},
+                 "GPT " + recipe.config_name + " pretraining loss (" + result.precision + ")");
+  return result;
+}
+
+}  // namespace amp8::recipes

@@ -1,0 +1,69 @@
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "plugin/mixed_precision_plugin.h"
+#include "plugin/trainer.h"
+#include "recipes/gpt/gpt_model.h"
+
+namespace amp8::recipes {
+
+/// Everything a GPT pretraining run needs, in the spirit of NeMo's `pretrain_recipe()`: model,
+/// data, optimizer and LR schedule, trainer, precision. Change any field before run_pretraining:
+///   auto recipe = amp8::recipes::gpt_pretrain_recipe("small");
+///   recipe.precision = amp8::recipes::bf16_with_fp8_mixed();
+///   recipe.trainer.max_steps(2000);
+struct PretrainRecipe {
+  std::string config_name = "tiny";
+  GptConfig model = GptConfig::named("tiny");
+  /// "auto" in precision_name picks bf16-mixed on a GPU and "32" on the CPU.
+  MixedPrecisionOptions precision = MixedPrecisionOptions("32");
+  TrainerOptions trainer = TrainerOptions().max_steps(300).log_every_n_steps(25).gradient_clip_val(1.0);
+  int64_t micro_batch = 16;
+  int64_t seq = 128;
+  /// AdamW (betas 0.9, 0.95), linear warm-up then cosine decay to min_lr.
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  double weight_decay = 0.1;
+  int64_t warmup_steps = 20;
+  /// A text file read as bytes; "" = the built-in corpus.
+  std::string data;
+  /// "auto" (CUDA when there is a GPU), "cpu", "cuda" or "cuda:N".
+  std::string device = "auto";
+  /// metrics.jsonl, loss.svg and checkpoints/ go here.
+  std::string save_dir = "runs/gpt";
+  /// A checkpoint file, or a folder whose newest step_<N>.ckpt is taken; "" = a fresh run.
+  std::string resume;
+  uint64_t seed = 1234;
+};
+
+/// The default recipe for a named model config (see GptConfig::named): batch, sequence and
+/// learning rate sized for it.
+PretrainRecipe gpt_pretrain_recipe(const std::string& config = "tiny");
+
+struct PretrainResult {
+  std::vector<StepMetrics> history;  ///< the steps this call ran
+  double final_loss = 0;             ///< mean loss of the last min(10, steps) steps
+  double tokens_per_s = 0;           ///< over the steps this call ran
+  double peak_memory_bytes = 0;      ///< CUDA only
+  int64_t parameters = 0;
+  std::string precision;             ///< the plugin's name
+  std::string metrics_path, picture_path;
+};
+
+/// Runs the recipe: checks every setting first (a bad one throws c10::Error naming it, before
+/// anything is written), then trains with a progress line, appends one JSON line per step to
+/// <save_dir>/metrics.jsonl, checkpoints into <save_dir>/checkpoints, and draws
+/// <save_dir>/loss.svg from all of metrics.jsonl (a resumed run continues its curve).
+PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log);
+
+/// The precision options for --precision / --fp8 and friends: "32", "16-mixed"/"fp16-mixed",
+/// "bf16-mixed" or "auto"; fp8 "none", "hybrid" or "e4m3" (FP8 starts from NeMo's FP8 presets,
+/// so fp8_params is on unless turned off).
+MixedPrecisionOptions precision_from_flags(const std::string& precision, const std::string& fp8,
+                                           const torch::Device& device);
+
+}  // namespace amp8::recipes

@@ -1,0 +1,116 @@
+// The GPT model, the byte data and the loss picture.
+#include "recipes/gpt/gpt_model.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "plugin/fp8_autocast.h"
+#include "recipes/gpt/data.h"
+#include "recipes/gpt/loss_plot.h"
+#include "tests/test_util.h"
+
+namespace amp8::recipes {
+namespace {
+
+using testing::ExpectErrorContaining;
+
+class GptModelTest : public testing::SeededTest {};
+
+TEST_F(GptModelTest, LogitsHaveTheVocabularyAndAreCausal) {
+  GptModel model(GptConfig::named("tiny"));
+  model->eval();
+  auto tokens = torch::randint(256, {3, 40}, torch::kLong);
+  auto logits = model->forward(tokens);
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 40, 256}));
+  // Changing a later token leaves earlier positions' logits exactly as they were.
+  auto changed = tokens.clone();
+  changed[1][30] = (changed[1][30].item<int64_t>() + 1) % 256;
+  auto again = model->forward(changed);
+  EXPECT_TRUE(again.narrow(1, 0, 30).equal(logits.narrow(1, 0, 30)));
+  EXPECT_FALSE(again[1][30].equal(logits[1][30]));
+}
+
+TEST_F(GptModelTest, HeadIsTiedAndTheModelRunsInFp8) {
+  GptModel model(GptConfig::named("tiny"));
+  const auto params = model->named_parameters();
+  EXPECT_FALSE(params.contains("head.weight"));
+  // tiny: embeddings 256·64 + 256·64, 2 blocks of (LN 2·64 + qkv 64·192+192 + proj 64·64+64 +
+  // LN 2·64 + fc1 64·256+256 + fc2 256·64+64), final LN 2·64.
+  const int64_t block = 128 + 64 * 192 + 192 + 64 * 64 + 64 + 128 + 64 * 256 + 256 + 256 * 64 + 64;
+  EXPECT_EQ(model->parameter_count(), 2 * 256 * 64 + 2 * block + 128);
+  auto tokens = torch::randint(256, {2, 32}, torch::kLong);
+  torch::Tensor fp8_logits;
+  {
+    Fp8Autocast fp8;
+    fp8_logits = model->forward(tokens);
+  }
+  auto logits = model->forward(tokens);
+  EXPECT_GT(testing::relative_error(fp8_logits, logits), 0.0) << "the FP8 path ran";
+  EXPECT_LE(testing::relative_error(fp8_logits, logits), 0.1);
+}
+
+TEST_F(GptModelTest, BadConfigsAreNamed) {
+  ExpectErrorContaining([] { GptConfig::named("2b"); },
+                        "config must be one of \"tiny\", \"small\", \"125m\", \"350m\", \"1b\", got \"2b\"");
+  ExpectErrorContaining([] { GptModel(GptConfig().hidden(60).heads(8)); },
+                        "hidden (60) must be a positive multiple of heads (8)");
+  GptModel model(GptConfig::named("tiny"));
+  ExpectErrorContaining([&] { model->forward(torch::zeros({1, 300}, torch::kLong)); },
+                        "sequence length 300 exceeds max_seq_len 256");
+  ExpectErrorContaining([&] { model->forward(torch::zeros({1, 3})); }, "tokens must be int64");
+}
+
+TEST(ByteDatasetTest, BatchesAreShiftedWindowsDrawnFromTheSeed) {
+  const auto data = ByteDataset::builtin(1 << 16);
+  EXPECT_EQ(data.size(), 1 << 16);
+  auto [x, y] = data.batch(7, 3, 0, 4, 33, torch::kCPU);
+  EXPECT_EQ(x.sizes(), (std::vector<int64_t>{4, 33}));
+  EXPECT_TRUE(x.narrow(1, 1, 32).equal(y.narrow(1, 0, 32))) << "targets are the next bytes";
+  auto [x2, y2] = data.batch(7, 3, 0, 4, 33, torch::kCPU);
+  EXPECT_TRUE(x.equal(x2));
+  auto [x3, y3] = data.batch(7, 4, 0, 4, 33, torch::kCPU);
+  EXPECT_FALSE(x.equal(x3));
+  EXPECT_TRUE((x >= 0).all().item<bool>() && (x < 256).all().item<bool>());
+}
+
+TEST(ByteDatasetTest, FilesAreMappedAndBadOnesNamed) {
+  const auto dir = std::filesystem::temp_directory_path() / ("amp8_gpt_data_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream(dir / "text.txt") << "hello, world. hello, amp8.";
+    std::ofstream(dir / "empty.txt");
+  }
+  const auto data = ByteDataset::from_file((dir / "text.txt").string());
+  EXPECT_EQ(data.size(), 26);
+  auto [x, y] = data.batch(1, 0, 0, 2, 25, torch::kCPU);
+  EXPECT_EQ(x[0][0].item<int64_t>(), 'h');
+  ExpectErrorContaining([&] { ByteDataset::from_file((dir / "missing.txt").string()); },
+                        "missing.txt cannot be opened");
+  ExpectErrorContaining([&] { ByteDataset::from_file((dir / "empty.txt").string()); },
+                        "empty.txt is empty");
+  ExpectErrorContaining([&] { ByteDataset::from_file(dir.string()); }, "is not a regular file");
+  ExpectErrorContaining([&] { data.batch(1, 0, 0, 2, 26, torch::kCPU); },
+                        "is shorter than seq + 1 = 27 bytes");
+  testing::remove_tree(dir.string());
+}
+
+TEST(LossPlotTest, WritesOnePolylinePerCurve) {
+  const auto path = std::filesystem::temp_directory_path() / ("amp8_plot_" + std::to_string(::getpid()) + ".svg");
+  write_loss_svg(path.string(), {{"a", {{1, 5.0}, {2, 4.0}, {3, 3.5}}}, {"b<c", {{1, 5.2}, {2, NAN}, {3, 3.0}}}},
+                 "title");
+  std::ifstream in(path);
+  const std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  size_t count = 0;
+  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++count;
+  EXPECT_EQ(count, 2u);
+  EXPECT_NE(svg.find("b&lt;c"), std::string::npos);
+  EXPECT_EQ(svg.find("nan"), std::string::npos);
+  std::filesystem::remove(path);
+}
+
+}  // namespace
+}  // namespace amp8::recipes

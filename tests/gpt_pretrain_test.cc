@@ -1,0 +1,180 @@
+// recipes:gpt_pretrain end to end on the CPU, through the same entry point as the binary.
+#include "recipes/gpt/cli.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include "tests/test_util.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace amp8::recipes {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Run {
+  int code;
+  std::string out, err;
+};
+
+Run gpt_pretrain(std::vector<std::string> args) {
+  args.insert(args.begin(), "gpt_pretrain");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int code = gpt_pretrain_main(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {code, out.str(), err.str()};
+}
+
+fs::path scratch(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  auto dir = fs::path(base ? base : fs::temp_directory_path().string()) /
+             ("amp8_gpt_pretrain_" + std::to_string(::getpid())) / name;
+  testing::remove_tree(dir.string());
+  fs::create_directories(dir.parent_path());
+  return dir;
+}
+
+std::vector<nlohmann::json> metrics(const fs::path& dir) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(dir / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+std::string read(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+const std::vector<std::string> kTiny = {"--config", "tiny", "--device", "cpu", "--seq", "64",
+                                        "--micro-batch", "8", "--log-every", "10"};
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+TEST(GptPretrainTest, TrainsWritesMetricsPictureAndCheckpoint) {
+  const auto dir = scratch("run");
+  const auto run = gpt_pretrain(with(kTiny, {"--steps", "30", "--save-dir", dir.string()}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("step 10/30 | loss "), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("tok/s"), std::string::npos);
+  const auto lines = metrics(dir);
+  ASSERT_EQ(lines.size(), 30u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) first += lines[i]["loss"].get<double>() / 5;
+  for (int i = 25; i < 30; ++i) last += lines[i]["loss"].get<double>() / 5;
+  EXPECT_NEAR(first, std::log(256.0), 0.5) << "starts near uniform over bytes";
+  EXPECT_LT(last, first - 1.0) << "the loss falls";
+  EXPECT_EQ(lines.back()["step"].get<int>(), 30);
+  const auto svg = read(dir / "loss.svg");
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("<polyline"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step_00000030.ckpt"));
+}
+
+TEST(GptPretrainTest, ResumeContinuesExactlyWhereTheRunStopped) {
+  for (const std::string precision : {"32", "bf16-mixed"}) {
+    SCOPED_TRACE(precision);
+    const auto full = scratch("full_" + precision), split = scratch("split_" + precision);
+    const auto common = with(kTiny, {"--precision", precision, "--log-every", "0"});
+    ASSERT_EQ(gpt_pretrain(with(common, {"--steps", "20", "--save-dir", full.string()})).code, 0);
+    // The split run stops at 10 (its checkpoint), then continues to 20 from it.
+    auto first = gpt_pretrain(with(common, {"--steps", "20", "--save-every", "10", "--save-dir",
+                                            split.string()}));
+    ASSERT_EQ(first.code, 0) << first.err;
+    fs::remove(split / "checkpoints" / "step_00000020.ckpt");
+    {
+      auto lines = metrics(split);
+      std::ofstream out(split / "metrics.jsonl", std::ios::trunc);
+      for (int i = 0; i < 10; ++i) out << lines[i].dump() << "\n";
+    }
+    auto resumed = gpt_pretrain(with(common, {"--steps", "20", "--save-dir", split.string(),
+                                              "--resume", split.string()}));
+    ASSERT_EQ(resumed.code, 0) << resumed.err;
+    const auto a = metrics(full), b = metrics(split);
+    ASSERT_EQ(a.size(), 20u);
+    ASSERT_EQ(b.size(), 20u);
+    for (size_t i = 0; i < 20; ++i) {
+      EXPECT_EQ(a[i]["step"], b[i]["step"]);
+      EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+      EXPECT_EQ(a[i]["lr"].get<double>(), b[i]["lr"].get<double>()) << "step " << i + 1;
+    }
+  }
+}
+
+TEST(GptPretrainTest, HelpListsTheFlagsWithDefaults) {
+  const auto run = gpt_pretrain({"--help"});
+  EXPECT_EQ(run.code, 0);
+  for (const char* flag : {"--precision", "--fp8", "--fp8-margin", "--fp8-amax-history-len",
+                           "--fp8-amax-compute-algo", "--fp8-params", "--config", "--steps",
+                           "--micro-batch", "--grad-accum", "--seq", "--lr", "--data", "--device",
+                           "--save-dir", "--resume", "--seed", "--compare"}) {
+    EXPECT_NE(run.out.find(flag), std::string::npos) << flag;
+  }
+  EXPECT_NE(run.out.find("1024"), std::string::npos) << "defaults are shown";
+}
+
+TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
+  const auto dir = scratch("bad");
+  fs::create_directories(dir);
+  const auto file = dir / "a_file";
+  std::ofstream(file) << "keep me";
+  std::ofstream(dir / "empty.txt");
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--no-such-flag"}, "--no-such-flag"},
+      {{"--steps", "many"}, "--steps"},
+      {{"--precision", "bf17-mixed"}, "precision must be"},
+      {{"--fp8", "e5m2"}, "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"e5m2\""},
+      {{"--precision", "32", "--fp8", "hybrid"}, "precision \"32\" takes only fp8 = \"none\""},
+      {{"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-amax-compute-algo", "mean"}, "fp8_amax_compute_algo"},
+      {{"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-margin", "-1"}, "fp8_margin"},
+      {{"--config", "2b"}, "config must be one of"},
+      {{"--data", (dir / "missing.txt").string()}, "missing.txt cannot be opened"},
+      {{"--data", (dir / "empty.txt").string()}, "empty.txt is empty"},
+      {{"--save-dir", file.string()}, "exists and is not a folder"},
+      {{"--device", "tpu"}, "device must be"},
+      {{"--seq", "1000"}, "seq must be in [1, 256]"},
+      {{"--compare", "32,bf16-mixed+fp9"}, "--compare"},
+  };
+  for (const auto& c : cases) {
+    auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);
+    if (std::find(c.args.begin(), c.args.end(), "--device") == c.args.end()) {
+      args = with(args, {"--device", "cpu"});
+    }
+    const auto run = gpt_pretrain(args);
+    EXPECT_NE(run.code, 0) << c.message;
+    EXPECT_NE((run.err + run.out).find(c.message), std::string::npos)
+        << "expected \"" << c.message << "\" in: " << run.err << run.out;
+  }
+  EXPECT_EQ(read(file), "keep me");
+  EXPECT_FALSE(fs::exists(dir / "out")) << "a rejected run writes nothing";
+}
+
+TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
+  const auto dir = scratch("compare");
+  const auto run = gpt_pretrain(with(kTiny, {"--steps", "6", "--log-every", "0", "--save-dir",
+                                             dir.string(), "--compare", "32,bf16-mixed"}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_EQ(metrics(dir / "32").size(), 6u);
+  EXPECT_EQ(metrics(dir / "bf16-mixed").size(), 6u);
+  const auto svg = read(dir / "compare.svg");
+  size_t count = 0;
+  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++count;
+  EXPECT_EQ(count, 2u);
+  EXPECT_NE(svg.find("bf16-mixed (final"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace amp8::recipes
