@@ -10,7 +10,8 @@
 # The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
 # processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
 # GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
-# or from an installed GTest when there is none. Exits non-zero if anything fails.
+# or from an installed GTest when there is none; CLI11 and nlohmann-json headers likewise from
+# .sysinclude/ (carry both: run with carry [".gtest", ".sysinclude"]). Exits non-zero if anything fails.
 set -uo pipefail
 OUT="${1:?usage: tools/gpu_check.sh OUTDIR}"
 mkdir -p "$OUT"
@@ -31,6 +32,9 @@ status=0
 
 GTEST_ARGS=()
 [[ -f .gtest/CMakeLists.txt ]] && GTEST_ARGS=(-DAMP8_GTEST_SOURCE_DIR="$ROOT/.gtest")
+# CLI11 and nlohmann-json headers for gpt_pretrain, where the machine has none:
+# mkdir .sysinclude && cp -r /usr/include/CLI /usr/include/nlohmann .sysinclude/ (Debian).
+[[ -d .sysinclude ]] && GTEST_ARGS+=(-DAMP8_EXTRA_INCLUDE_DIR="$ROOT/.sysinclude")
 TORCH_PREFIX="$(python3 -W ignore -c 'import torch;print(torch.utils.cmake_prefix_path)')"
 
 echo "== configure + build" | tee -a "$LOG"
