@@ -81,10 +81,15 @@ TEST(GptPretrainTest, TrainsWritesMetricsPictureAndCheckpoint) {
 }
 
 TEST(GptPretrainTest, ResumeContinuesExactlyWhereTheRunStopped) {
-  for (const std::string precision : {"32", "bf16-mixed"}) {
-    SCOPED_TRACE(precision);
-    const auto full = scratch("full_" + precision), split = scratch("split_" + precision);
-    const auto common = with(kTiny, {"--precision", precision, "--log-every", "0"});
+  const std::vector<std::pair<std::string, std::vector<std::string>>> precisions = {
+      {"32", {"--precision", "32"}},
+      {"bf16", {"--precision", "bf16-mixed"}},
+      {"bf16_fp8", {"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-amax-history-len", "16"}},
+  };
+  for (const auto& [name, flags] : precisions) {
+    SCOPED_TRACE(name);
+    const auto full = scratch("full_" + name), split = scratch("split_" + name);
+    const auto common = with(with(kTiny, flags), {"--log-every", "0"});
     ASSERT_EQ(gpt_pretrain(with(common, {"--steps", "20", "--save-dir", full.string()})).code, 0);
     // The split run stops at 10 (its checkpoint), then continues to 20 from it.
     auto first = gpt_pretrain(with(common, {"--steps", "20", "--save-every", "10", "--save-dir",
@@ -165,15 +170,38 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
 TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
   const auto dir = scratch("compare");
   const auto run = gpt_pretrain(with(kTiny, {"--steps", "6", "--log-every", "0", "--save-dir",
-                                             dir.string(), "--compare", "32,bf16-mixed"}));
+                                             dir.string(), "--compare", "32,bf16-mixed+fp8"}));
   ASSERT_EQ(run.code, 0) << run.err;
   EXPECT_EQ(metrics(dir / "32").size(), 6u);
-  EXPECT_EQ(metrics(dir / "bf16-mixed").size(), 6u);
+  EXPECT_EQ(metrics(dir / "bf16-mixed_fp8").size(), 6u);
   const auto svg = read(dir / "compare.svg");
   size_t count = 0;
   for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++count;
   EXPECT_EQ(count, 2u);
-  EXPECT_NE(svg.find("bf16-mixed (final"), std::string::npos);
+  EXPECT_NE(svg.find("bf16-mixed+fp8 (final"), std::string::npos);
+}
+
+TEST(GptPretrainTest, TrainsOnTheGpuInEveryPrecision_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const std::vector<std::vector<std::string>> precisions = {
+      {"--precision", "32"},
+      {"--precision", "bf16-mixed"},
+      {"--precision", "16-mixed"},
+      {"--precision", "bf16-mixed", "--fp8", "hybrid"},
+      {"--precision", "16-mixed", "--fp8", "e4m3", "--fp8-params", "false"},
+  };
+  int index = 0;
+  for (const auto& flags : precisions) {
+    const auto dir = scratch("gpu_" + std::to_string(index++));
+    auto args = with({"--config", "tiny", "--device", "cuda", "--steps", "60", "--log-every", "0",
+                      "--save-dir", dir.string()}, flags);
+    const auto run = gpt_pretrain(args);
+    ASSERT_EQ(run.code, 0) << run.err;
+    const auto lines = metrics(dir);
+    ASSERT_EQ(lines.size(), 60u);
+    EXPECT_LT(lines.back()["loss"].get<double>(), lines.front()["loss"].get<double>() - 1.0)
+        << run.out;
+  }
 }
 
 }  // namespace
