@@ -42,7 +42,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   std::string config = "tiny", precision = "auto", fp8 = "none", algo = "max", data, device = "auto",
               save_dir, resume, compare;
   int fp8_margin = 0;
-  int64_t history = 1024, steps = 300, micro_batch = -1, grad_accum = 1, seq = -1, log_every = 25,
+  int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
   bool fp8_params = true;
   double lr = -1;
@@ -56,7 +56,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--fp8-amax-compute-algo", algo, "max or most_recent")->capture_default_str();
   app.add_option("--fp8-params", fp8_params, "with FP8: keep linear weights only in FP8 (NeMo's FP8 presets: true)")
       ->capture_default_str();
-  app.add_option("--steps", steps, "optimizer steps")->capture_default_str();
+  app.add_option("--steps", steps, "optimizer steps (default: the config's; tiny: 1000)");
   app.add_option("--micro-batch", micro_batch, "sequences per micro-batch (default: the config's)");
   app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_option("--seq", seq, "tokens (bytes) per sequence (default: the config's)");
@@ -67,7 +67,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--save-every", save_every, "checkpoint every N steps (default: at the end)");
   app.add_option("--resume", resume, "continue from a checkpoint file or a save-dir");
   app.add_option("--seed", seed, "seed of the initial weights and of the data order")->capture_default_str();
-  app.add_option("--log-every", log_every, "a progress line every N steps")->capture_default_str();
+  app.add_option("--log-every", log_every, "a progress line every N steps, 0 = none (default: the config's; tiny: 100)");
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
                  "e.g. 32,bf16-mixed,bf16-mixed+fp8");
@@ -85,10 +85,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     TORCH_CHECK(micro_batch == -1 || micro_batch >= 1, "--micro-batch must be >= 1, got ", micro_batch);
     TORCH_CHECK(seq == -1 || seq >= 1, "--seq must be >= 1, got ", seq);
     TORCH_CHECK(lr == -1 || lr > 0, "--lr must be positive, got ", lr);
-    TORCH_CHECK(log_every >= 0, "--log-every must be >= 0, got ", log_every);
+    TORCH_CHECK(log_every >= -1, "--log-every must be >= 0, got ", log_every);
     TORCH_CHECK(save_every >= 0, "--save-every must be >= 0, got ", save_every);
-    recipe.trainer.max_steps(steps).accumulate_grad_batches(grad_accum).log_every_n_steps(log_every)
-        .every_n_train_steps(save_every);
+    TORCH_CHECK(steps == -1 || steps >= 1, "--steps must be >= 1, got ", steps);
+    if (steps > 0) recipe.trainer.max_steps(steps);
+    recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every);
+    if (log_every >= 0) recipe.trainer.log_every_n_steps(log_every);
     recipe.data = data;
     recipe.device = device;
     recipe.seed = seed;

@@ -123,7 +123,9 @@ PretrainRecipe gpt_pretrain_recipe(const std::string& config) {
   recipe.config_name = config;
   recipe.model = GptConfig::named(config);
   if (config == "tiny") {
+    // About a minute on two CPU cores.
     recipe.micro_batch = 16, recipe.seq = 128, recipe.lr = 3e-3, recipe.min_lr = 3e-4;
+    recipe.trainer.max_steps(1000).log_every_n_steps(100);
   } else if (config == "small") {
     recipe.micro_batch = 16, recipe.seq = 256, recipe.lr = 1e-3, recipe.min_lr = 1e-4;
   } else {
