@@ -284,11 +284,38 @@ TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
     junk << "not an archive";
   }
   ExpectErrorContaining([&] { trainer.load_checkpoint((dir / "junk.ckpt").string(), *model, optimizer); },
-                        "junk.ckpt is not a readable archive");
+                        "junk.ckpt is not an amp8 checkpoint");
   ExpectErrorContaining([&] { trainer.save_checkpoint(dir.string(), *model, optimizer); },
                         "is a folder, expected a file path");
   ExpectErrorContaining([&] { trainer.save_checkpoint((dir / "no" / "x.ckpt").string(), *model, optimizer); },
                         "does not exist or is not a folder");
+
+  // A flipped bit, a truncated file, another format version: each named, nothing loaded.
+  const auto good = dir / "good.ckpt";
+  trainer.save_checkpoint(good.string(), *model, optimizer);
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto write = [&](const std::string& name, const std::string& content) {
+    std::ofstream(dir / name, std::ios::binary | std::ios::trunc) << content;
+    return (dir / name).string();
+  };
+  auto flipped = bytes;
+  flipped[flipped.size() / 2] ^= 0x10;  // inside the archive's tensor data
+  const auto before = model->parameters()[0].detach().clone();
+  ExpectErrorContaining([&] { trainer.load_checkpoint(write("flipped.ckpt", flipped), *model, optimizer); },
+                        "flipped.ckpt is corrupt: checksum mismatch");
+  EXPECT_TRUE(model->parameters()[0].equal(before)) << "nothing was loaded";
+  ExpectErrorContaining([&] {
+    trainer.load_checkpoint(write("cut.ckpt", bytes.substr(0, bytes.size() - 100)), *model, optimizer);
+  }, "cut.ckpt is not an amp8 checkpoint or is truncated");
+  auto versioned = bytes;
+  versioned[versioned.size() - 20] = 2;  // the trailer's format version
+  ExpectErrorContaining([&] { trainer.load_checkpoint(write("v2.ckpt", versioned), *model, optimizer); },
+                        "v2.ckpt has format version 2, this amp8 reads version 1");
+  ASSERT_NO_THROW(trainer.load_checkpoint(good.string(), *model, optimizer));
 
   // A checkpoint of another precision names both.
   trainer.save_checkpoint((dir / "bf16.ckpt").string(), *model, optimizer);
