@@ -88,6 +88,18 @@ Measured measure(const std::function<torch::Tensor()>& step, int warmup, int rep
   return m;
 }
 
+// Forward (in the plugin's context), MSE loss and backward through the plugin.
+torch::Tensor forward_backward(amp8::MixedPrecisionPlugin& plugin, Stack& model,
+                               const torch::Tensor& x, const torch::Tensor& y) {
+  torch::Tensor loss;
+  {
+    auto context = plugin.forward_context();
+    loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+  }
+  plugin.backward(loss);
+  return loss.detach();
+}
+
 Measured plugin_case(const amp8::MixedPrecisionOptions& precision, const torch::Tensor& x,
                      const torch::Tensor& y, int warmup, int reps) {
   auto model = make_stack();
@@ -95,14 +107,9 @@ Measured plugin_case(const amp8::MixedPrecisionOptions& precision, const torch::
   amp8::MixedPrecisionPlugin plugin = precision;
   plugin.connect(*model, optimizer);
   auto step = [&] {
-    torch::Tensor loss;
-    {
-      auto context = plugin.forward_context();
-      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-    }
-    plugin.backward(loss);
+    auto loss = forward_backward(plugin, model, x, y);
     plugin.optimizer_step(optimizer);
-    return loss.detach();
+    return loss;
   };
   // fp16 starts at a loss scale of 2^32: its first steps overflow and are skipped (no optimizer
   // step, no optimizer state). Time only steps that step: run until three in a row are taken.
@@ -132,14 +139,7 @@ Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps)
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
   amp8::MixedPrecisionPlugin plugin = amp8::recipes::bf16_mixed();
   plugin.connect(*model, optimizer);
-  auto forward_backward = [&] {
-    torch::Tensor loss;
-    {
-      auto context = plugin.forward_context();
-      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-    }
-    plugin.backward(loss);
-  };
+
   auto stream = at::cuda::getCurrentCUDAStream();
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -147,7 +147,7 @@ Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps)
   };
   std::vector<double> unscale, step;
   for (int i = 0; i < reps + 2; ++i) {
-    forward_backward();
+    forward_backward(plugin, model, x, y);
     at::cuda::CUDAEvent a(cudaEventDefault), b(cudaEventDefault), c(cudaEventDefault);
     a.record(stream);
     plugin.unscale_gradients(optimizer);
@@ -161,7 +161,7 @@ Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps)
     }
   }
   // The optimizer's own step on the FP32 masters (gradients in place from unscale_gradients).
-  forward_backward();
+  forward_backward(plugin, model, x, y);
   plugin.unscale_gradients(optimizer);
   const double optimizer_ms = amp8::bench::median_ms([&] { optimizer.step(); }, 2, reps);
   plugin.optimizer_step(optimizer);

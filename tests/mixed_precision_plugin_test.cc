@@ -52,6 +52,19 @@ void expect_optimizer_sees_only_fp32(torch::optim::Optimizer& optimizer) {
   EXPECT_GT(state_tensors, 0) << "the optimizer has stepped, it must hold state";
 }
 
+// One forward (in the plugin's context) and backward of an MSE loss; returns the loss.
+template <typename Model>
+torch::Tensor forward_backward(MixedPrecisionPlugin& plugin, Model& model, const torch::Tensor& x,
+                               const torch::Tensor& y) {
+  torch::Tensor loss;
+  {
+    auto context = plugin.forward_context();
+    loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+  }
+  plugin.backward(loss);
+  return loss;
+}
+
 // ---- presets and configuration ----
 
 TEST(PrecisionPresetsTest, CarryNeMoValues) {
@@ -281,14 +294,7 @@ void steps_like_fp32_on_the_half_gradients(OptimizerKind kind, torch::Device dev
   MlpData data(5);
   for (int step = 0; step < 4; ++step) {
     auto [x, y] = data.batch(step, 0, 16);
-    x = x.to(device);
-    y = y.to(device);
-    torch::Tensor loss;
-    {
-      auto context = plugin.forward_context();
-      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-    }
-    plugin.backward(loss);
+    forward_backward(plugin, model, x.to(device), y.to(device));
     const auto params = model->parameters();
     for (size_t i = 0; i < params.size(); ++i) {
       ASSERT_EQ(params[i].grad().scalar_type(), at::kBFloat16);
@@ -347,12 +353,7 @@ TEST_F(MasterParamsTest, Fp8ParamsMastersAreTheHighPrecisionValues) {
   MlpData data(6);
   for (int step = 0; step < 3; ++step) {
     auto [x, y] = data.batch(step, 0, 32);
-    torch::Tensor loss;
-    {
-      auto context = plugin.forward_context();
-      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-    }
-    plugin.backward(loss);
+    forward_backward(plugin, model, x, y);
     EXPECT_TRUE(plugin.optimizer_step(optimizer));
   }
   masters = plugin.master_params();
@@ -384,14 +385,7 @@ void injected_overflows_skip_steps(torch::Device device) {
   int64_t skipped = 0;
   for (int step = 1; step <= 14; ++step) {
     auto [x, y] = data.batch(step, 0, 16);
-    x = x.to(device);
-    y = y.to(device);
-    torch::Tensor loss;
-    {
-      auto context = plugin.forward_context();
-      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-    }
-    plugin.backward(loss);
+    forward_backward(plugin, model, x.to(device), y.to(device));
     if (overflow.count(step)) model->ptr(2)->as<torch::nn::LinearImpl>()->weight.grad()[3][5] = INFINITY;
     std::vector<torch::Tensor> params_before;
     for (const auto& p : plugin.master_params()) params_before.push_back(p.detach().clone());
@@ -425,12 +419,7 @@ TEST_F(LossScalingTest, GradientsReachTheOptimizerUnscaled) {
   MixedPrecisionPlugin plugin = recipes::fp16_mixed().fp16_loss_scale(1024.0);
   plugin.connect(*model, optimizer);
   auto [x, y] = MlpData(9).batch(0, 0, 16);
-  torch::Tensor loss;
-  {
-    auto context = plugin.forward_context();
-    loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-  }
-  plugin.backward(loss);
+  forward_backward(plugin, model, x, y);
   plugin.unscale_gradients(optimizer);
   auto masters = plugin.master_params();
   // The float32 reference gradient, on float32 copies of the fp16 weights.
@@ -535,14 +524,7 @@ TrainResult train(Model model, const Data& data, const PrecisionCase& precision,
   std::vector<double> losses;
   for (int step = 0; step < steps; ++step) {
     auto [x, y] = data.batch(step, 0);
-    x = x.to(device);
-    y = y.to(device);
-    torch::Tensor loss;
-    {
-      auto context = plugin.forward_context();
-      loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-    }
-    plugin.backward(loss);
+    const torch::Tensor loss = forward_backward(plugin, model, x.to(device), y.to(device));
     plugin.clip_gradients(optimizer, 1.0);
     plugin.optimizer_step(optimizer);
     losses.push_back(loss.item<double>());
