@@ -296,6 +296,11 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
   return step;
 }
 
+void MixedPrecisionPlugin::discard_gradients(torch::optim::Optimizer& optimizer) {
+  clear_gradients();
+  ++skipped_steps_;
+}
+
 void MixedPrecisionPlugin::clear_gradients() {
   for (auto& entry : masters_) {
     if (entry.fp8_owner) entry.fp8_owner->zero_main_grad();

@@ -120,6 +120,8 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   void unscale_gradients(torch::optim::Optimizer& optimizer) override;
   double clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) override;
   bool optimizer_step(torch::optim::Optimizer& optimizer) override;
+  /// Clears every gradient (model, masters, FP8 main_grad) and counts the step as skipped.
+  void discard_gradients(torch::optim::Optimizer& optimizer) override;
   double loss_scale() const override;
   int64_t skipped_steps() const override { return skipped_steps_; }
   void save(torch::serialize::OutputArchive& archive) const override;

@@ -90,6 +90,12 @@ class PrecisionPlugin {
   /// every gradient of the model and the optimizer is cleared.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer);
 
+  /// Drops this step's gradients without stepping (a step skipped by the training loop, e.g. on
+  /// a non-finite loss). Default: the optimizer's zero_grad.
+  virtual void discard_gradients(torch::optim::Optimizer& optimizer) {
+    optimizer.zero_grad(/*set_to_none=*/true);
+  }
+
   /// The loss scale in use (1 when the precision does not scale).
   virtual double loss_scale() const { return 1.0; }
   /// Steps skipped since the start of training (non-finite gradients).

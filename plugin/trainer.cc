@@ -107,6 +107,8 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                 options.checkpoint_dir(), " is not a folder and cannot be created");
   }
   TORCH_CHECK(static_cast<bool>(training_step), "Trainer::fit: training_step must be callable");
+  TORCH_CHECK(options.nonfinite_loss() == "error" || options.nonfinite_loss() == "skip",
+              "nonfinite_loss must be \"error\" or \"skip\", got \"", options.nonfinite_loss(), "\"");
 
   connect(model, optimizer);
   if (!ckpt_path.empty()) {
@@ -145,14 +147,26 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     }
     StepMetrics metrics;
     metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();
-    if (options.gradient_clip_val() > 0) {
-      metrics.grad_norm = precision.clip_gradients(optimizer, options.gradient_clip_val());
+    // One host sync per step (the loss is read for the metrics anyway), before the optimizer
+    // runs, so a non-finite loss never reaches the weights.
+    const double loss_value = loss_sum.item<double>() / static_cast<double>(micro_batches);
+    if (!std::isfinite(loss_value)) {
+      TORCH_CHECK(options.nonfinite_loss() == "skip", "Trainer: non-finite loss (", loss_value,
+                  ") at step ", step + 1,
+                  "; the weights are those after the previous step (nonfinite_loss = \"error\"; "
+                  "\"skip\" drops such steps instead)");
+      precision.discard_gradients(optimizer);
+      metrics.stepped = false;
+    } else {
+      if (options.gradient_clip_val() > 0) {
+        metrics.grad_norm = precision.clip_gradients(optimizer, options.gradient_clip_val());
+      }
+      metrics.stepped = precision.optimizer_step(optimizer);
     }
-    metrics.stepped = precision.optimizer_step(optimizer);
     ++global_step_;
     ++interval_steps;
     metrics.step = global_step_;
-    metrics.loss = loss_sum.item<double>() / static_cast<double>(micro_batches);
+    metrics.loss = loss_value;
     metrics.loss_scale = precision.loss_scale();
     metrics.skipped_steps = precision.skipped_steps();
     history_.push_back(metrics);

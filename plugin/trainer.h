@@ -35,6 +35,10 @@ struct TrainerOptions {
   TORCH_ARG(std::string, checkpoint_dir) = "";
   /// Tokens in one micro-batch, for the tokens/s figure; 0 = not shown. Default: 0.
   TORCH_ARG(int64_t, tokens_per_micro_batch) = 0;
+  /// What a non-finite (inf/NaN) loss does, checked before the optimizer step so the weights
+  /// never take it: "error" stops the run with an error naming the step; "skip" drops the step's
+  /// gradients, counts it as skipped and goes on. Default: "error".
+  TORCH_ARG(std::string, nonfinite_loss) = "error";
 };
 
 /// What one optimizer step did.

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <sstream>
 
@@ -177,6 +178,48 @@ TEST_F(TrainerTest, PrintsProgressLines) {
   EXPECT_EQ(trainer.global_step(), 20);
   ASSERT_EQ(trainer.history().size(), 20u);
   EXPECT_LT(trainer.history().back().loss, trainer.history().front().loss);
+}
+
+// A NaN loss at step 4: "error" stops before the weights take it; "skip" drops the step.
+TEST_F(TrainerTest, NonFiniteLossNeverReachesTheWeights) {
+  testing::MlpData data(6);
+  for (const std::string policy : {"error", "skip"}) {
+    for (const auto& precision : {MixedPrecisionOptions("32"), recipes::bf16_mixed()}) {
+      SCOPED_TRACE(policy + " " + precision.precision());
+      torch::manual_seed(8);
+      auto model = testing::make_mlp();
+      torch::optim::Adam optimizer(model->parameters(), 1e-3);
+      Trainer trainer(TrainerOptions().max_steps(6).log_every_n_steps(0).nonfinite_loss(policy), precision);
+      std::vector<torch::Tensor> after_step_3;
+      auto* plugin = dynamic_cast<MixedPrecisionPlugin*>(trainer.plugins.get().get());
+      auto step_fn = [&](const TrainStepInput& in) {
+        if (in.step == 3) {
+          for (const auto& m : plugin->master_params()) after_step_3.push_back(m.detach().clone());
+        }
+        auto [x, y] = data.batch(in.step, in.micro_batch);
+        auto loss = torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+        return in.step == 3 ? loss * std::numeric_limits<float>::quiet_NaN() : loss;
+      };
+      if (policy == "error") {
+        ExpectErrorContaining([&] { trainer.fit(*model, optimizer, step_fn); }, "non-finite loss (nan) at step 4");
+        EXPECT_EQ(trainer.global_step(), 3);
+      } else {
+        trainer.fit(*model, optimizer, step_fn);
+        EXPECT_EQ(trainer.global_step(), 6);
+        EXPECT_FALSE(trainer.history()[3].stepped);
+        EXPECT_EQ(trainer.history()[3].skipped_steps, 1);
+        EXPECT_TRUE(trainer.history()[4].stepped);
+      }
+      const auto masters = plugin->master_params();
+      for (size_t i = 0; i < masters.size(); ++i) {
+        EXPECT_TRUE(torch::isfinite(masters[i]).all().item<bool>());
+        if (policy == "error") {
+          EXPECT_TRUE(masters[i].equal(after_step_3[i])) << "param " << i;
+        }
+      }
+      for (const auto& p : model->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
+    }
+  }
 }
 
 TEST_F(TrainerTest, AccumulationAveragesMicroBatches) {
