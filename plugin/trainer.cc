@@ -12,6 +12,7 @@
 #include <limits>
 #include <mutex>
 #include <regex>
+#include <sstream>
 
 #include "plugin/checkpoint.h"
 
@@ -67,6 +68,62 @@ void load_rng_states(torch::serialize::InputArchive& archive) {
     generators[i].set_state(state);
   }
 }
+
+// Every parameter and buffer of `module` (recursively) must be in the archive with its shape
+// and dtype: torch's loader would silently take another shape.
+void check_module_archive(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                          const std::string& path, const std::string& prefix) {
+  auto check = [&](const std::string& name, const torch::Tensor& expected, bool is_buffer) {
+    if (!expected.defined()) return;
+    torch::Tensor stored;
+    TORCH_CHECK(archive.try_read(name, stored, is_buffer), "checkpoint ", path, ": ",
+                prefix + name, " is missing");
+    TORCH_CHECK(stored.sizes() == expected.sizes() && stored.scalar_type() == expected.scalar_type(),
+                "checkpoint ", path, ": ", prefix + name, " is ", stored.scalar_type(), " ",
+                stored.sizes(), ", the model's is ", expected.scalar_type(), " ", expected.sizes());
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) check(item.key(), item.value(), false);
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) check(item.key(), item.value(), true);
+  for (const auto& item : module.named_children()) {
+    torch::serialize::InputArchive child;
+    TORCH_CHECK(archive.try_read(item.key(), child), "checkpoint ", path, ": module ",
+                prefix + item.key(), " is missing");
+    check_module_archive(*item.value(), child, path, prefix + item.key() + ".");
+  }
+}
+
+// The state a load changes, kept in memory so a failed load can be undone.
+class Snapshot {
+ public:
+  Snapshot(torch::nn::Module& model, torch::optim::Optimizer& optimizer, PrecisionPlugin& plugin) {
+    torch::NoGradGuard no_grad;
+    for (const auto& t : model.parameters()) tensors_.emplace_back(t, t.detach().clone());
+    for (const auto& t : model.buffers()) tensors_.emplace_back(t, t.detach().clone());
+    optimizer_ = serialize([&](auto& archive) { optimizer.save(archive); });
+    plugin_ = serialize([&](auto& archive) { plugin.save(archive); });
+  }
+  void restore(torch::nn::Module& model, torch::optim::Optimizer& optimizer, PrecisionPlugin& plugin) {
+    torch::NoGradGuard no_grad;
+    for (auto& [target, saved] : tensors_) target.set_data(saved);
+    torch::serialize::InputArchive optimizer_archive, plugin_archive;
+    optimizer_archive.load_from(optimizer_.data(), optimizer_.size());
+    optimizer.load(optimizer_archive);
+    plugin_archive.load_from(plugin_.data(), plugin_.size());
+    plugin.load(plugin_archive);
+  }
+
+ private:
+  template <typename Fn>
+  static std::string serialize(Fn&& fill) {
+    torch::serialize::OutputArchive archive;
+    fill(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    return bytes.str();
+  }
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> tensors_;
+  std::string optimizer_, plugin_;
+};
 
 }  // namespace
 
@@ -228,6 +285,7 @@ torch::serialize::OutputArchive Trainer::checkpoint_archive(torch::nn::Module& m
   optimizer.save(optimizer_archive);
   plugins->save(plugin_archive);
   trainer_archive.write("global_step", torch::tensor({global_step_}));
+  trainer_archive.write("precision", c10::IValue(plugins->name()));
   save_rng_states(trainer_archive);
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
@@ -261,11 +319,26 @@ void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
               "checkpoint ", path, " lacks one of model / optimizer / plugin / trainer");
   TORCH_CHECK(trainer_archive.try_read("global_step", step), "checkpoint ", path,
               " lacks trainer/global_step");
-  // The plugin first: it checks the precision and the masters before changing anything.
-  plugins->load(plugin_archive);
-  model.load(model_archive);
-  optimizer.load(optimizer_archive);
-  load_rng_states(trainer_archive);
+  c10::IValue precision;
+  TORCH_CHECK(trainer_archive.try_read("precision", precision) && precision.isString(),
+              "checkpoint ", path, " lacks trainer/precision");
+  TORCH_CHECK(precision.toStringRef() == plugins->name(), "checkpoint ", path,
+              ": the checkpoint was written with precision \"", precision.toStringRef(),
+              "\", this plugin is \"", plugins->name(), "\"");
+  check_module_archive(model, model_archive, path, "");
+  // Everything or nothing: the state before the load is kept (in memory) until the load is
+  // through, and put back if any part of it throws.
+  Snapshot snapshot(model, optimizer, *plugins);
+  try {
+    plugins->load(plugin_archive);  // checks the precision and the masters first
+    model.load(model_archive);
+    optimizer.load(optimizer_archive);
+    load_rng_states(trainer_archive);
+  } catch (const c10::Error& e) {
+    snapshot.restore(model, optimizer, *plugins);
+    TORCH_CHECK(false, "checkpoint ", path, " could not be loaded, nothing was changed: ",
+                e.what_without_backtrace());
+  }
   global_step_ = step.item<int64_t>();
 }
 

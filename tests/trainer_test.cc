@@ -360,6 +360,43 @@ TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
                         "v2.ckpt has format version 2, this amp8 reads version 1");
   ASSERT_NO_THROW(trainer.load_checkpoint(good.string(), *model, optimizer));
 
+  // A checkpoint of another model's shape: named, and nothing changes.
+  {
+    auto wide = torch::nn::Sequential(torch::nn::Linear(32, 48), torch::nn::ReLU(),
+                                      torch::nn::Linear(48, 64), torch::nn::ReLU(),
+                                      torch::nn::Linear(64, 16));
+    torch::optim::Adam wide_optimizer(wide->parameters(), 1e-3);
+    Trainer wide_trainer(TrainerOptions().log_every_n_steps(0), recipes::bf16_mixed());
+    wide_trainer.save_checkpoint((dir / "wide.ckpt").string(), *wide, wide_optimizer);
+    const auto weight = model->parameters()[0].detach().clone();
+    ExpectErrorContaining([&] { trainer.load_checkpoint((dir / "wide.ckpt").string(), *model, optimizer); },
+                          "wide.ckpt: 0.weight is Float [48, 32], the model's is BFloat16 [64, 32]");
+    EXPECT_TRUE(model->parameters()[0].equal(weight));
+    EXPECT_EQ(model->parameters()[0].sizes(), weight.sizes());
+  }
+
+  // A checkpoint whose optimizer state does not fit (SGD's, loaded into Adam): the model had
+  // already been loaded when the optimizer failed; it is put back as it was.
+  {
+    torch::manual_seed(99);
+    auto same_shape = testing::make_mlp();
+    torch::optim::SGD sgd(same_shape->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    Trainer sgd_trainer(TrainerOptions().max_steps(1).log_every_n_steps(0), recipes::bf16_mixed());
+    testing::MlpData data(2);
+    sgd_trainer.fit(*same_shape, sgd, [&](const TrainStepInput& in) {
+      auto [x, y] = data.batch(in.step, 0);
+      return torch::mse_loss(in.precision.convert_output(same_shape->forward(in.precision.convert_input(x))), y);
+    });
+    sgd_trainer.save_checkpoint((dir / "sgd.ckpt").string(), *same_shape, sgd);
+    std::vector<torch::Tensor> before_params;
+    for (const auto& p : model->parameters()) before_params.push_back(p.detach().clone());
+    ExpectErrorContaining([&] { trainer.load_checkpoint((dir / "sgd.ckpt").string(), *model, optimizer); },
+                          "could not be loaded, nothing was changed");
+    const auto params = model->parameters();
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].equal(before_params[i])) << i;
+    EXPECT_FALSE(params[0].equal(same_shape->parameters()[0])) << "the checkpoint's weights differ";
+  }
+
   // A checkpoint of another precision names both.
   trainer.save_checkpoint((dir / "bf16.ckpt").string(), *model, optimizer);
   auto other = testing::make_mlp();
