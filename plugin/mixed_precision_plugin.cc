@@ -1,7 +1,5 @@
 #include "plugin/mixed_precision_plugin.h"
 
-#include <torch/nn/utils/clip_grad.h>
-
 #include <limits>
 #include <unordered_map>
 
@@ -262,16 +260,10 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
 }
 
 double MixedPrecisionPlugin::clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) {
-  TORCH_CHECK(max_norm > 0, "clip_gradients: max_norm must be positive, got ", max_norm);
   unscale_gradients(optimizer);
   if (found_inf_) return std::numeric_limits<double>::infinity();  // the step will be skipped
-  // clip_grad_norm_ takes the parameters and reads their .grad().
-  std::vector<torch::Tensor> params;
-  for (const auto& entry : masters_) {
-    if (entry.master.grad().defined()) params.push_back(entry.master);
-  }
-  if (params.empty()) return 0.0;
-  return torch::nn::utils::clip_grad_norm_(params, max_norm);
+  // The optimizer holds the masters, whose gradients unscale_gradients has just set.
+  return PrecisionPlugin::clip_gradients(optimizer, max_norm);
 }
 
 bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {

@@ -31,14 +31,7 @@ Run gpt_pretrain(std::vector<std::string> args) {
   return {code, out.str(), err.str()};
 }
 
-fs::path scratch(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  auto dir = fs::path(base ? base : fs::temp_directory_path().string()) /
-             ("amp8_gpt_pretrain_" + std::to_string(::getpid())) / name;
-  testing::remove_tree(dir.string());
-  fs::create_directories(dir.parent_path());
-  return dir;
-}
+fs::path scratch(const std::string& name) { return testing::scratch_path("gpt_pretrain", name); }
 
 std::vector<nlohmann::json> metrics(const fs::path& dir) {
   std::vector<nlohmann::json> lines;

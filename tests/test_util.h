@@ -3,12 +3,14 @@
 
 #include <ATen/ATen.h>
 #include <ftw.h>
+#include <unistd.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <sstream>
 #include <string>
 
@@ -21,6 +23,17 @@ inline void remove_tree(const std::string& path) {
   ::nftw(
       path.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
       16, FTW_DEPTH | FTW_PHYS);
+}
+
+// A path for a test's files, <TEST_TMPDIR or /tmp>/amp8_<suite>_<pid>/<name>, emptied; its
+// parent exists, the path itself does not.
+inline std::filesystem::path scratch_path(const std::string& suite, const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  auto path = std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) /
+              ("amp8_" + suite + "_" + std::to_string(::getpid())) / name;
+  remove_tree(path.string());
+  std::filesystem::create_directories(path.parent_path());
+  return path;
 }
 
 inline bool cuda_available() { return torch::cuda::is_available(); }

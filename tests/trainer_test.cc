@@ -27,12 +27,9 @@ using testing::ExpectErrorContaining;
 using testing::SequenceData;
 using testing::TinyTransformer;
 
-// A fresh folder under the test's temporary directory.
+// A fresh, existing folder under the test's temporary directory.
 fs::path scratch_dir(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  auto dir = fs::path(base ? base : fs::temp_directory_path().string()) /
-             ("amp8_trainer_test_" + std::to_string(::getpid())) / name;
-  testing::remove_tree(dir.string());
+  auto dir = testing::scratch_path("trainer_test", name);
   fs::create_directories(dir);
   return dir;
 }

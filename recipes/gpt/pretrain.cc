@@ -146,9 +146,7 @@ MixedPrecisionOptions precision_from_flags(const std::string& precision, const s
   const bool with_fp8 = fp8 != "none";
   if (canonical == "bf16-mixed") options = with_fp8 ? bf16_with_fp8_mixed() : bf16_mixed();
   if (canonical == "16-mixed") options = with_fp8 ? fp16_with_fp8_mixed() : fp16_mixed();
-  if (canonical == "32") options = MixedPrecisionOptions("32").fp8(fp8);  // fp8 here is an error
-  if (with_fp8) options.fp8(fp8);
-  return options;
+  return options.fp8(fp8);  // "32" with FP8 is rejected by validate()
 }
 
 PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) {
