@@ -144,7 +144,8 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--save-dir", file.string()}, "exists and is not a folder"},
       {{"--device", "tpu"}, "device must be"},
       {{"--seq", "1000"}, "seq must be in [1, 256]"},
-      {{"--compare", "32,bf16-mixed+fp9"}, "--compare"},
+      {{"--compare", "32,bf16-mixed+fp9"}, "unknown part \"fp9\""},
+      {{"--compare", "bf16-mixed+fp8-params"}, "need +fp8"},
   };
   for (const auto& c : cases) {
     auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);
@@ -172,6 +173,34 @@ TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
   for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++count;
   EXPECT_EQ(count, 2u);
   EXPECT_NE(svg.find("bf16-mixed+fp8 (final"), std::string::npos);
+}
+
+TEST(GptPretrainTest, CompareSetsFp8ParamsPerRunAndSummarisesEveryRun) {
+  const auto dir = scratch("compare_summary");
+  const auto run = gpt_pretrain(with(kTiny, {"--steps", "4", "--log-every", "0", "--save-dir", dir.string(),
+                                             "--compare", "32,bf16-mixed+fp8+bf16-params,bf16-mixed+fp8=e4m3+fp8-params"}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  std::ifstream file(dir / "compare.jsonl");
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(file, line);) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[0]["run"], "32");
+  EXPECT_EQ(rows[0]["fp8"], "none");
+  EXPECT_EQ(rows[0]["fp8_params"], false);
+  EXPECT_EQ(rows[0]["final_loss_rel_diff_vs_32"], 0.0);
+  EXPECT_EQ(rows[1]["fp8"], "hybrid");
+  EXPECT_EQ(rows[1]["fp8_params"], false);
+  EXPECT_EQ(rows[2]["fp8"], "e4m3");
+  EXPECT_EQ(rows[2]["fp8_params"], true);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["steps"], 4);
+    const double loss = row["final_loss"].get<double>();
+    EXPECT_TRUE(std::isfinite(loss) && loss > 0) << row.dump();
+    EXPECT_NEAR(row["final_loss_rel_diff_vs_32"].get<double>(),
+                (loss - rows[0]["final_loss"].get<double>()) / rows[0]["final_loss"].get<double>(), 1e-12);
+    EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
+  }
+  EXPECT_TRUE(fs::is_regular_file(dir / "bf16-mixed_fp8_e4m3_fp8-params" / "metrics.jsonl"));
 }
 
 TEST(GptPretrainTest, TrainsOnTheGpuInEveryPrecision_CUDA) {

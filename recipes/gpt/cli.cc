@@ -1,10 +1,14 @@
 #include "recipes/gpt/cli.h"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
@@ -70,7 +74,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--log-every", log_every, "a progress line every N steps, 0 = none (default: the config's; tiny: 100)");
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
-                 "e.g. 32,bf16-mixed,bf16-mixed+fp8");
+                 "e.g. 32,bf16-mixed,bf16-mixed+fp8; per run +fp8=e4m3, +fp8-params or +bf16-params "
+                 "override --fp8-params; writes compare.svg and compare.jsonl (final loss, tokens/s, "
+                 "peak memory, difference against the 32 and bf16-mixed runs)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -122,19 +128,31 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     TORCH_CHECK(resume.empty(), "--compare and --resume cannot be combined");
     std::vector<std::pair<std::string, MixedPrecisionOptions>> runs;
     for (const auto& item : split(compare)) {
-      const auto plus = item.find('+');
-      const std::string name = item.substr(0, plus);
-      std::string format = "none";
-      if (plus != std::string::npos) {
-        const auto rest = item.substr(plus);
-        TORCH_CHECK(rest == "+fp8" || rest == "+fp8=hybrid" || rest == "+fp8=e4m3", "--compare: \"",
-                    item, "\": expected <precision>, <precision>+fp8 or <precision>+fp8=e4m3");
-        format = rest == "+fp8=e4m3" ? "e4m3" : "hybrid";
+      // <precision>[+fp8[=hybrid|=e4m3]][+fp8-params|+bf16-params]; every item is checked
+      // before anything runs.
+      std::stringstream parts(item);
+      std::string name, part, format = "none";
+      std::optional<bool> params;
+      std::getline(parts, name, '+');
+      while (std::getline(parts, part, '+')) {
+        if (part == "fp8" || part == "fp8=hybrid" || part == "fp8=e4m3") {
+          format = part == "fp8=e4m3" ? "e4m3" : "hybrid";
+        } else if (part == "fp8-params" || part == "bf16-params") {
+          params = part == "fp8-params";
+        } else {
+          TORCH_CHECK(false, "--compare: \"", item, "\": unknown part \"", part,
+                      "\"; expected <precision>[+fp8[=hybrid|=e4m3]][+fp8-params|+bf16-params]");
+        }
       }
-      runs.emplace_back(item, precision_for(name, format));  // every item checked before any run
+      TORCH_CHECK(!params || format != "none", "--compare: \"", item,
+                  "\": +fp8-params/+bf16-params need +fp8");
+      auto options = precision_for(name, format);
+      if (params) options.fp8_params(*params);
+      runs.emplace_back(item, options);
     }
     TORCH_CHECK(!runs.empty(), "--compare needs at least one precision, got \"", compare, "\"");
     std::vector<LossCurve> curves;
+    std::vector<nlohmann::json> summary;
     const std::string base = recipe.save_dir;
     for (const auto& [name, options] : runs) {
       auto run = recipe;
@@ -145,7 +163,33 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       for (const auto& m : result.history) curve.points.emplace_back(static_cast<double>(m.step), m.loss);
       curves.push_back(std::move(curve));
       out << "gpt_pretrain: " << name << ": final loss " << result.final_loss << ", "
-          << result.tokens_per_s << " tokens/s" << std::endl;
+          << result.tokens_per_s << " tokens/s";
+      if (result.peak_memory_bytes > 0) out << ", peak memory " << result.peak_memory_bytes / 1e9 << " GB";
+      out << std::endl;
+      summary.push_back({{"run", name},
+                         {"precision", result.precision},
+                         {"fp8", options.fp8_enabled() ? options.fp8() : "none"},
+                         {"fp8_params", options.fp8_enabled() && options.fp8_params()},
+                         {"steps", result.history.size()},
+                         {"final_loss", result.final_loss},
+                         {"tokens_per_s", result.tokens_per_s},
+                         {"peak_memory_bytes", result.peak_memory_bytes},
+                         {"parameters", result.parameters}});
+    }
+    // The final loss of every run relative to the 32 and bf16-mixed runs, when those ran.
+    for (const char* reference : {"32", "bf16-mixed"}) {
+      const auto it = std::find_if(summary.begin(), summary.end(),
+                                   [&](const nlohmann::json& s) { return s["run"] == reference; });
+      if (it == summary.end()) continue;
+      const double ref = (*it)["final_loss"].get<double>();
+      for (auto& s : summary) {
+        s[std::string("final_loss_rel_diff_vs_") + reference] = (s["final_loss"].get<double>() - ref) / ref;
+      }
+    }
+    {
+      std::ofstream file(fs::path(base) / "compare.jsonl");
+      for (const auto& s : summary) file << s.dump() << "\n";
+      TORCH_CHECK(file.good(), "cannot write ", (fs::path(base) / "compare.jsonl").string());
     }
     const auto picture = (fs::path(base) / "compare.svg").string();
     write_loss_svg(picture, curves, "GPT " + config + ": loss by precision (same seed and data)");
