@@ -8,8 +8,8 @@
 # AMP8_BENCHMARKS="gpt_stack_bench ..." limits the benchmarks run (default: all of them);
 # AMP8_SKIP_TESTS=1 skips ctest; AMP8_TEST_REGEX limits it (ctest -R, e.g. _CUDA).
 # AMP8_GPT_COMPARE="--config 125m --steps 1000 --compare 32,bf16-mixed" also runs gpt_pretrain
-# with those flags (checkpoints in a scratch folder) and brings back OUTDIR/gpt_compare/: every
-# run's metrics.jsonl and loss.svg, compare.svg, compare.jsonl and the log.
+# with those flags (checkpoints in a scratch folder) and brings back OUTDIR/gpt_compare.tar.gz:
+# every run's metrics.jsonl and loss.svg, compare.svg, compare.jsonl and the log.
 # The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
 # processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
 # GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
@@ -67,10 +67,10 @@ if [[ -n "${AMP8_GPT_COMPARE:-}" ]]; then
   rm -rf "$SCRATCH"
   # shellcheck disable=SC2086  # the flags are meant to split
   "$BUILD/gpt_pretrain" $AMP8_GPT_COMPARE --save-dir "$SCRATCH" 2>&1 | tee "$OUT/gpt_compare.log" || status=1
-  mkdir -p "$OUT/gpt_compare"
-  mv "$OUT/gpt_compare.log" "$OUT/gpt_compare/"
-  (cd "$SCRATCH" && find . \( -name '*.jsonl' -o -name '*.svg' \) -print0 |
-     while IFS= read -r -d '' f; do mkdir -p "$OUT/gpt_compare/$(dirname "$f")" && cp "$f" "$OUT/gpt_compare/$f"; done)
+  # One archive: the device tool brings back at most 8 files.
+  cp "$OUT/gpt_compare.log" "$SCRATCH/" && rm "$OUT/gpt_compare.log"
+  (cd "$SCRATCH" && find . \( -name '*.jsonl' -o -name '*.svg' -o -name '*.log' \) -print0 |
+     tar -czf "$OUT/gpt_compare.tar.gz" --null -T -) || status=1
 fi
 echo "== tests" | tee -a "$LOG"
 start=$SECONDS
