@@ -2,10 +2,12 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -25,34 +27,37 @@ namespace {
 
 thread_local std::vector<Fp8Autocast::Region*> region_stack;
 
-// Backward groups wait here, per (format, margin, algo, reduction group), until the backward
-// pass ends. The autograd engine may run backward functions on its own threads, hence a mutex.
+// Backward groups wait here, per backward pass (autograd graph task) and per (format, margin,
+// algo, reduction group), until that backward pass ends. The autograd engine may run backward
+// functions on its own threads, and several threads may run backward passes at once (e.g.
+// data-parallel ranks in one process), hence a mutex and one entry per graph task.
 using PendingKey = std::tuple<int, int, int, c10d::ProcessGroup*>;
 struct PendingBackward {
-  std::mutex mutex;
   std::map<PendingKey, std::vector<DelayedScalingGroup>> groups;
   std::map<PendingKey, c10::intrusive_ptr<c10d::ProcessGroup>> process_groups;
   std::unordered_set<const void*> owners;
-  bool callback_queued = false;
+};
+struct PendingBackwards {
+  std::mutex mutex;
+  std::unordered_map<int, PendingBackward> by_graph_task;
 };
 
-PendingBackward& pending_backward() {
-  static PendingBackward pending;
+PendingBackwards& pending_backwards() {
+  static PendingBackwards pending;
   return pending;
 }
 
-void run_backward_updates() {
-  auto& pending = pending_backward();
-  std::map<PendingKey, std::vector<DelayedScalingGroup>> groups;
-  std::map<PendingKey, c10::intrusive_ptr<c10d::ProcessGroup>> process_groups;
+void run_backward_updates(int graph_task) {
+  PendingBackward pending;
   {
-    std::lock_guard<std::mutex> lock(pending.mutex);
-    groups.swap(pending.groups);
-    process_groups.swap(pending.process_groups);
-    pending.owners.clear();
-    pending.callback_queued = false;
+    auto& all = pending_backwards();
+    std::lock_guard<std::mutex> lock(all.mutex);
+    auto it = all.by_graph_task.find(graph_task);
+    if (it == all.by_graph_task.end()) return;
+    pending = std::move(it->second);
+    all.by_graph_task.erase(it);
   }
-  for (auto& [key, list] : groups) {
+  for (auto& [key, list] : pending.groups) {
     const auto [format, margin, algo, process_group] = key;
     if (process_group != nullptr) detail::reduce_amaxes(list, *process_group);
     delayed_scaling_update(
@@ -120,22 +125,25 @@ void register_forward_group(const void* owner, const DelayedScalingGroup& group)
 void register_backward_group(const void* owner, const DelayedScalingGroup& group,
                              const Fp8RecipeOptions& recipe,
                              const c10::intrusive_ptr<c10d::ProcessGroup>& process_group) {
-  auto& pending = pending_backward();
+  const int graph_task = torch::autograd::get_current_graph_task_id();
   bool queue = false;
   {
-    std::lock_guard<std::mutex> lock(pending.mutex);
+    auto& all = pending_backwards();
+    std::lock_guard<std::mutex> lock(all.mutex);
+    auto [it, first] = all.by_graph_task.try_emplace(graph_task);
+    auto& pending = it->second;
     if (pending.owners.insert(owner).second) {
       const PendingKey key{static_cast<int>(recipe.backward_format()), recipe.fp8_margin(),
                            static_cast<int>(recipe.amax_compute_algo()), process_group.get()};
       pending.groups[key].push_back(group);
       if (process_group) pending.process_groups[key] = process_group;
     }
-    if (!pending.callback_queued) {
-      pending.callback_queued = true;
-      queue = true;
-    }
+    queue = first;
   }
-  if (queue) torch::autograd::Engine::get_default_engine().queue_callback(run_backward_updates);
+  if (queue) {
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [graph_task] { run_backward_updates(graph_task); });
+  }
 }
 
 }  // namespace detail

@@ -284,6 +284,16 @@ void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {
   weight_scale_inv.copy_(q.scale_inv);
 }
 
+void Fp8LinearImpl::fp8_weight_written(const torch::Tensor& amax, const torch::Tensor& scale_inv) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::fp8_weight_written: the module was not built with fp8_params");
+  torch::NoGradGuard no_grad;
+  auto slot = fp8_fwd_amax_history[0][1];
+  slot.copy_(at::maximum(slot, amax.reshape({}).to(slot.device())));
+  weight_scale_inv.copy_(scale_inv.reshape({1}));
+  weight_cache_.reset();
+}
+
 void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
   TORCH_CHECK(options.fp8_params(),
               "Fp8Linear::set_high_precision_weight: the module was not built with fp8_params");
@@ -459,7 +469,9 @@ const c10::intrusive_ptr<c10d::ProcessGroup>& Fp8LinearInternals::group(
 torch::Tensor Fp8LinearImpl::high_precision_forward(const torch::Tensor& input) {
   if (!options.fp8_params()) return torch::nn::functional::linear(input, weight, bias);
   // The FP8 weight, dequantized; its gradient goes to main_grad like the FP8 path's.
-  auto w = fp8_weight().dequantize(at::kFloat).requires_grad_(true);
+  // In the input's dtype (bf16/fp16 under a mixed precision's params), as nn::Linear's would be.
+  const auto dtype = input.is_floating_point() ? input.scalar_type() : at::kFloat;
+  auto w = fp8_weight().dequantize(dtype).requires_grad_(true);
   w.register_hook([this](const torch::Tensor& grad) { accumulate_main_grad(grad); });
   return torch::nn::functional::linear(input, w, bias);
 }

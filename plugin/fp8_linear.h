@@ -123,6 +123,11 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   void update_fp8_weight(const torch::Tensor& master);
   /// The stored FP8 weight as an Fp8Tensor (data + scale_inv).
   Fp8Tensor fp8_weight() const;
+  /// The distributed optimizer wrote the FP8 weight's bytes in place (all-gathered shards,
+  /// quantized with compute_current_scale(amax, E4M3), `amax` being the whole weight's):
+  /// records amax in the weight's history slot as update_fp8_weight does, takes `scale_inv`
+  /// and drops the cached transposes.
+  void fp8_weight_written(const torch::Tensor& amax, const torch::Tensor& scale_inv);
   /// Replaces the weight with high-precision `values` ([out, in]): quantizes them with
   /// update_fp8_weight and keeps them (float32) as the high-precision initial value, which
   /// seeds the FP32 master weight. Used when an existing layer's weights move into this one.

@@ -154,6 +154,7 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
   }
 
   torch::NoGradGuard no_grad;
+  std::vector<DistributedOptimizer::ParamSpec> specs;  // with a process group
   for (auto& group : optimizer.param_groups()) {
     for (auto& param : group.params()) {
       Master entry;
@@ -168,7 +169,11 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
                           "cleared); its FP32 master is seeded from the FP8 values");
           seed = linear->fp8_weight().dequantize(at::kFloat);
         }
-        entry.master = seed.detach().to(at::kFloat, false, /*copy=*/true).requires_grad_(true);
+        // On the weight's device: the initial value stays where the module was built (e.g. the
+        // CPU) when the model is moved afterwards.
+        entry.master = seed.detach()
+                           .to(entry.model.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+                           .requires_grad_(true);
         entry.fp8_owner = linear;
         linear->clear_high_precision_init_val();
       } else if (entry.model.scalar_type() == at::kFloat) {
@@ -182,11 +187,44 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
         entry.master = (seed != seeds.end() ? seed->second : entry.model.detach().to(at::kFloat))
                            .requires_grad_(true);
       }
+      if (group_) {
+        // The distributed optimizer keeps only this rank's shard of each master.
+        specs.push_back({entry.model, entry.fp8_owner, entry.master.detach()});
+        continue;
+      }
       param = entry.master;
       masters_.push_back(std::move(entry));
     }
   }
   master_seeds_.clear();
+  if (group_) {
+    distributed_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_,
+                                                          options_.grad_reduce_in_fp32());
+    distributed_->connect(optimizer, std::move(specs));
+  }
+}
+
+void MixedPrecisionPlugin::set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                             DistributedOptimizerOptions options) {
+  TORCH_CHECK(masters_.empty() && !distributed_,
+              "MixedPrecisionPlugin::set_process_group: call it before connect (the optimizer is "
+              "already connected)");
+  TORCH_CHECK(group, "MixedPrecisionPlugin::set_process_group: the process group must not be null");
+  options.validate();
+  group_ = std::move(group);
+  distributed_options_ = options;
+}
+
+void MixedPrecisionPlugin::set_gradient_sync(bool enabled) {
+  if (distributed_) distributed_->set_gradient_sync(enabled);
+}
+
+torch::Tensor MixedPrecisionPlugin::data_parallel_mean(const torch::Tensor& value) {
+  if (!group_) return value;
+  TORCH_CHECK(value.numel() == 1, "data_parallel_mean: expected one element, got ", value.sizes());
+  std::vector<torch::Tensor> tensors{value.detach().to(at::kFloat).reshape({1}).clone()};
+  group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::SUM})->wait();
+  return tensors[0].div_(static_cast<double>(group_->getSize())).reshape({});
 }
 
 ForwardContext MixedPrecisionPlugin::forward_context() {
@@ -230,10 +268,11 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
 
 void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer) {
   if (gradients_ready_) return;
-  TORCH_CHECK(model_ != nullptr && (!masters_.empty() || optimizer.param_groups().empty()),
+  TORCH_CHECK(model_ != nullptr && (!masters_.empty() || distributed_ || optimizer.param_groups().empty()),
               "MixedPrecisionPlugin: connect(model, optimizer) before stepping");
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads;
+  if (distributed_) grads = distributed_->reduce_gradients();
   grads.reserve(masters_.size());
   for (auto& entry : masters_) {
     torch::Tensor grad;
@@ -262,6 +301,7 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
 double MixedPrecisionPlugin::clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) {
   unscale_gradients(optimizer);
   if (found_inf_) return std::numeric_limits<double>::infinity();  // the step will be skipped
+  if (distributed_) return distributed_->clip_grad_norm(max_norm);
   // The optimizer holds the masters, whose gradients unscale_gradients has just set.
   return PrecisionPlugin::clip_gradients(optimizer, max_norm);
 }
@@ -274,6 +314,7 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
   if (step) {
     optimizer.step();
     torch::NoGradGuard no_grad;
+    if (distributed_) distributed_->gather_params();
     for (auto& entry : masters_) {
       if (entry.fp8_owner) {
         entry.fp8_owner->update_fp8_weight(entry.master);
@@ -294,6 +335,7 @@ void MixedPrecisionPlugin::discard_gradients(torch::optim::Optimizer& optimizer)
 }
 
 void MixedPrecisionPlugin::clear_gradients() {
+  if (distributed_) distributed_->zero_gradients();
   for (auto& entry : masters_) {
     if (entry.fp8_owner) entry.fp8_owner->zero_main_grad();
     if (entry.model.defined()) entry.model.mutable_grad().reset();
@@ -330,6 +372,7 @@ void MixedPrecisionPlugin::check_swapped_modules_ran() {
 double MixedPrecisionPlugin::loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
 
 std::vector<torch::Tensor> MixedPrecisionPlugin::master_params() const {
+  if (distributed_) return distributed_->master_shards();
   std::vector<torch::Tensor> masters;
   masters.reserve(masters_.size());
   for (const auto& entry : masters_) masters.push_back(entry.master);
@@ -339,11 +382,15 @@ std::vector<torch::Tensor> MixedPrecisionPlugin::master_params() const {
 void MixedPrecisionPlugin::save(torch::serialize::OutputArchive& archive) const {
   archive.write("precision", c10::IValue(name()));
   archive.write("skipped_steps", torch::tensor({skipped_steps_}, at::kLong));
-  archive.write("num_masters", torch::tensor({static_cast<int64_t>(masters_.size())}, at::kLong));
-  for (size_t i = 0; i < masters_.size(); ++i) {
+  const auto masters = master_params();
+  archive.write("num_masters", torch::tensor({static_cast<int64_t>(masters.size())}, at::kLong));
+  // Sharded (distributed optimizer): this rank's shards; loading needs the same world size.
+  archive.write("dp_world_size", torch::tensor({int64_t{data_parallel_size()}}, at::kLong));
+  archive.write("dp_rank", torch::tensor({int64_t{data_parallel_rank()}}, at::kLong));
+  for (size_t i = 0; i < masters.size(); ++i) {
     // A float32 parameter is its own master: the model's archive already holds it.
-    if (masters_[i].master.is_same(masters_[i].model)) continue;
-    archive.write("master." + std::to_string(i), masters_[i].master.detach(), /*is_buffer=*/true);
+    if (!distributed_ && masters_[i].master.is_same(masters_[i].model)) continue;
+    archive.write("master." + std::to_string(i), masters[i].detach(), /*is_buffer=*/true);
   }
   if (scaler_) {
     torch::serialize::OutputArchive scaler_archive;
@@ -359,17 +406,28 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(precision.toStringRef() == name(),
               "MixedPrecisionPlugin::load: the checkpoint was written with precision \"",
               precision.toStringRef(), "\", this plugin is \"", name(), "\"");
-  torch::Tensor skipped, num_masters;
+  torch::Tensor skipped, num_masters, dp_world_size, dp_rank;
   TORCH_CHECK(archive.try_read("skipped_steps", skipped) && archive.try_read("num_masters", num_masters),
               "MixedPrecisionPlugin::load: the checkpoint lacks skipped_steps / num_masters");
-  TORCH_CHECK(num_masters.item<int64_t>() == static_cast<int64_t>(masters_.size()),
+  if (archive.try_read("dp_world_size", dp_world_size) && archive.try_read("dp_rank", dp_rank)) {
+    TORCH_CHECK(dp_world_size.item<int64_t>() == data_parallel_size(),
+                "MixedPrecisionPlugin::load: dp_world_size: the checkpoint was written by ",
+                dp_world_size.item<int64_t>(), " data-parallel rank(s), this run has ",
+                data_parallel_size(), " (resharding is not supported: resume with ",
+                dp_world_size.item<int64_t>(), ")");
+    TORCH_CHECK(dp_rank.item<int64_t>() == data_parallel_rank(),
+                "MixedPrecisionPlugin::load: dp_rank: the checkpoint holds rank ", dp_rank.item<int64_t>(),
+                "'s shard, this process is rank ", data_parallel_rank());
+  }
+  const auto masters = master_params();
+  TORCH_CHECK(num_masters.item<int64_t>() == static_cast<int64_t>(masters.size()),
               "MixedPrecisionPlugin::load: the checkpoint holds ", num_masters.item<int64_t>(),
-              " master parameters, the optimizer connected to this plugin has ", masters_.size());
+              " master parameters, the optimizer connected to this plugin has ", masters.size());
   // Read and check everything before changing anything.
-  std::vector<torch::Tensor> values(masters_.size());
-  for (size_t i = 0; i < masters_.size(); ++i) {
-    const auto& master = masters_[i].master;
-    if (master.is_same(masters_[i].model)) continue;
+  std::vector<torch::Tensor> values(masters.size());
+  for (size_t i = 0; i < masters.size(); ++i) {
+    const auto& master = masters[i];
+    if (!distributed_ && master.is_same(masters_[i].model)) continue;
     const auto name = "master." + std::to_string(i);
     TORCH_CHECK(archive.try_read(name, values[i], /*is_buffer=*/true),
                 "MixedPrecisionPlugin::load: the checkpoint lacks ", name);
@@ -385,8 +443,8 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
     scaler->load(scaler_archive);
   }
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < masters_.size(); ++i) {
-    if (values[i].defined()) masters_[i].master.copy_(values[i]);
+  for (size_t i = 0; i < masters.size(); ++i) {
+    if (values[i].defined()) masters[i].copy_(values[i]);
   }
   scaler_ = scaler;
   skipped_steps_ = skipped.item<int64_t>();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "plugin/convert_module.h"
+#include "plugin/distributed_optimizer.h"
 #include "plugin/fp8_recipe.h"
 #include "plugin/loss_scaler.h"
 #include "plugin/precision_plugin.h"
@@ -127,8 +128,20 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  /// The data-parallel group: found_inf and the FP8 amaxes are all-reduced (MAX) over it.
-  void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group) { group_ = std::move(group); }
+  /// Data-parallel training over `group` (before connect): the optimizer becomes a
+  /// DistributedOptimizer (ZeRO-1: gradients reduce-scattered in the grad_reduce_in_fp32 dtype
+  /// while the backward pass runs, FP32 master params and optimizer state sharded, params
+  /// all-gathered, FP8 weights as FP8); found_inf, the gradient norm and the FP8 amaxes are
+  /// all-reduced over it. A world of one rank runs the same code.
+  void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                         DistributedOptimizerOptions options = {});
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return group_; }
+  /// The ZeRO-1 optimizer state (null without a process group).
+  const DistributedOptimizer* distributed_optimizer() const { return distributed_.get(); }
+  void set_gradient_sync(bool enabled) override;
+  torch::Tensor data_parallel_mean(const torch::Tensor& value) override;
+  int data_parallel_rank() const override { return group_ ? group_->getRank() : 0; }
+  int data_parallel_size() const override { return group_ ? group_->getSize() : 1; }
   const MixedPrecisionOptions& options() const { return options_; }
   /// What convert_module swapped (empty without FP8).
   const Fp8Conversion& conversion() const { return conversion_; }
@@ -150,6 +163,8 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   std::optional<LossScaler> scaler_;
   Fp8RecipeOptions fp8_recipe_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  DistributedOptimizerOptions distributed_options_;
+  std::unique_ptr<DistributedOptimizer> distributed_;
   torch::nn::Module* model_ = nullptr;
   Fp8Conversion conversion_;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> master_seeds_;  // (param, float32 value)

@@ -171,8 +171,11 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
   if (!ckpt_path.empty()) {
     std::string path = ckpt_path;
     if (std::filesystem::is_directory(ckpt_path)) {
-      path = latest_checkpoint(ckpt_path);
-      TORCH_CHECK(!path.empty(), "Trainer::fit: no step_<N>.ckpt checkpoint in ", ckpt_path);
+      path = latest_checkpoint(ckpt_path, plugins->data_parallel_rank(), plugins->data_parallel_size());
+      TORCH_CHECK(!path.empty(), "Trainer::fit: no ",
+                  checkpoint_name(0, plugins->data_parallel_rank(), plugins->data_parallel_size())
+                      .replace(5, 8, "<N>"),
+                  " checkpoint in ", ckpt_path);
     }
     load_checkpoint(path, model, optimizer);
   }
@@ -198,6 +201,7 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "Trainer: the training step must return a loss with one element, got ",
                   loss.defined() ? loss.sizes() : at::IntArrayRef{});
+      precision.set_gradient_sync(micro == micro_batches - 1);
       precision.backward(micro_batches > 1 ? loss / static_cast<double>(micro_batches) : loss);
       auto detached = loss.detach().to(at::kFloat).reshape({});
       loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
@@ -206,7 +210,9 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();
     // One host sync per step (the loss is read for the metrics anyway), before the optimizer
     // runs, so a non-finite loss never reaches the weights.
-    const double loss_value = loss_sum.item<double>() / static_cast<double>(micro_batches);
+    // Data-parallel: the mean over the ranks, so all of them see one loss and decide alike.
+    const double loss_value =
+        precision.data_parallel_mean(loss_sum).item<double>() / static_cast<double>(micro_batches);
     if (!std::isfinite(loss_value)) {
       TORCH_CHECK(options.nonfinite_loss() == "skip", "Trainer: non-finite loss (", loss_value,
                   ") at step ", step + 1,
@@ -238,8 +244,7 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     }
     for (auto& callback : callbacks) callback->on_train_batch_end(*this, metrics);
     if (options.every_n_train_steps() > 0 && global_step_ % options.every_n_train_steps() == 0) {
-      char name[32];
-      std::snprintf(name, sizeof(name), "step_%08lld.ckpt", static_cast<long long>(global_step_));
+      const auto name = checkpoint_name(global_step_, precision.data_parallel_rank(), precision.data_parallel_size());
       const auto path = (std::filesystem::path(options.checkpoint_dir()) / name).string();
       save_checkpoint(path, model, optimizer);
       for (auto& callback : callbacks) callback->on_save_checkpoint(*this, path);
@@ -342,8 +347,21 @@ void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
   global_step_ = step.item<int64_t>();
 }
 
-std::string Trainer::latest_checkpoint(const std::string& folder) {
-  static const std::regex pattern(R"(step_(\d+)\.ckpt)");
+std::string Trainer::checkpoint_name(int64_t step, int rank, int world_size) {
+  char name[64];
+  if (world_size <= 1) {
+    std::snprintf(name, sizeof(name), "step_%08lld.ckpt", static_cast<long long>(step));
+  } else {
+    std::snprintf(name, sizeof(name), "step_%08lld-rank%d-of-%d.ckpt", static_cast<long long>(step), rank,
+                  world_size);
+  }
+  return name;
+}
+
+std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size) {
+  const std::regex pattern(world_size <= 1 ? std::string(R"(step_(\d+)\.ckpt)")
+                                           : R"(step_(\d+)-rank)" + std::to_string(rank) + "-of-" +
+                                                 std::to_string(world_size) + R"(\.ckpt)");
   std::string best;
   long long best_step = -1;
   std::error_code error;

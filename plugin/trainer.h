@@ -72,6 +72,9 @@ class PluginHandle {
  public:
   PluginHandle() : plugin_(std::make_shared<PrecisionPlugin>()) {}
   PluginHandle(std::shared_ptr<PrecisionPlugin> plugin);
+  /// A plugin the caller keeps a handle to (e.g. to call set_process_group or read its state).
+  template <typename Plugin, typename = std::enable_if_t<std::is_base_of_v<PrecisionPlugin, Plugin>>>
+  PluginHandle(std::shared_ptr<Plugin> plugin) : PluginHandle(std::shared_ptr<PrecisionPlugin>(std::move(plugin))) {}
   PluginHandle(const MixedPrecisionOptions& options)
       : plugin_(std::make_shared<MixedPrecisionPlugin>(options)) {}
   template <typename Plugin,
@@ -133,7 +136,9 @@ class Trainer {
   void load_checkpoint(const std::string& path, torch::nn::Module& model,
                        torch::optim::Optimizer& optimizer);
   /// The newest step_<N>.ckpt in `folder`, or "" when there is none.
-  static std::string latest_checkpoint(const std::string& folder);
+  static std::string latest_checkpoint(const std::string& folder, int rank = 0, int world_size = 1);
+  /// step_<N>.ckpt; data-parallel (sharded optimizer state): step_<N>-rank<r>-of-<W>.ckpt.
+  static std::string checkpoint_name(int64_t step, int rank = 0, int world_size = 1);
 
   int64_t global_step() const { return global_step_; }
   /// One entry per step run by this Trainer object (a resumed run starts after the checkpoint).

@@ -10,6 +10,10 @@
 # AMP8_GPT_COMPARE="--config 125m --steps 1000 --compare 32,bf16-mixed" also runs gpt_pretrain
 # with those flags (checkpoints in a scratch folder) and brings back OUTDIR/gpt_compare.tar.gz:
 # every run's metrics.jsonl and loss.svg, compare.svg, compare.jsonl and the log.
+# AMP8_GPT_DP="--config 125m --steps 300 --micro-batch 8 --precision bf16-mixed" (on a machine
+# with 2 GPUs) runs gpt_pretrain on one GPU with --grad-accum 2 and under torchrun on two GPUs
+# with --grad-accum 1 (the same global batch: rank r draws micro-batch r) and brings back
+# OUTDIR/gpt_dp.tar.gz: both runs' metrics.jsonl and logs. NVLink multicast stays off.
 # The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
 # processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
 # GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
@@ -71,6 +75,20 @@ if [[ -n "${AMP8_GPT_COMPARE:-}" ]]; then
   cp "$OUT/gpt_compare.log" "$SCRATCH/" && rm "$OUT/gpt_compare.log"
   (cd "$SCRATCH" && find . \( -name '*.jsonl' -o -name '*.svg' -o -name '*.log' \) -print0 |
      tar -czf "$OUT/gpt_compare.tar.gz" --null -T -) || status=1
+fi
+if [[ -n "${AMP8_GPT_DP:-}" ]]; then
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  DP="${TMPDIR:-/tmp}/amp8_gpt_dp"
+  rm -rf "$DP" && mkdir -p "$DP"
+  echo "== gpt_pretrain data-parallel: 1 GPU x grad-accum 2 vs torchrun 2 GPUs" | tee -a "$LOG"
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=0 "$BUILD/gpt_pretrain" $AMP8_GPT_DP --grad-accum 2 --save-dir "$DP/one_gpu" \
+    2>&1 | tee "$DP/one_gpu.log" || status=1
+  # shellcheck disable=SC2086
+  python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python "$BUILD/gpt_pretrain" \
+    $AMP8_GPT_DP --grad-accum 1 --save-dir "$DP/two_gpus" 2>&1 | tee "$DP/two_gpus.log" || status=1
+  (cd "$DP" && find . \( -name '*.jsonl' -o -name '*.svg' -o -name '*.log' \) -print0 |
+     tar -czf "$OUT/gpt_dp.tar.gz" --null -T -) || status=1
 fi
 echo "== tests" | tee -a "$LOG"
 start=$SECONDS

@@ -49,6 +49,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
   bool fp8_params = true;
+  int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
   double lr = -1;
   uint64_t seed = 1234;
   app.add_option("--config", config, "model config: tiny, small, 125m, 350m, 1b")->capture_default_str();
@@ -59,6 +60,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--fp8-amax-history-len", history, "steps of amax history per FP8 tensor")->capture_default_str();
   app.add_option("--fp8-amax-compute-algo", algo, "max or most_recent")->capture_default_str();
   app.add_option("--fp8-params", fp8_params, "with FP8: keep linear weights only in FP8 (NeMo's FP8 presets: true)")
+      ->capture_default_str();
+  app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
+                 "with FP8: GEMMs smaller than this (rows x in x out) run in high precision; 0 = all in FP8")
       ->capture_default_str();
   app.add_option("--steps", steps, "optimizer steps (default: the config's; tiny: 1000)");
   app.add_option("--micro-batch", micro_batch, "sequences per micro-batch (default: the config's)");
@@ -110,7 +114,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       auto options = precision_from_flags(name, fp8_format, precision_device);
       if (options.fp8_enabled()) {
         options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
-            .fp8_params(fp8_params);
+            .fp8_params(fp8_params).fp8_min_gemm_size(fp8_min_gemm_size);
       }
       options.validate();
       return options;

@@ -17,6 +17,7 @@
 #include <ostream>
 
 #include "plugin/checkpoint.h"
+#include "plugin/distributed.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
 #include "recipes/precision.h"
@@ -151,7 +152,15 @@ MixedPrecisionOptions precision_from_flags(const std::string& precision, const s
 
 PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) {
   // ---- check everything before writing anything ----
-  const auto device = resolve_device(recipe.device);
+  // Under torchrun: data-parallel over ProcessGroupNCCL, this rank on cuda:LOCAL_RANK.
+  const auto dist = DistributedEnvironment::from_env();
+  const bool data_parallel = dist.has_value() && dist->world_size > 1;
+  auto device = resolve_device(recipe.device);
+  if (data_parallel) {
+    TORCH_CHECK(device.is_cuda(), "device: a torchrun launch (WORLD_SIZE ", dist->world_size,
+                ") trains data-parallel over NCCL and needs --device auto or cuda, got \"", recipe.device, "\"");
+    device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->local_rank));
+  }
   recipe.model.validate();
   recipe.precision.validate();
   TORCH_CHECK(recipe.micro_batch >= 1, "micro-batch must be >= 1, got ", recipe.micro_batch);
@@ -183,6 +192,13 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   // ---- build ----
   fs::create_directories(fs::path(recipe.save_dir) / "checkpoints", error);
   TORCH_CHECK(!error, "cannot create save-dir ", recipe.save_dir, ": ", error.message());
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  if (data_parallel) group = init_process_group(*dist);
+  const int rank = data_parallel ? dist->rank : 0, world = data_parallel ? dist->world_size : 1;
+  // Every rank builds the same initial model from the seed; only rank 0 prints and writes the
+  // metrics and the picture (each rank writes its own checkpoint shard).
+  std::ostream null_stream(nullptr);
+  std::ostream& out = rank == 0 ? log : null_stream;
   torch::manual_seed(recipe.seed);
   GptModel model{nullptr};
   {
@@ -197,23 +213,28 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   auto trainer_options = recipe.trainer;
   trainer_options.checkpoint_dir((fs::path(recipe.save_dir) / "checkpoints").string());
   if (trainer_options.every_n_train_steps() == 0) trainer_options.every_n_train_steps(trainer_options.max_steps());
-  const int64_t tokens_per_micro_batch = recipe.micro_batch * recipe.seq;
+  // Tokens of one micro-batch over all ranks (the progress line's tokens/s is the job's).
+  const int64_t tokens_per_micro_batch = recipe.micro_batch * recipe.seq * world;
   trainer_options.tokens_per_micro_batch(tokens_per_micro_batch);
-  Trainer trainer(trainer_options, recipe.precision);
-  trainer.log = &log;
+  auto plugin = std::make_shared<MixedPrecisionPlugin>(recipe.precision);
+  if (group) plugin->set_process_group(group);
+  Trainer trainer(trainer_options, plugin);
+  trainer.log = &out;
   auto schedule = std::make_shared<LearningRateSchedule>(optimizer, recipe);
   const auto metrics_path = (fs::path(recipe.save_dir) / "metrics.jsonl").string();
   trainer.callbacks.push_back(schedule);
-  trainer.callbacks.push_back(std::make_shared<MetricsWriter>(
-      metrics_path, !resume.empty(), *schedule,
-      tokens_per_micro_batch * trainer_options.accumulate_grad_batches()));
+  if (rank == 0) {
+    trainer.callbacks.push_back(std::make_shared<MetricsWriter>(
+        metrics_path, !resume.empty(), *schedule,
+        tokens_per_micro_batch * trainer_options.accumulate_grad_batches()));
+  }
 
-  log << "gpt_pretrain: config " << recipe.config_name << " (" << model->parameter_count() / 1e6
+  out << "gpt_pretrain: config " << recipe.config_name << " (" << model->parameter_count() / 1e6
       << " M parameters), precision " << trainer.plugins->name() << ", device " << device
       << ", data " << data.source() << " (" << data.size() << " bytes), " << trainer_options.max_steps()
       << " steps of " << trainer_options.accumulate_grad_batches() << " x " << recipe.micro_batch
-      << " x " << recipe.seq << " tokens" << (resume.empty() ? "" : ", resuming from " + resume)
-      << std::endl;
+      << " x " << recipe.seq << " tokens" << (world > 1 ? " on each of " + std::to_string(world) + " data-parallel ranks" : "")
+      << (resume.empty() ? "" : ", resuming from " + resume) << std::endl;
 #ifdef AMP8_HAS_CUDA_ALLOCATOR
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
 #endif
@@ -222,8 +243,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   const auto start = std::chrono::steady_clock::now();
   trainer.fit(*model, optimizer,
               [&](const TrainStepInput& in) {
-                auto [inputs, targets] = data.batch(recipe.seed, in.step, in.micro_batch,
-                                                    recipe.micro_batch, recipe.seq, device);
+                // Rank r draws micro-batches r·A … r·A + A−1 of the step's global batch.
+                const int64_t micro = rank * trainer_options.accumulate_grad_batches() + in.micro_batch;
+                auto [inputs, targets] = data.batch(recipe.seed, in.step, micro, recipe.micro_batch,
+                                                    recipe.seq, device);
                 auto logits = in.precision.convert_output(model->forward(in.precision.convert_input(inputs)));
                 return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}),
                                                             targets.reshape({-1}));
@@ -254,7 +277,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   }
 #endif
   result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();
-  write_loss_svg(result.picture_path, {{result.precision, read_losses(metrics_path)}},
+  if (rank == 0) write_loss_svg(result.picture_path, {{result.precision, read_losses(metrics_path)}},
                  "GPT " + recipe.config_name + " pretraining loss (" + result.precision + ")");
   return result;
 }

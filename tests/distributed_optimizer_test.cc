@@ -1,0 +1,445 @@
+// DistributedOptimizer (ZeRO-1 over c10d) through MixedPrecisionPlugin and Trainer, with 1-4
+// ranks in one process (tests/in_process_group.h): equivalence with single-rank training on the
+// same global batch, 1/N of the optimizer state per rank, what the collectives carry, sharded
+// checkpoints, and a rank that dies.
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <filesystem>
+#include <memory>
+#include <iostream>
+#include <sstream>
+
+#include "plugin/distributed.h"
+#include "plugin/fp8_linear.h"
+#include "plugin/mixed_precision_plugin.h"
+#include "plugin/trainer.h"
+#include "recipes/precision.h"
+#include "tests/in_process_group.h"
+#include "tests/test_models.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using testing::InProcessWorld;
+
+constexpr int64_t kGlobalRows = 48;  // divisible by 1, 2, 3 and 4 ranks
+constexpr uint64_t kSeed = 5;
+
+// A learnable regression: y = 3·teacher(x), no noise, so every precision's loss falls well
+// below its start within a few steps and differences between runs are not drowned in noise.
+// Built once, before any rank thread runs (torch's global generator is not for threads).
+struct Data {
+  Data() {
+    torch::manual_seed(kSeed + 7);
+    teacher = testing::make_mlp();
+  }
+  std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) const {
+    auto gen = testing::batch_generator(kSeed, step, 0);
+    auto x = torch::randn({kGlobalRows, 32}, gen);
+    torch::NoGradGuard no_grad;
+    return {x, 3.0 * teacher->forward(x)};
+  }
+  mutable torch::nn::Sequential teacher{nullptr};
+};
+
+const Data& data() {
+  static const Data instance;
+  return instance;
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> params;  // the model's, as float32, after training
+  int64_t state_bytes = 0;            // FP32 masters + optimizer state on this rank
+  int64_t skipped = 0;
+};
+
+int64_t state_bytes(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& masters) {
+  int64_t bytes = 0;
+  for (const auto& m : masters) bytes += m.numel() * 4;
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*state);
+    bytes += adam.exp_avg().numel() * 4 + adam.exp_avg_sq().numel() * 4;
+  }
+  return bytes;
+}
+
+torch::nn::Sequential initial_model(const MixedPrecisionOptions& options) {
+  torch::manual_seed(kSeed);
+  std::optional<Fp8ModelInit> init;
+  if (options.fp8_params()) init.emplace();
+  return testing::make_mlp();
+}
+
+// Trains `steps` steps of the global batch, this rank taking rows [rank, rank + 1) / world of it.
+Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c10d::ProcessGroup> group,
+          torch::nn::Sequential model, int64_t accumulate = 1, int64_t clip = 0) {
+  const int rank = group ? group->getRank() : 0, world = group ? group->getSize() : 1;
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
+  auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+  if (group) plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+  Trainer trainer(TrainerOptions().max_steps(steps).log_every_n_steps(0).accumulate_grad_batches(accumulate)
+                      .gradient_clip_val(static_cast<double>(clip)),
+                  plugin);
+  const int64_t rows = kGlobalRows / world / accumulate;
+  trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+    auto [x, y] = data().batch(in.step);
+    const int64_t begin = (rank * accumulate + in.micro_batch) * rows;
+    x = x.narrow(0, begin, rows), y = y.narrow(0, begin, rows);
+    return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+  });
+  Run run;
+  for (const auto& m : trainer.history()) run.losses.push_back(m.loss);
+  for (const auto& p : model->parameters()) run.params.push_back(p.detach().to(at::kFloat).clone());
+  run.state_bytes = state_bytes(optimizer, plugin->master_params());
+  run.skipped = plugin->skipped_steps();
+  return run;
+}
+
+std::vector<Run> train_ranks(const MixedPrecisionOptions& options, int world, int steps, int64_t accumulate = 1,
+                             int64_t clip = 0, std::shared_ptr<InProcessWorld>* world_out = nullptr) {
+  data();
+  std::vector<torch::nn::Sequential> models;
+  for (int r = 0; r < world; ++r) models.push_back(initial_model(options));
+  std::vector<Run> runs(world);
+  const auto errors = testing::run_ranks(
+      world,
+      [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+        runs[rank] = train(options, steps, group, models[rank], accumulate, clip);
+      },
+      std::chrono::seconds(60), world_out);
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  return runs;
+}
+
+double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double diff = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) diff = std::max(diff, (a[i] - b[i]).abs().max().item<double>());
+  return diff;
+}
+
+double max_rel_loss_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double diff = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) diff = std::max(diff, std::abs(a[i] - b[i]) / std::abs(b[i]));
+  return diff;
+}
+
+// Every rank ends with the same model, bit for bit (the all-gather gives all of them every shard).
+void expect_ranks_agree(const std::vector<Run>& runs) {
+  for (size_t r = 1; r < runs.size(); ++r) {
+    EXPECT_EQ(max_abs_diff(runs[r].params, runs[0].params), 0.0) << "rank " << r;
+    EXPECT_EQ(runs[r].losses, runs[0].losses) << "rank " << r;
+  }
+}
+
+TEST(DistributedOptimizerTest, Fp32MatchesSingleRankTrainingForAnyWorldSize) {
+  const auto options = MixedPrecisionOptions("32");
+  const auto reference = train(options, 8, {}, initial_model(options));
+  for (int world : {1, 2, 3, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const auto runs = train_ranks(options, world, 8);
+    expect_ranks_agree(runs);
+    // Only the order of float32 sums differs (per-rank partial gradients averaged): AdamW
+    // moves each weight by ~lr per step, so 8 steps of rounding stay far below 1e-5.
+    EXPECT_LT(max_abs_diff(runs[0].params, reference.params), 1e-5);
+    EXPECT_LT(max_rel_loss_diff(runs[0].losses, reference.losses), 1e-5);
+  }
+}
+
+TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRounding) {
+  struct Case {
+    const char* name;
+    MixedPrecisionOptions options;
+    double loss_bound;
+  };
+  // Each rank's half-precision gradient is rounded once more than the single-rank one (a sum
+  // over fewer rows, then averaged across ranks): ~2^-8 relative per element in bf16, 2^-11 in
+  // fp16, which moves an 8-step loss trajectory by ~1e-4..1e-3 relative (measured: bf16 ≤ 4e-4,
+  // fp16 ≤ 3e-4). FP8 (every GEMM in FP8: fp8_min_gemm_size 0) quantizes each rank's
+  // activations and gradients with the same scales (amaxes all-reduced) but E4M3 keeps 3
+  // mantissa bits (2^-4 relative rounding), so different row partitions round differently
+  // (measured ≤ 4.4e-3). Bounds, on the loss of every step: ≥ 2× the measured.
+  const std::vector<Case> cases = {
+      {"bf16-mixed", recipes::bf16_mixed(), 2e-3},
+      {"bf16-mixed grads reduced in bf16", recipes::bf16_mixed().grad_reduce_in_fp32(false), 2e-3},
+      {"16-mixed", recipes::fp16_mixed().fp16_initial_loss_scale(1 << 20), 1.5e-3},
+      {"bf16 + fp8 hybrid", recipes::bf16_mixed().fp8("hybrid").fp8_min_gemm_size(0), 1e-2},
+      {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 1e-2},
+      {"fp16 + fp8 e4m3", recipes::fp16_mixed().fp16_initial_loss_scale(1 << 20).fp8("e4m3").fp8_min_gemm_size(0), 1e-2},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto reference = train(c.options, 8, {}, initial_model(c.options));
+    for (int world : {2, 3}) {
+      SCOPED_TRACE("world " + std::to_string(world));
+      const auto runs = train_ranks(c.options, world, 8);
+      expect_ranks_agree(runs);
+      EXPECT_EQ(runs[0].skipped, reference.skipped);
+      const double diff = max_rel_loss_diff(runs[0].losses, reference.losses);
+      EXPECT_LT(diff, c.loss_bound);
+      EXPECT_LT(runs[0].losses.back(), 0.8 * runs[0].losses.front()) << "it learns";
+      std::cout << c.name << ", " << world << " ranks: loss " << runs[0].losses.front() << " -> "
+                << runs[0].losses.back() << ", largest relative loss difference to one rank " << diff << "\n";
+    }
+  }
+}
+
+TEST(DistributedOptimizerTest, GradientAccumulationAndClippingMatchSingleRank) {
+  const auto options = MixedPrecisionOptions("32");
+  // Single rank: 4 micro-batches of 12 rows; 2 ranks: 2 micro-batches of 12 rows each.
+  const auto reference = train(options, 6, {}, initial_model(options), /*accumulate=*/4, /*clip=*/1);
+  const auto runs = train_ranks(options, 2, 6, /*accumulate=*/2, /*clip=*/1);
+  expect_ranks_agree(runs);
+  EXPECT_LT(max_abs_diff(runs[0].params, reference.params), 1e-5);
+  EXPECT_LT(max_rel_loss_diff(runs[0].losses, reference.losses), 1e-5);
+}
+
+TEST(DistributedOptimizerTest, EachRankHoldsOneNthOfTheMastersAndOptimizerState) {
+  const auto options = recipes::bf16_mixed();
+  const auto single = train(options, 2, {}, initial_model(options));
+  int64_t params = 0;
+  for (const auto& p : single.params) params += p.numel();
+  EXPECT_EQ(single.state_bytes, params * 12) << "float32 master + exp_avg + exp_avg_sq";
+  for (int world : {2, 3, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    const auto runs = train_ranks(options, world, 2);
+    int64_t total = 0;
+    for (const auto& run : runs) {
+      // Each bucket (2 here) is padded to a multiple of world × 64 elements and the padding
+      // sits in the last shards: a rank holds an even share ± one bucket's padding per bucket.
+      EXPECT_NEAR(static_cast<double>(run.state_bytes), static_cast<double>(single.state_bytes) / world,
+                  2.0 * world * 64 * 12);
+      total += run.state_bytes;
+    }
+    EXPECT_EQ(total, single.state_bytes) << "the shards cover every element exactly once";
+  }
+}
+
+int64_t bytes_of(const std::vector<InProcessWorld::Record>& log, const std::string& op, c10::ScalarType dtype) {
+  int64_t bytes = 0;
+  for (const auto& r : log) {
+    if (r.op == op && r.dtype == dtype) bytes += r.bytes;
+  }
+  return bytes;
+}
+
+int64_t bytes_of(const std::vector<InProcessWorld::Record>& log, const std::string& op) {
+  int64_t bytes = 0;
+  for (const auto& r : log) {
+    if (r.op == op) bytes += r.bytes;
+  }
+  return bytes;
+}
+
+TEST(DistributedOptimizerTest, ReduceScatterDtypeFollowsGradReduceInFp32) {
+  for (bool in_fp32 : {true, false}) {
+    SCOPED_TRACE(in_fp32 ? "grad_reduce_in_fp32" : "grads reduced in bf16");
+    std::shared_ptr<InProcessWorld> world;
+    train_ranks(recipes::bf16_mixed().grad_reduce_in_fp32(in_fp32), 2, 3, 1, 0, &world);
+    const auto log = world->log(0);
+    const auto dtype = in_fp32 ? at::kFloat : at::kBFloat16;
+    const int64_t all = bytes_of(log, "reduce_scatter");
+    EXPECT_GT(all, 0);
+    EXPECT_EQ(bytes_of(log, "reduce_scatter", dtype), all) << "every reduce-scatter in " << dtype;
+  }
+}
+
+TEST(DistributedOptimizerTest, Fp8ParamsAllGatherWeightsAsOneBytePerElement) {
+  std::shared_ptr<InProcessWorld> bf16_world, fp8_world;
+  train_ranks(recipes::bf16_mixed().fp8("hybrid").fp8_min_gemm_size(0), 2, 2, 1, 0, &bf16_world);
+  train_ranks(recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 2, 2, 1, 0, &fp8_world);
+  const int64_t weights = 32 * 64 + 64 * 64 + 64 * 16;  // the MLP's Linear weights (FP8 eligible)
+  const int64_t steps = 2, world = 2;
+  // Per step, the all-gather's input is this rank's shard: bf16 params → 2 bytes per element.
+  const int64_t bf16_gathered = bytes_of(bf16_world->log(0), "allgather") * world / steps;
+  const int64_t fp8_gathered = bytes_of(fp8_world->log(0), "allgather") * world / steps;
+  EXPECT_EQ(bytes_of(fp8_world->log(0), "allgather", at::kByte) * world / steps, weights)
+      << "the FP8 weights travel as bytes, one per element";
+  EXPECT_EQ(bf16_gathered - fp8_gathered, weights) << "the weights' share of the all-gather halves";
+}
+
+TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndRejectsAnotherWorldSize) {
+  const auto options = recipes::fp16_mixed().fp16_initial_loss_scale(1 << 24);
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "sharded");
+  data();
+  auto step_fn = [&](torch::nn::Sequential& model, int rank) {
+    return [&model, rank](const TrainStepInput& in) {
+      auto [x, y] = data().batch(in.step);
+      x = x.narrow(0, rank * 24, 24), y = y.narrow(0, rank * 24, 24);
+      return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+    };
+  };
+  auto fit = [&](int steps, const std::string& resume, bool save, std::vector<std::vector<double>>* losses,
+                 std::vector<std::vector<torch::Tensor>>* params) {
+    std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options)};
+    return testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+      auto& model = models[rank];
+      torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+      plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+      Trainer trainer(TrainerOptions().max_steps(steps).log_every_n_steps(0).checkpoint_dir(dir.string())
+                          .every_n_train_steps(save ? 4 : 0),
+                      plugin);
+      trainer.fit(*model, optimizer, step_fn(model, rank), resume);
+      if (losses) {
+        for (const auto& m : trainer.history()) (*losses)[rank].push_back(m.loss);
+      }
+      if (params) {
+        for (const auto& p : model->parameters()) (*params)[rank].push_back(p.detach().clone());
+      }
+    });
+  };
+  std::vector<std::vector<double>> straight(2), resumed(2);
+  std::vector<std::vector<torch::Tensor>> straight_params(2), resumed_params(2);
+  for (const auto& e : fit(8, "", false, &straight, &straight_params)) ASSERT_EQ(e, "");
+  for (const auto& e : fit(4, "", true, nullptr, nullptr)) ASSERT_EQ(e, "");
+  EXPECT_TRUE(std::filesystem::exists(dir / "step_00000004-rank0-of-2.ckpt"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "step_00000004-rank1-of-2.ckpt"));
+  for (const auto& e : fit(8, dir.string(), false, &resumed, &resumed_params)) ASSERT_EQ(e, "");
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::vector<double> tail(straight[rank].begin() + 4, straight[rank].end());
+    EXPECT_EQ(resumed[rank], tail) << "rank " << rank;
+    EXPECT_EQ(max_abs_diff(resumed_params[rank], straight_params[rank]), 0.0) << "rank " << rank;
+  }
+
+  // One rank cannot load rank 0 of 2's shard.
+  auto model = initial_model(options);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  const auto errors = testing::run_ranks(1, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+    plugin->set_process_group(group);
+    Trainer trainer(TrainerOptions().max_steps(8).log_every_n_steps(0), plugin);
+    trainer.load_checkpoint((dir / "step_00000004-rank0-of-2.ckpt").string(), *model, optimizer);
+  });
+  EXPECT_NE(errors[0].find("dp_world_size: the checkpoint was written by 2 data-parallel rank(s), this run has 1"),
+            std::string::npos)
+      << errors[0];
+  testing::remove_tree(dir);
+}
+
+TEST(DistributedOptimizerTest, ARankThatDiesMakesTheOthersFailWithinTheTimeout) {
+  const auto options = recipes::bf16_mixed();
+  std::vector<torch::nn::Sequential> models;
+  for (int r = 0; r < 3; ++r) models.push_back(initial_model(options));
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = testing::run_ranks(
+      3,
+      [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+        TORCH_CHECK(rank != 1, "rank 1 fails before its first step");
+        train(options, 4, group, models[rank]);
+      },
+      std::chrono::milliseconds(500));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(errors[1].find("rank 1 fails"), std::string::npos);
+  for (int rank : {0, 2}) {
+    EXPECT_NE(errors[rank].find("timed out after 500 ms: rank(s) 1 never joined"), std::string::npos)
+        << "rank " << rank << ": " << errors[rank];
+  }
+  EXPECT_LT(seconds, 10.0);
+}
+
+TEST(DistributedOptimizerTest, BadUseIsAClearError) {
+  auto model = testing::make_mlp();
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  MixedPrecisionPlugin plugin(recipes::bf16_mixed());
+  const auto errors = testing::run_ranks(1, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    EXPECT_THROW(
+        {
+          try {
+            plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(0));
+          } catch (const c10::Error& e) {
+            EXPECT_NE(std::string(e.what()).find("bucket_size must be >= 1"), std::string::npos);
+            throw;
+          }
+        },
+        c10::Error);
+    plugin.connect(*model, optimizer);
+    try {
+      plugin.set_process_group(group);
+      ADD_FAILURE() << "set_process_group after connect must throw";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("call it before connect"), std::string::npos);
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+}
+
+TEST(DistributedOptimizerTest, AccumulationWithoutGradientSyncOffIsAClearError) {
+  const auto options = MixedPrecisionOptions("32");
+  data();
+  std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options)};
+  const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto& model = models[rank];
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    MixedPrecisionPlugin plugin(options);
+    plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(1 << 20));  // one bucket
+    plugin.connect(*model, optimizer);
+    for (int micro = 0; micro < 2; ++micro) {  // a user loop that forgot set_gradient_sync(false)
+      auto [x, y] = data().batch(micro);
+      plugin.backward(torch::mse_loss(model->forward(x), y));
+    }
+  });
+  for (const auto& error : errors) EXPECT_NE(error.find("call set_gradient_sync(false)"), std::string::npos) << error;
+}
+
+}  // namespace
+}  // namespace amp8
+
+namespace amp8 {
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(DistributedEnvironmentTest, ReadsTorchrunVariablesAndNamesABadOne) {
+  const auto env = DistributedEnvironment::from_values("1", "2", "1", "10.0.0.7", "29500");
+  EXPECT_EQ(env.rank, 1);
+  EXPECT_EQ(env.world_size, 2);
+  EXPECT_EQ(env.local_rank, 1);
+  EXPECT_EQ(env.master_addr, "10.0.0.7");
+  EXPECT_EQ(env.master_port, 29500);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> bad = {
+      {{"2", "2", "0", "h", "1"}, "RANK must be an integer in [0, 1], got \"2\""},
+      {{"x", "2", "0", "h", "1"}, "RANK must be an integer in [0, 1], got \"x\""},
+      {{"0", "0", "0", "h", "1"}, "WORLD_SIZE must be an integer in [1, "},
+      {{"0", "2", "-1", "h", "1"}, "LOCAL_RANK must be an integer in [0, 1], got \"-1\""},
+      {{"0", "2", "0", "", "1"}, "MASTER_ADDR must be a host name or address"},
+      {{"0", "2", "0", "h", "70000"}, "MASTER_PORT must be an integer in [1, 65535], got \"70000\""},
+      {{"0", "2", "0", "h", "29500x"}, "MASTER_PORT must be an integer in [1, 65535], got \"29500x\""},
+  };
+  for (const auto& [values, message] : bad) {
+    const auto error = error_of([&] {
+      DistributedEnvironment::from_values(values[0], values[1], values[2], values[3], values[4]);
+    });
+    EXPECT_NE(error.find(message), std::string::npos) << "expected \"" << message << "\" in: " << error;
+  }
+}
+
+TEST(DistributedEnvironmentTest, AbsentWithoutTorchrunAndAMissingVariableIsNamed) {
+  ::unsetenv("WORLD_SIZE");
+  EXPECT_FALSE(DistributedEnvironment::from_env().has_value());
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "0", 1);
+  ::unsetenv("LOCAL_RANK");
+  const auto error = error_of([] { DistributedEnvironment::from_env(); });
+  EXPECT_NE(error.find("LOCAL_RANK is not set"), std::string::npos) << error;
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("RANK");
+}
+
+}  // namespace
+}  // namespace amp8
