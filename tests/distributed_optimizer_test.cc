@@ -79,7 +79,9 @@ torch::nn::Sequential initial_model(const MixedPrecisionOptions& options) {
 
 // Trains `steps` steps of the global batch, this rank taking rows [rank, rank + 1) / world of it.
 Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c10d::ProcessGroup> group,
-          torch::nn::Sequential model, int64_t accumulate = 1, int64_t clip = 0) {
+          torch::nn::Sequential model, int64_t accumulate = 1, int64_t clip = 0,
+          torch::Device device = torch::kCPU) {
+  model->to(device);
   const int rank = group ? group->getRank() : 0, world = group ? group->getSize() : 1;
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
   auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
@@ -91,12 +93,12 @@ Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c1
   trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
     auto [x, y] = data().batch(in.step);
     const int64_t begin = (rank * accumulate + in.micro_batch) * rows;
-    x = x.narrow(0, begin, rows), y = y.narrow(0, begin, rows);
+    x = x.narrow(0, begin, rows).to(device), y = y.narrow(0, begin, rows).to(device);
     return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
   });
   Run run;
   for (const auto& m : trainer.history()) run.losses.push_back(m.loss);
-  for (const auto& p : model->parameters()) run.params.push_back(p.detach().to(at::kFloat).clone());
+  for (const auto& p : model->parameters()) run.params.push_back(p.detach().to(torch::kCPU, at::kFloat).clone());
   run.state_bytes = state_bytes(optimizer, plugin->master_params());
   run.skipped = plugin->skipped_steps();
   return run;
@@ -403,6 +405,48 @@ std::string error_of(const std::function<void()>& fn) {
     return e.what_without_backtrace();
   }
   return "";
+}
+
+// Launched by torchrun on a machine with 2+ GPUs (tools/gpu_check.sh with AMP8_GPT_DP):
+//   torchrun --standalone --nproc-per-node=2 --no-python distributed_optimizer_test \
+//       --gtest_filter='DistributedNcclTest.*'
+// Elsewhere (no WORLD_SIZE) it skips.
+TEST(DistributedNcclTest, MatchesSingleRankTrainingOverProcessGroupNccl_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto env = DistributedEnvironment::from_env();
+  if (!env || env->world_size < 2) GTEST_SKIP() << "needs a torchrun launch with 2+ processes";
+  ASSERT_EQ(kGlobalRows % env->world_size, 0);
+  auto group = init_process_group(*env, std::chrono::seconds(120));
+  const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank));
+  data();
+  struct Case {
+    const char* name;
+    MixedPrecisionOptions options;
+    double loss_bound;
+  };
+  // The CPU test's bounds (see HalfAndFp8PrecisionsMatchSingleRankWithinTheirRounding); fp32
+  // with TF32 off.
+  const std::vector<Case> cases = {
+      {"32", MixedPrecisionOptions("32"), 1e-5},
+      {"bf16-mixed", recipes::bf16_mixed(), 2e-3},
+      {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 1e-2},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto reference = train(c.options, 8, {}, initial_model(c.options), 1, 0, device);
+    const auto run = train(c.options, 8, group, initial_model(c.options), 1, 0, device);
+    EXPECT_LT(max_rel_loss_diff(run.losses, reference.losses), c.loss_bound);
+    EXPECT_LT(run.losses.back(), 0.8 * run.losses.front()) << "it learns";
+    // Every rank holds the same model: the elementwise max over ranks equals the min.
+    std::vector<torch::Tensor> flat;
+    for (const auto& p : run.params) flat.push_back(p.reshape(-1));
+    auto high = torch::cat(flat).to(device), low = high.clone();
+    std::vector<torch::Tensor> h{high}, l{low};
+    group->allreduce(h, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
+    group->allreduce(l, c10d::AllreduceOptions{c10d::ReduceOp::MIN})->wait();
+    EXPECT_TRUE(h[0].equal(l[0])) << "the ranks' models differ";
+  }
+  group->shutdown();
 }
 
 TEST(DistributedEnvironmentTest, ReadsTorchrunVariablesAndNamesABadOne) {

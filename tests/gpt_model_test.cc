@@ -54,7 +54,7 @@ TEST_F(GptModelTest, HeadIsTiedAndTheModelRunsInFp8) {
 
 TEST_F(GptModelTest, BadConfigsAreNamed) {
   ExpectErrorContaining([] { GptConfig::named("2b"); },
-                        "config must be one of \"tiny\", \"small\", \"125m\", \"350m\", \"1b\", got \"2b\"");
+                        "config must be one of \"tiny\", \"small\", \"125m\", \"128m\", \"350m\", \"1b\", got \"2b\"");
   ExpectErrorContaining([] { GptModel(GptConfig().hidden(60).heads(8)); },
                         "hidden (60) must be a positive multiple of heads (8)");
   GptModel model(GptConfig::named("tiny"));

@@ -8,6 +8,7 @@
 #include "tests/test_util.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -201,6 +202,19 @@ TEST(GptPretrainTest, CompareSetsFp8ParamsPerRunAndSummarisesEveryRun) {
     EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
   }
   EXPECT_TRUE(fs::is_regular_file(dir / "bf16-mixed_fp8_e4m3_fp8-params" / "metrics.jsonl"));
+}
+
+TEST(GptPretrainTest, ATorchrunLaunchOnTheCpuIsAClearError) {
+  const auto dir = scratch("torchrun_cpu");
+  ::setenv("WORLD_SIZE", "2", 1), ::setenv("RANK", "0", 1), ::setenv("LOCAL_RANK", "0", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1), ::setenv("MASTER_PORT", "29511", 1);
+  const auto run = gpt_pretrain(with(kTiny, {"--steps", "2", "--device", "cpu", "--save-dir", dir.string()}));
+  for (const char* name : {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
+  EXPECT_NE(run.code, 0);
+  EXPECT_NE(run.err.find("a torchrun launch (WORLD_SIZE 2) trains data-parallel over NCCL and needs --device auto or cuda"),
+            std::string::npos)
+      << run.err;
+  EXPECT_FALSE(fs::exists(dir)) << "a rejected run writes nothing";
 }
 
 TEST(GptPretrainTest, TrainsOnTheGpuInEveryPrecision_CUDA) {

@@ -12,8 +12,9 @@
 # every run's metrics.jsonl and loss.svg, compare.svg, compare.jsonl and the log.
 # AMP8_GPT_DP="--config 125m --steps 300 --micro-batch 8 --precision bf16-mixed" (on a machine
 # with 2 GPUs) runs gpt_pretrain on one GPU with --grad-accum 2 and under torchrun on two GPUs
-# with --grad-accum 1 (the same global batch: rank r draws micro-batch r) and brings back
-# OUTDIR/gpt_dp.tar.gz: both runs' metrics.jsonl and logs. NVLink multicast stays off.
+# with --grad-accum 1 (the same global batch: rank r draws micro-batch r), again with
+# --overlap-grad-reduce false, then DistributedNcclTest under torchrun, and brings back
+# OUTDIR/gpt_dp.tar.gz: every run's metrics.jsonl and logs. NVLink multicast stays off.
 # The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
 # processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
 # GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
@@ -87,6 +88,13 @@ if [[ -n "${AMP8_GPT_DP:-}" ]]; then
   # shellcheck disable=SC2086
   python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python "$BUILD/gpt_pretrain" \
     $AMP8_GPT_DP --grad-accum 1 --save-dir "$DP/two_gpus" 2>&1 | tee "$DP/two_gpus.log" || status=1
+  # shellcheck disable=SC2086
+  python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python "$BUILD/gpt_pretrain" \
+    $AMP8_GPT_DP --grad-accum 1 --overlap-grad-reduce false --save-dir "$DP/two_gpus_no_overlap" \
+    2>&1 | tee "$DP/two_gpus_no_overlap.log" || status=1
+  echo "== distributed_optimizer_test over ProcessGroupNCCL, 2 ranks" | tee -a "$LOG"
+  python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python "$BUILD/distributed_optimizer_test" \
+    --gtest_filter='DistributedNcclTest.*' 2>&1 | tee "$DP/nccl_test.log" || status=1
   (cd "$DP" && find . \( -name '*.jsonl' -o -name '*.svg' -o -name '*.log' \) -print0 |
      tar -czf "$OUT/gpt_dp.tar.gz" --null -T -) || status=1
 fi

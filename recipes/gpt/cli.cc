@@ -48,11 +48,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int fp8_margin = 0;
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
-  bool fp8_params = true;
+  bool fp8_params = true, overlap_grad_reduce = true;
   int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
   double lr = -1;
   uint64_t seed = 1234;
-  app.add_option("--config", config, "model config: tiny, small, 125m, 350m, 1b")->capture_default_str();
+  app.add_option("--config", config, "model config: tiny, small, 125m, 128m, 350m, 1b")->capture_default_str();
   app.add_option("--precision", precision, "32, bf16-mixed, 16-mixed (fp16-mixed), or auto (bf16-mixed on a GPU, 32 on the CPU)")
       ->capture_default_str();
   app.add_option("--fp8", fp8, "none, hybrid (E4M3 forward, E5M2 gradients) or e4m3")->capture_default_str();
@@ -76,6 +76,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--resume", resume, "continue from a checkpoint file or a save-dir");
   app.add_option("--seed", seed, "seed of the initial weights and of the data order")->capture_default_str();
   app.add_option("--log-every", log_every, "a progress line every N steps, 0 = none (default: the config's; tiny: 100)");
+  app.add_option("--overlap-grad-reduce", overlap_grad_reduce,
+                 "under torchrun: reduce-scatter gradient buckets during the backward pass")
+      ->capture_default_str();
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
                  "e.g. 32,bf16-mixed,bf16-mixed+fp8; per run +fp8=e4m3, +fp8-params or +bf16-params "
@@ -105,6 +108,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.device = device;
     recipe.seed = seed;
     recipe.resume = resume;
+    recipe.overlap_grad_reduce = overlap_grad_reduce;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
     // Only "auto" precision looks at the device: bf16-mixed on a GPU, 32 on the CPU.
     const bool on_cuda = device == "auto" ? torch::cuda::is_available() : device.rfind("cuda", 0) == 0;
@@ -124,8 +128,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       recipe.precision = precision_for(precision, fp8);
       recipe.model.fp8_amax_history_len(history);
       const auto result = run_pretraining(recipe, out);
+      if (result.rank != 0) return 0;  // rank 0 reports for the data-parallel job
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s
-          << " tokens/s; metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
+          << " tokens/s (steady state " << result.steady_tokens_per_s << "); metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
       return 0;
     }
 
@@ -177,6 +182,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                          {"steps", result.history.size()},
                          {"final_loss", result.final_loss},
                          {"tokens_per_s", result.tokens_per_s},
+                         {"steady_tokens_per_s", result.steady_tokens_per_s},
                          {"peak_memory_bytes", result.peak_memory_bytes},
                          {"parameters", result.parameters}});
     }

@@ -12,6 +12,9 @@ GptConfig GptConfig::named(const std::string& name) {
   if (name == "tiny") return GptConfig().hidden(64).layers(2).heads(4).max_seq_len(256);
   if (name == "small") return GptConfig().hidden(256).layers(4).heads(8).max_seq_len(512);
   if (name == "125m") return GptConfig().hidden(768).layers(12).heads(12).max_seq_len(1024);
+  // GPT-2 small's width with 18 layers: 128 M parameters with the byte vocabulary ("125m" has
+  // 86 M: GPT-2's 125 M count includes a 38 M-parameter embedding of a 50 k vocabulary).
+  if (name == "128m") return GptConfig().hidden(768).layers(18).heads(12).max_seq_len(1024);
   if (name == "350m") return GptConfig().hidden(1024).layers(24).heads(16).max_seq_len(1024);
   if (name == "1b") return GptConfig().hidden(2048).layers(18).heads(16).max_seq_len(2048);
   std::string accepted;
@@ -19,7 +22,7 @@ GptConfig GptConfig::named(const std::string& name) {
   TORCH_CHECK(false, "config must be one of ", accepted, ", got \"", name, "\"");
 }
 
-std::vector<std::string> GptConfig::names() { return {"tiny", "small", "125m", "350m", "1b"}; }
+std::vector<std::string> GptConfig::names() { return {"tiny", "small", "125m", "128m", "350m", "1b"}; }
 
 void GptConfig::validate() const {
   TORCH_CHECK(vocab_size_ >= 1, "vocab_size must be >= 1, got ", vocab_size_);

@@ -9,6 +9,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -68,6 +69,28 @@ class LearningRateSchedule : public Callback {
   torch::optim::Optimizer& optimizer_;
   const PretrainRecipe& recipe_;
   double lr_ = 0;
+};
+
+// The wall time of every step (end to end, as the host sees it after the loss is read).
+class StepTimer : public Callback {
+ public:
+  void on_train_start(Trainer&) override { last_ = std::chrono::steady_clock::now(); }
+  void on_train_batch_end(Trainer&, const StepMetrics&) override {
+    const auto now = std::chrono::steady_clock::now();
+    seconds_.push_back(std::chrono::duration<double>(now - last_).count());
+    last_ = now;
+  }
+  /// Median step time over the second half of the steps (0 without steps).
+  double steady_step_seconds() const {
+    if (seconds_.empty()) return 0;
+    std::vector<double> tail(seconds_.begin() + static_cast<std::ptrdiff_t>(seconds_.size() / 2), seconds_.end());
+    std::nth_element(tail.begin(), tail.begin() + static_cast<std::ptrdiff_t>(tail.size() / 2), tail.end());
+    return tail[tail.size() / 2];
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_;
+  std::vector<double> seconds_;
 };
 
 // One JSON object per step into metrics.jsonl.
@@ -217,12 +240,16 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   const int64_t tokens_per_micro_batch = recipe.micro_batch * recipe.seq * world;
   trainer_options.tokens_per_micro_batch(tokens_per_micro_batch);
   auto plugin = std::make_shared<MixedPrecisionPlugin>(recipe.precision);
-  if (group) plugin->set_process_group(group);
+  if (group) {
+    plugin->set_process_group(group, DistributedOptimizerOptions().overlap_grad_reduce(recipe.overlap_grad_reduce));
+  }
   Trainer trainer(trainer_options, plugin);
   trainer.log = &out;
   auto schedule = std::make_shared<LearningRateSchedule>(optimizer, recipe);
   const auto metrics_path = (fs::path(recipe.save_dir) / "metrics.jsonl").string();
   trainer.callbacks.push_back(schedule);
+  auto timer = std::make_shared<StepTimer>();
+  trainer.callbacks.push_back(timer);
   if (rank == 0) {
     trainer.callbacks.push_back(std::make_shared<MetricsWriter>(
         metrics_path, !resume.empty(), *schedule,
@@ -255,6 +282,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   PretrainResult result;
+  result.rank = rank;
   result.history = trainer.history();
   result.parameters = model->parameter_count();
   result.precision = trainer.plugins->name();
@@ -267,6 +295,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                                           static_cast<double>(tokens_per_micro_batch) *
                                           static_cast<double>(trainer_options.accumulate_grad_batches()) / seconds
                                     : 0.0;
+  const double step_seconds = timer->steady_step_seconds();
+  result.steady_tokens_per_s =
+      step_seconds > 0 ? static_cast<double>(tokens_per_micro_batch * trainer_options.accumulate_grad_batches()) / step_seconds
+                       : 0.0;
 #ifdef AMP8_HAS_CUDA_ALLOCATOR
   if (device.is_cuda()) {
     const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -277,6 +309,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   }
 #endif
   result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();
+  if (group) group->shutdown();  // NCCL's communicators, before the process exits
   if (rank == 0) write_loss_svg(result.picture_path, {{result.precision, read_losses(metrics_path)}},
                  "GPT " + recipe.config_name + " pretraining loss (" + result.precision + ")");
   return result;

@@ -38,6 +38,8 @@ struct PretrainRecipe {
   /// A checkpoint file, or a folder whose newest step_<N>.ckpt is taken; "" = a fresh run.
   std::string resume;
   uint64_t seed = 1234;
+  /// Data-parallel (under torchrun): reduce-scatter gradient buckets during the backward pass.
+  bool overlap_grad_reduce = true;
 };
 
 /// The default recipe for a named model config (see GptConfig::named): batch, sequence and
@@ -47,8 +49,12 @@ PretrainRecipe gpt_pretrain_recipe(const std::string& config = "tiny");
 struct PretrainResult {
   std::vector<StepMetrics> history;  ///< the steps this call ran
   double final_loss = 0;             ///< mean loss of the last min(10, steps) steps
-  double tokens_per_s = 0;           ///< over the steps this call ran
+  double tokens_per_s = 0;           ///< over the steps this call ran (checkpoints included)
+  /// Steady state: tokens per step over the median step time of the second half of the run
+  /// (no start-up, no checkpoint writes); all ranks' tokens under data parallelism.
+  double steady_tokens_per_s = 0;
   double peak_memory_bytes = 0;      ///< CUDA only
+  int rank = 0;                      ///< data-parallel rank (0 without torchrun)
   int64_t parameters = 0;
   std::string precision;             ///< the plugin's name
   std::string metrics_path, picture_path;
