@@ -183,6 +183,10 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
         [length]() -> size_t { return length; });
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "checkpoint ", path, " is not a readable archive: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    // LibTorch's archive reader also throws std::runtime_error (found by fuzz_checkpoint_load:
+    // a valid trailer around a mutated archive); callers expect a c10::Error naming the file.
+    TORCH_CHECK(false, "checkpoint ", path, " is not a readable archive: ", e.what());
   }
 }
 

@@ -343,6 +343,9 @@ void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
     snapshot.restore(model, optimizer, *plugins);
     TORCH_CHECK(false, "checkpoint ", path, " could not be loaded, nothing was changed: ",
                 e.what_without_backtrace());
+  } catch (const std::exception& e) {  // LibTorch's readers throw std::runtime_error too
+    snapshot.restore(model, optimizer, *plugins);
+    TORCH_CHECK(false, "checkpoint ", path, " could not be loaded, nothing was changed: ", e.what());
   }
   global_step_ = step.item<int64_t>();
 }
