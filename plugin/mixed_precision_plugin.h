@@ -124,6 +124,7 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   /// Clears every gradient (model, masters, FP8 main_grad) and counts the step as skipped.
   void discard_gradients(torch::optim::Optimizer& optimizer) override;
   double loss_scale() const override;
+  bool skips_nonfinite_gradients() const override { return scaler_.has_value(); }
   int64_t skipped_steps() const override { return skipped_steps_; }
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;

@@ -98,6 +98,9 @@ class PrecisionPlugin {
 
   /// The loss scale in use (1 when the precision does not scale).
   virtual double loss_scale() const { return 1.0; }
+  /// Whether optimizer_step itself skips a step whose gradients are not finite (a dynamic loss
+  /// scaler does); the Trainer handles such gradients otherwise.
+  virtual bool skips_nonfinite_gradients() const { return false; }
   /// Data parallelism: false before every micro-batch's backward but the last of a step, so
   /// gradients are only summed locally until then (DDP's no_sync). The Trainer calls it.
   virtual void set_gradient_sync(bool enabled) {}

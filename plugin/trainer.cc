@@ -223,8 +223,21 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     } else {
       if (options.gradient_clip_val() > 0) {
         metrics.grad_norm = precision.clip_gradients(optimizer, options.gradient_clip_val());
+      } else if (options.check_for_nan_in_grad()) {
+        // The global norm without clipping (an infinite max_norm scales nothing).
+        metrics.grad_norm = precision.clip_gradients(optimizer, std::numeric_limits<double>::infinity());
       }
-      metrics.stepped = precision.optimizer_step(optimizer);
+      const bool checked = options.gradient_clip_val() > 0 || options.check_for_nan_in_grad();
+      if (checked && !std::isfinite(metrics.grad_norm) && !precision.skips_nonfinite_gradients()) {
+        TORCH_CHECK(options.nonfinite_loss() == "skip", "Trainer: non-finite gradient norm (",
+                    metrics.grad_norm, ") at step ", step + 1, " with a finite loss (", loss_value,
+                    "); the weights are those after the previous step (nonfinite_loss = \"error\"; "
+                    "\"skip\" drops such steps instead)");
+        precision.discard_gradients(optimizer);
+        metrics.stepped = false;
+      } else {
+        metrics.stepped = precision.optimizer_step(optimizer);
+      }
     }
     ++global_step_;
     ++interval_steps;

@@ -39,6 +39,11 @@ struct TrainerOptions {
   /// never take it: "error" stops the run with an error naming the step; "skip" drops the step's
   /// gradients, counts it as skipped and goes on. Default: "error".
   TORCH_ARG(std::string, nonfinite_loss) = "error";
+  /// Also check the gradients when the loss is finite (Megatron's check_for_nan_in_grad): a
+  /// non-finite global gradient norm is handled as nonfinite_loss says, except where the
+  /// precision plugin skips such steps itself (fp16's loss scaler). With gradient clipping the
+  /// norm is computed anyway; without, this costs one pass over the gradients. Default: true.
+  TORCH_ARG(bool, check_for_nan_in_grad) = true;
 };
 
 /// What one optimizer step did.
