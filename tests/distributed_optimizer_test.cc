@@ -327,6 +327,51 @@ TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndRejectsAnotherW
   testing::remove_tree(dir);
 }
 
+// fp16: a NaN gradient on one rank only. After the averaging reduce-scatter the NaN sits in one
+// rank's shard; found_inf is all-reduced (MAX), so every rank skips that step and the loss
+// scaler backs off alike (without it the ranks would disagree and their collectives would no
+// longer match).
+TEST(DistributedOptimizerTest, AnOverflowOnOneRankSkipsTheStepOnEveryRank) {
+  const auto options = recipes::fp16_mixed().fp16_initial_loss_scale(1024).fp16_hysteresis(1);
+  data();
+  std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options), initial_model(options)};
+  std::vector<std::vector<StepMetrics>> histories(3);
+  const auto errors = testing::run_ranks(3, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto& model = models[rank];
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3));
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+    plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+    Trainer trainer(TrainerOptions().max_steps(6).log_every_n_steps(0), plugin);
+    trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+      auto [x, y] = data().batch(in.step);
+      x = x.narrow(0, rank * 16, 16), y = y.narrow(0, rank * 16, 16);
+      auto loss = torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+      if (rank == 1 && in.step == 2) {
+        // 0 in the forward pass, NaN in the backward pass: d sqrt(u)/du at u = 0, times 0.
+        auto bias = model->parameters().back();
+        loss = loss + 0.0 * torch::sqrt(bias - bias.detach()).sum().to(at::kFloat);
+      }
+      return loss;
+    });
+    histories[rank] = trainer.history();
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    ASSERT_EQ(histories[rank].size(), 6u);
+    EXPECT_FALSE(histories[rank][2].stepped);
+    EXPECT_EQ(histories[rank][2].loss_scale, 512.0) << "backed off on every rank";
+    EXPECT_EQ(histories[rank].back().skipped_steps, 1);
+    for (int step : {0, 1, 3, 4, 5}) EXPECT_TRUE(histories[rank][step].stepped) << "step " << step + 1;
+  }
+  for (int rank = 1; rank < 3; ++rank) {
+    std::vector<torch::Tensor> a, b;
+    for (const auto& p : models[0]->parameters()) a.push_back(p.detach());
+    for (const auto& p : models[rank]->parameters()) b.push_back(p.detach());
+    EXPECT_EQ(max_abs_diff(a, b), 0.0) << "rank " << rank << " holds the same model";
+  }
+}
+
 TEST(DistributedOptimizerTest, ARankThatDiesMakesTheOthersFailWithinTheTimeout) {
   const auto options = recipes::bf16_mixed();
   std::vector<torch::nn::Sequential> models;
