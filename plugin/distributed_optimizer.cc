@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <unordered_map>
 
 #include "ops/quantize.h"
 #include "plugin/fp8_linear.h"
@@ -29,6 +28,7 @@ struct DistributedOptimizer::Param {
   torch::Tensor model;
   std::shared_ptr<Fp8LinearImpl> fp8_owner;
   size_t buffer = 0, bucket = 0;
+  int64_t fp8_slot = -1;  // fp8_owner: its index among the FP8 weights (amax, scale)
   int64_t offset = 0;  // in its buffer
   int64_t numel = 0;
   bool ready = false;  // its gradient is in the buffer for this backward pass
@@ -200,6 +200,10 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
   }
   for (size_t n = 0; n < params_.size(); ++n) {
     auto& param = params_[n];
+    if (param.fp8_owner) {
+      param.fp8_slot = static_cast<int64_t>(fp8_params_.size());
+      fp8_params_.push_back(n);
+    }
     auto view = buffers_[param.buffer].params.narrow(0, param.offset, param.numel).view(param.model.sizes());
     view.copy_(param.model.detach());
     param.model.set_data(view);
@@ -346,14 +350,7 @@ void DistributedOptimizer::gather_params() {
   torch::NoGradGuard no_grad;
   relink_params();
   // FP8 weights: the amax of each whole weight, all-reduced, gives its scale on every rank.
-  std::vector<size_t> fp8_params;
-  std::unordered_map<size_t, int64_t> fp8_slot;
-  for (size_t n = 0; n < params_.size(); ++n) {
-    if (params_[n].fp8_owner) {
-      fp8_slot[n] = static_cast<int64_t>(fp8_params.size());
-      fp8_params.push_back(n);
-    }
-  }
+  const auto& fp8_params = fp8_params_;
   torch::Tensor amaxes, scales, scale_invs;
   if (!fp8_params.empty()) {
     const auto device = buffers_.front().params.device();
@@ -361,7 +358,7 @@ void DistributedOptimizer::gather_params() {
                           torch::TensorOptions().dtype(at::kFloat).device(device));
     for (const auto& piece : pieces_) {
       if (!params_[piece.param].fp8_owner) continue;
-      auto slot = amaxes.narrow(0, fp8_slot[piece.param], 1);
+      auto slot = amaxes.narrow(0, params_[piece.param].fp8_slot, 1);
       slot.copy_(at::maximum(slot, compute_amax(piece.master.detach()).reshape({1})));
     }
     std::vector<torch::Tensor> tensors{amaxes};
@@ -377,7 +374,7 @@ void DistributedOptimizer::gather_params() {
     const auto& param = params_[piece.param];
     auto target = buffers_[param.buffer].params.narrow(0, piece.buffer_offset, piece.numel);
     if (param.fp8_owner) {
-      const int64_t slot = fp8_slot[piece.param];
+      const int64_t slot = param.fp8_slot;
       target.copy_(quantize(piece.master.detach(), scales.narrow(0, slot, 1), Fp8Format::kE4M3).data);
     } else {
       target.copy_(piece.master.detach());
