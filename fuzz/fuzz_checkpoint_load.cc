@@ -65,12 +65,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::ofstream out(scratch_file(), std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(payload), static_cast<std::streamsize>(length));
     if (with_trailer) {
-      amp8::Checksum checksum;
-      checksum.update(payload, length);
-      std::string trailer = "AMP8CKPT";
-      amp8::put_le(trailer, amp8::kCheckpointFormatVersion, 4);
-      amp8::put_le(trailer, length, 8);
-      amp8::put_le(trailer, checksum.finish(), 8);
+      const std::string trailer = amp8::checkpoint_trailer(payload, length);
       out.write(trailer.data(), static_cast<std::streamsize>(trailer.size()));
     }
   }

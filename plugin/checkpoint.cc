@@ -1,6 +1,8 @@
 #include "plugin/checkpoint.h"
 
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -77,6 +79,14 @@ uint64_t get_le(const uint8_t* p, int bytes) {
   return value;
 }
 
+std::string make_trailer(uint64_t length, uint64_t checksum) {
+  std::string trailer(kMagic, sizeof(kMagic));
+  put_le(trailer, kCheckpointFormatVersion, 4);
+  put_le(trailer, length, 8);
+  put_le(trailer, checksum, 8);
+  return trailer;
+}
+
 void write_all(int fd, const void* data, size_t size, const std::string& path) {
   const auto* p = static_cast<const char*>(data);
   while (size > 0) {
@@ -97,7 +107,100 @@ void fsync_path(const std::string& path, bool directory) {
   TORCH_CHECK(rc == 0, "save_atomically: fsync of ", path, " failed: ", error);
 }
 
+// The archive's bytes in memory, as LibTorch's zip reader reads them.
+class MemoryReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  MemoryReadAdapter(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= size_) return 0;
+    const size_t count = std::min<uint64_t>(n, size_ - pos);
+    std::memcpy(buf, data_ + pos, count);
+    return count;
+  }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+};
+
 }  // namespace
+
+std::string checkpoint_trailer(const void* archive, size_t length) {
+  Checksum checksum;
+  checksum.update(static_cast<const uint8_t*>(archive), length);
+  return make_trailer(length, checksum.finish());
+}
+
+void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& what) {
+  size_t pos = 0, at = 0, memo_entries = 0;  // at: the current opcode's offset
+  auto need = [&](size_t n, const char* opcode) {
+    TORCH_CHECK(n <= size - pos, what, ": ", opcode, " at byte ", at, " needs ", n,
+                " more bytes, the pickle ends after ", size - pos);
+  };
+  auto skip_counted = [&](int count_bytes, const char* opcode) {
+    need(count_bytes, opcode);
+    const uint64_t n = get_le(data + pos, count_bytes);
+    pos += count_bytes;
+    need(n, opcode);
+    pos += n;
+  };
+  auto put = [&](int id_bytes, const char* opcode) {
+    need(id_bytes, opcode);
+    const uint64_t id = get_le(data + pos, id_bytes);
+    TORCH_CHECK(id <= memo_entries, what, ": ", opcode, " at byte ", at, " stores memo id ",
+                id, ", but only ", memo_entries, " memo entries precede it (a pickler numbers "
+                "them 0, 1, 2, ...; LibTorch would allocate ", id + 1, " entries)");
+    if (id == memo_entries) ++memo_entries;
+    pos += id_bytes;
+  };
+  while (pos < size) {
+    at = pos++;
+    switch (data[at]) {
+      case '.':  // STOP
+        return;
+      case 'q': put(1, "BINPUT"); break;
+      case 'r': put(4, "LONG_BINPUT"); break;
+      case 0x80:  // PROTO
+      case 'K':   // BININT1
+      case 'h':   // BINGET
+        need(1, "a 1-byte operand");
+        pos += 1;
+        break;
+      case 'M':  // BININT2
+        need(2, "BININT2");
+        pos += 2;
+        break;
+      case 'J':  // BININT
+      case 'j':  // LONG_BINGET
+        need(4, "a 4-byte operand");
+        pos += 4;
+        break;
+      case 'G':  // BINFLOAT
+        need(8, "BINFLOAT");
+        pos += 8;
+        break;
+      case 0x8a: skip_counted(1, "LONG1"); break;
+      case 0x8c: skip_counted(1, "SHORT_BINUNICODE"); break;
+      case 'C': skip_counted(1, "SHORT_BINBYTES"); break;
+      case 'X': skip_counted(4, "BINUNICODE"); break;
+      case 'B': skip_counted(4, "BINBYTES"); break;
+      case 'c':  // GLOBAL: module and name, each ended by a newline
+        for (int line = 0; line < 2; ++line) {
+          const auto* end = static_cast<const uint8_t*>(std::memchr(data + pos, '\n', size - pos));
+          TORCH_CHECK(end != nullptr, what, ": GLOBAL at byte ", at, " is not ended by a newline");
+          pos = static_cast<size_t>(end - data) + 1;
+        }
+        break;
+      case '(': case ']': case ')': case '}': case 'N': case 't': case 'a': case 'e': case 'l':
+      case 'd': case 's': case 'u': case 'b': case 'R': case 'Q': case '0': case '1': case '2':
+      case 0x81: case 0x85: case 0x86: case 0x87: case 0x88: case 0x89:
+        break;  // no operand
+      default:
+        return;  // an opcode this walk does not know: LibTorch's unpickler names it
+    }
+  }
+}
 
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
   namespace fs = std::filesystem;
@@ -121,10 +224,7 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
       length += size;
       return size;
     });
-    std::string trailer(kMagic, sizeof(kMagic));
-    put_le(trailer, kCheckpointFormatVersion, 4);
-    put_le(trailer, length, 8);
-    put_le(trailer, checksum.finish(), 8);
+    const std::string trailer = make_trailer(length, checksum.finish());
     write_all(fd, trailer.data(), trailer.size(), temporary);
     TORCH_CHECK(::fsync(fd) == 0, "save_atomically: fsync of ", temporary, " failed: ", system_error());
     TORCH_CHECK(::close(fd) == 0, "save_atomically: closing ", temporary, " failed: ", system_error());
@@ -173,13 +273,17 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
   TORCH_CHECK(checksum.finish() == stored, "checkpoint ", path,
               " is corrupt: checksum mismatch (the file's bytes changed after it was written)");
   try {
+    auto adapter = std::make_shared<MemoryReadAdapter>(bytes, length);
+    {
+      caffe2::serialize::PyTorchStreamReader reader(adapter);
+      for (const auto& name : reader.getAllRecords()) {
+        if (name.size() < 3 || name.compare(name.size() - 3, 3, "pkl") != 0) continue;
+        const auto [record, record_size] = reader.getRecord(name);
+        check_pickle_bounds(static_cast<const uint8_t*>(record.get()), record_size, "record " + name);
+      }
+    }
     archive.load_from(
-        [bytes, length](uint64_t pos, void* buf, size_t n) -> size_t {
-          if (pos >= length) return 0;
-          const size_t count = std::min<uint64_t>(n, length - pos);
-          std::memcpy(buf, bytes + pos, count);
-          return count;
-        },
+        [adapter](uint64_t pos, void* buf, size_t n) -> size_t { return adapter->read(pos, buf, n, ""); },
         [length]() -> size_t { return length; });
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "checkpoint ", path, " is not a readable archive: ", e.what_without_backtrace());

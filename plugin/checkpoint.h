@@ -2,6 +2,7 @@
 
 #include <torch/serialize/archive.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -21,9 +22,24 @@ constexpr uint32_t kCheckpointFormatVersion = 1;
 /// fails (the temporary file is removed).
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
 
+/// The trailer save_atomically writes after an archive of `length` bytes at `archive`: for tools
+/// and tests that assemble a checkpoint file from an archive's bytes.
+std::string checkpoint_trailer(const void* archive, size_t length);
+
 /// Reads a checkpoint written by save_atomically, checking the trailer first: a missing file, a
 /// file without the trailer, a truncated file, another format version or a checksum mismatch is
-/// a c10::Error naming the path and what is wrong, thrown before anything is deserialized.
+/// a c10::Error naming the path and what is wrong, thrown before anything is deserialized. The
+/// archive's pickles are then checked with check_pickle_bounds before LibTorch unpickles them.
 void load_archive(torch::serialize::InputArchive& archive, const std::string& path);
+
+/// Checks a pickle (protocol 2, as LibTorch writes it) for what LibTorch's unpickler would turn
+/// into an unbounded allocation before failing: it sizes its memo table by the ids it reads (a
+/// PUT of id n makes room for n + 1 entries) and its strings by their length prefix, so one
+/// corrupt id in a readable archive asks for up to 64 GB (fuzz_checkpoint_load found a 32 GB
+/// request). A pickler numbers its memo entries 0, 1, 2, ... in order and writes no operand past
+/// the end, so a PUT beyond the next id or an operand past the end is a c10::Error naming `what`,
+/// the opcode and its byte offset. The walk stops at STOP, and at an opcode it does not know
+/// (LibTorch then names that).
+void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& what);
 
 }  // namespace amp8

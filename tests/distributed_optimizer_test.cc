@@ -453,7 +453,7 @@ std::string error_of(const std::function<void()>& fn) {
 }
 
 // Launched by torchrun on a machine with 2+ GPUs (tools/gpu_check.sh with AMP8_GPT_DP):
-//   torchrun --standalone --nproc-per-node=2 --no-python distributed_optimizer_test \
+//   torchrun --standalone --nproc-per-node=2 --no-python distributed_optimizer_test
 //       --gtest_filter='DistributedNcclTest.*'
 // Elsewhere (no WORLD_SIZE) it skips.
 TEST(DistributedNcclTest, MatchesSingleRankTrainingOverProcessGroupNccl_CUDA) {

@@ -2,6 +2,7 @@
 // checkpoints that survive a writer killed mid-write, and clear errors for bad checkpoints.
 #include "plugin/trainer.h"
 
+#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -310,6 +311,80 @@ TEST_F(TrainerTest, CheckpointSurvivesAWriterKilledMidWrite) {
     if (childs) trainer.save_checkpoint(path, *model, optimizer);  // restore the original
   }
   EXPECT_TRUE(killed_mid_write) << "no attempt killed the writer mid-write";
+}
+
+// LibTorch's unpickler sizes its memo table by the ids it reads: a corrupt id in an archive with
+// a valid trailer (fuzz_checkpoint_load found one) asked for 32 GB. check_pickle_bounds names it
+// before LibTorch sees it, and a checkpoint big enough to need LONG_BINPUT ids still loads.
+// A string literal's bytes, zeros included.
+template <size_t N>
+std::string raw(const char (&literal)[N]) {
+  return std::string(literal, N - 1);
+}
+
+TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchAllocates) {
+  auto expect_bad = [](const std::string& pickle, const std::string& message) {
+    ExpectErrorContaining([&] {
+      check_pickle_bounds(reinterpret_cast<const uint8_t*>(pickle.data()), pickle.size(), "p");
+    }, message);
+  };
+  const std::string good = raw("\x80\x02]q\x00]q\x01h\x00X\x02\x00\x00\x00" "abq\x02.");
+  EXPECT_NO_THROW(check_pickle_bounds(reinterpret_cast<const uint8_t*>(good.data()), good.size(), "p"));
+  expect_bad(raw("\x80\x02]r\x40\x69\x66\x76."),
+             "p: LONG_BINPUT at byte 3 stores memo id 1986423104, but only 0 memo entries precede it");
+  expect_bad(raw("\x80\x02]q\x00]q\x02."),
+             "p: BINPUT at byte 6 stores memo id 2, but only 1 memo entries precede it");
+  expect_bad(raw("\x80\x02X\xff\xff\xff\x7f" "ab."),
+             "p: BINUNICODE at byte 2 needs 2147483647 more bytes, the pickle ends after 3");
+  expect_bad(raw("\x80\x02" "ctorch\nTensor"), "p: GLOBAL at byte 2 is not ended by a newline");
+  expect_bad(raw("\x80\x02J\x01\x02"), "p: a 4-byte operand at byte 2 needs 4 more bytes");
+
+  // The fuzzer's case end to end: data.pkl's first PUT made a LONG_BINPUT of a huge id, the
+  // trailer recomputed so only the pickle check stands between the file and LibTorch.
+  const auto dir = scratch_dir("pickle");
+  auto model = testing::make_mlp();
+  torch::optim::Adam optimizer(model->parameters(), 1e-3);
+  Trainer trainer(TrainerOptions().log_every_n_steps(0), recipes::bf16_mixed());
+  // Connects the plugin (bf16 params, FP32 masters) and fails on the missing file.
+  ExpectErrorContaining([&] { trainer.load_checkpoint((dir / "none.ckpt").string(), *model, optimizer); },
+                        "does not exist");
+  const auto good_path = (dir / "good.ckpt").string();
+  trainer.save_checkpoint(good_path, *model, optimizer);
+  std::string bytes;
+  {
+    std::ifstream in(good_path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  std::string archive = bytes.substr(0, bytes.size() - 28);
+  size_t data_pkl = 0;
+  {
+    std::istringstream stream(archive);
+    caffe2::serialize::PyTorchStreamReader reader(&stream);
+    data_pkl = reader.getRecordOffset("data.pkl");
+  }
+  ASSERT_EQ(archive.substr(data_pkl, 2), raw("\x80\x02"));
+  archive.replace(data_pkl, 9, raw("\x80\x02]r\x40\x69\x66\x76."));
+  const auto bad_path = (dir / "memo.ckpt").string();
+  std::ofstream(bad_path, std::ios::binary) << archive << checkpoint_trailer(archive.data(), archive.size());
+  const auto before = model->parameters()[0].detach().clone();
+  ExpectErrorContaining([&] { trainer.load_checkpoint(bad_path, *model, optimizer); },
+                        "memo.ckpt is not a readable archive: record data.pkl: LONG_BINPUT at byte 3 "
+                        "stores memo id 1986423104");
+  EXPECT_TRUE(model->parameters()[0].equal(before));
+  ASSERT_NO_THROW(trainer.load_checkpoint(good_path, *model, optimizer));
+
+  // 200 layers: far more than 256 memo entries, so the writer used LONG_BINPUT; it loads.
+  torch::nn::Sequential deep;
+  for (int i = 0; i < 200; ++i) deep->push_back(torch::nn::Linear(2, 2));
+  torch::optim::SGD deep_optimizer(deep->parameters(), 0.1);
+  Trainer deep_trainer(TrainerOptions().log_every_n_steps(0));
+  const auto deep_path = (dir / "deep.ckpt").string();
+  deep_trainer.save_checkpoint(deep_path, *deep, deep_optimizer);
+  const auto weight = deep->parameters().back().detach().clone();
+  torch::NoGradGuard no_grad;
+  deep->parameters().back().fill_(7.0f);
+  ASSERT_NO_THROW(deep_trainer.load_checkpoint(deep_path, *deep, deep_optimizer));
+  EXPECT_TRUE(deep->parameters().back().equal(weight));
 }
 
 TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
