@@ -1,8 +1,12 @@
 #include "plugin/distributed_optimizer.h"
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <array>
+#include <optional>
 #include <cmath>
 
 #include "ops/quantize.h"
@@ -51,6 +55,12 @@ struct DistributedOptimizer::Buffer {
   c10::ScalarType param_dtype, grad_dtype;
   torch::Tensor params, grads;
   int64_t numel = 0;
+};
+
+// Timing events of one step (see communication_times): recorded on the compute stream.
+struct DistributedOptimizer::StepEvents {
+  std::array<std::optional<c10::Event>, 4> events;
+  int64_t reduce_bytes = 0, gather_bytes = 0;
 };
 
 // The intersection of one parameter with this rank's shard of its bucket.
@@ -296,11 +306,18 @@ std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
       }
     }
   }
+  if (step_events_.size() == 4096) step_events_.pop_front();
+  step_events_.push_back(std::make_unique<StepEvents>());
+  timing_step_ = true;
+  record_event(0);
   while (next_launch_ < launch_order_.size()) launch(buckets_[launch_order_[next_launch_++]]);
   for (auto& bucket : buckets_) {
     if (bucket.work) bucket.work->wait();
     bucket.work.reset();
+    step_events_.back()->reduce_bytes +=
+        bucket.size * c10::elementSize(buffers_[bucket.buffer].grad_dtype);
   }
+  record_event(1);
   std::vector<torch::Tensor> grads;
   grads.reserve(pieces_.size());
   for (auto& piece : pieces_) {
@@ -381,17 +398,52 @@ void DistributedOptimizer::gather_params() {
     }
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  record_event(2);
   for (const auto& bucket : buckets_) {
     auto region = buffers_[bucket.buffer].params.narrow(0, bucket.begin, bucket.size);
     if (is_fp8(region.scalar_type())) region = region.view(at::kByte);  // FP8 travels as bytes
     auto shard = region.narrow(0, rank_ * (bucket.size / world_size_), bucket.size / world_size_);
     works.push_back(group_->_allgather_base(region, shard));
+    if (timing_step_) step_events_.back()->gather_bytes += region.numel() * region.element_size();
   }
   for (auto& work : works) work->wait();
+  record_event(3);
+  timing_step_ = false;
   for (size_t i = 0; i < fp8_params.size(); ++i) {
     params_[fp8_params[i]].fp8_owner->fp8_weight_written(amaxes.narrow(0, static_cast<int64_t>(i), 1),
                                                          scale_invs.narrow(0, static_cast<int64_t>(i), 1));
   }
+}
+
+void DistributedOptimizer::record_event(size_t which) {
+  if (!timing_step_ || buffers_.empty()) return;
+  const auto device = buffers_.front().params.device();
+  if (device.type() != c10::DeviceType::CUDA) return;
+  auto& slot = step_events_.back()->events[which];
+  slot.emplace(device.type(), c10::EventFlag::BACKEND_DEFAULT);  // BACKEND_DEFAULT: timed
+  slot->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+}
+
+std::vector<DistributedOptimizer::StepCommunication> DistributedOptimizer::take_communication_times() {
+  std::vector<StepCommunication> times;
+  while (!step_events_.empty()) {
+    const auto& e = step_events_.front()->events;
+    if (!e[3]) {  // in progress, skipped (fp16 overflow: nothing gathered) or on the CPU
+      if (step_events_.size() == 1 && timing_step_) break;
+      step_events_.pop_front();
+      continue;
+    }
+    e[3]->synchronize();
+    const auto& step = step_events_.front();
+    StepCommunication t;
+    t.reduce_ms = e[0]->elapsedTime(*e[1]);
+    t.gather_ms = e[2]->elapsedTime(*e[3]);
+    t.reduce_bytes = step->reduce_bytes;
+    t.gather_bytes = step->gather_bytes;
+    times.push_back(t);
+    step_events_.pop_front();
+  }
+  return times;
 }
 
 void DistributedOptimizer::zero_gradients() {
@@ -403,6 +455,7 @@ void DistributedOptimizer::zero_gradients() {
     for (size_t p : bucket.params) bucket.pending += params_[p].fp8_owner ? 0 : 1;
   }
   next_launch_ = 0;
+  timing_step_ = false;
   torch::NoGradGuard no_grad;
   for (auto& buffer : buffers_) buffer.grads.zero_();
   for (auto& param : params_) {

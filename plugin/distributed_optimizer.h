@@ -24,6 +24,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -90,6 +91,19 @@ class DistributedOptimizer {
   /// Elements of the parameter buffers (all buckets, padding included).
   int64_t padded_numel() const;
 
+  /// How long the compute stream of one optimizer step waited on communication (CUDA only):
+  /// `reduce_ms` from the end of the backward pass until every gradient bucket is reduced
+  /// (with overlap_grad_reduce, what the backward pass did not hide), `gather_ms` from the
+  /// all-gather's launch until the parameters are in, `reduce_bytes` / `gather_bytes` what each
+  /// rank put into those collectives (whole buckets, padding included).
+  struct StepCommunication {
+    double reduce_ms = 0, gather_ms = 0;
+    int64_t reduce_bytes = 0, gather_bytes = 0;
+  };
+  /// The figures of the steps completed since the last call (at most the last 4096), oldest
+  /// first; empty on the CPU. Waits for the GPU.
+  std::vector<StepCommunication> take_communication_times();
+
  private:
   struct Param;
   struct Bucket;
@@ -117,6 +131,12 @@ class DistributedOptimizer {
   std::vector<torch::Tensor> master_shards_;
   std::vector<size_t> launch_order_;  // the same on every rank
   size_t next_launch_ = 0;
+  // CUDA events on the compute stream around each step's waits: {backward done, reduced,
+  // gather launched, gathered}; take_communication_times() reads them.
+  struct StepEvents;
+  std::deque<std::unique_ptr<StepEvents>> step_events_;
+  bool timing_step_ = false;  // between a step's reduce_gradients and its gather_params
+  void record_event(size_t which);
 };
 
 }  // namespace amp8

@@ -139,6 +139,7 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return group_; }
   /// The ZeRO-1 optimizer state (null without a process group).
   const DistributedOptimizer* distributed_optimizer() const { return distributed_.get(); }
+  DistributedOptimizer* distributed_optimizer() { return distributed_.get(); }
   void set_gradient_sync(bool enabled) override;
   torch::Tensor data_parallel_mean(const torch::Tensor& value) override;
   int data_parallel_rank() const override { return group_ ? group_->getRank() : 0; }

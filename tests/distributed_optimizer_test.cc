@@ -58,6 +58,9 @@ struct Run {
   std::vector<torch::Tensor> params;  // the model's, as float32, after training
   int64_t state_bytes = 0;            // FP32 masters + optimizer state on this rank
   int64_t skipped = 0;
+  // Data-parallel: the per-step communication figures, and the padded buffer's elements.
+  std::vector<DistributedOptimizer::StepCommunication> communication;
+  int64_t padded_numel = 0;
 };
 
 int64_t state_bytes(torch::optim::Optimizer& optimizer, const std::vector<torch::Tensor>& masters) {
@@ -101,6 +104,10 @@ Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c1
   for (const auto& p : model->parameters()) run.params.push_back(p.detach().to(torch::kCPU, at::kFloat).clone());
   run.state_bytes = state_bytes(optimizer, plugin->master_params());
   run.skipped = plugin->skipped_steps();
+  if (auto* distributed = plugin->distributed_optimizer()) {
+    run.communication = distributed->take_communication_times();
+    run.padded_numel = distributed->padded_numel();
+  }
   return run;
 }
 
@@ -153,6 +160,7 @@ TEST(DistributedOptimizerTest, Fp32MatchesSingleRankTrainingForAnyWorldSize) {
     // moves each weight by ~lr per step, so 8 steps of rounding stay far below 1e-5.
     EXPECT_LT(max_abs_diff(runs[0].params, reference.params), 1e-5);
     EXPECT_LT(max_rel_loss_diff(runs[0].losses, reference.losses), 1e-5);
+    EXPECT_TRUE(runs[0].communication.empty()) << "communication is timed on CUDA only";
   }
 }
 
@@ -490,6 +498,15 @@ TEST(DistributedNcclTest, MatchesSingleRankTrainingOverProcessGroupNccl_CUDA) {
     group->allreduce(h, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
     group->allreduce(l, c10d::AllreduceOptions{c10d::ReduceOp::MIN})->wait();
     EXPECT_TRUE(h[0].equal(l[0])) << "the ranks' models differ";
+    // Every step's communication was timed: the whole float32 gradient buffer reduce-scattered
+    // (grad_reduce_in_fp32), the parameter buffer gathered (float32 params under "32").
+    ASSERT_EQ(run.communication.size(), 8u);
+    for (const auto& step : run.communication) {
+      EXPECT_GE(step.reduce_ms, 0.0);
+      EXPECT_GT(step.gather_ms, 0.0);
+      EXPECT_EQ(step.reduce_bytes, run.padded_numel * 4);
+      if (std::string(c.name) == "32") EXPECT_EQ(step.gather_bytes, run.padded_numel * 4);
+    }
   }
   group->shutdown();
 }

@@ -14,7 +14,11 @@
 # with 2 GPUs) runs gpt_pretrain on one GPU with --grad-accum 2 and under torchrun on two GPUs
 # with --grad-accum 1 (the same global batch: rank r draws micro-batch r), again with
 # --overlap-grad-reduce false, then DistributedNcclTest under torchrun, and brings back
-# OUTDIR/gpt_dp.tar.gz: every run's metrics.jsonl and logs. NVLink multicast stays off.
+# OUTDIR/gpt_dp.tar.gz: every run's metrics.jsonl and logs, and how the GPUs are linked
+# (nvidia-smi topo -m). NVLink multicast stays off.
+# AMP8_GPT_DP_RUNS="name|GPUS|flags;..." adds runs to it, each with AMP8_GPT_DP's flags and its
+# own appended (GPUS 1: on GPU 0; 2: under torchrun), e.g.
+#   "one_350m|1|--config 350m --grad-accum 2;two_350m|2|--config 350m --bucket-size 10000000".
 # The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
 # processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
 # GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
@@ -92,6 +96,27 @@ if [[ -n "${AMP8_GPT_DP:-}" ]]; then
   python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python "$BUILD/gpt_pretrain" \
     $AMP8_GPT_DP --grad-accum 1 --overlap-grad-reduce false --save-dir "$DP/two_gpus_no_overlap" \
     2>&1 | tee "$DP/two_gpus_no_overlap.log" || status=1
+  for name in one_gpu two_gpus two_gpus_no_overlap; do
+    grep -E "^gpt_pretrain: (final|data-parallel)" "$DP/$name.log" | sed "s/^/$name: /" | tee -a "$LOG"
+  done
+  (nvidia-smi topo -m; nvidia-smi nvlink --status) >"$DP/topology.log" 2>&1 || true
+  IFS=';' read -ra dp_runs <<<"${AMP8_GPT_DP_RUNS:-}"
+  for entry in "${dp_runs[@]}"; do
+    [[ -z "${entry// }" ]] && continue
+    IFS='|' read -r name gpus flags <<<"$entry"
+    name="${name// /}" gpus="${gpus// /}"
+    echo "== gpt_pretrain $name on $gpus GPU(s): $AMP8_GPT_DP $flags" | tee -a "$LOG"
+    if [[ "$gpus" == 1 ]]; then
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=0 "$BUILD/gpt_pretrain" $AMP8_GPT_DP $flags --save-dir "$DP/$name" \
+        2>&1 | tee "$DP/$name.log" || status=1
+    else
+      # shellcheck disable=SC2086
+      python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" --no-python "$BUILD/gpt_pretrain" \
+        $AMP8_GPT_DP $flags --save-dir "$DP/$name" 2>&1 | tee "$DP/$name.log" || status=1
+    fi
+    grep -E "^gpt_pretrain: (final|data-parallel)" "$DP/$name.log" | sed "s/^/$name: /" | tee -a "$LOG"
+  done
   echo "== distributed_optimizer_test over ProcessGroupNCCL, 2 ranks" | tee -a "$LOG"
   python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python "$BUILD/distributed_optimizer_test" \
     --gtest_filter='DistributedNcclTest.*' 2>&1 | tee "$DP/nccl_test.log" || status=1

@@ -49,6 +49,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
   bool fp8_params = true, overlap_grad_reduce = true;
+  bool grad_reduce_in_fp32 = MixedPrecisionOptions("bf16-mixed").grad_reduce_in_fp32();
+  int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
   double lr = -1;
   uint64_t seed = 1234;
@@ -78,6 +80,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--log-every", log_every, "a progress line every N steps, 0 = none (default: the config's; tiny: 100)");
   app.add_option("--overlap-grad-reduce", overlap_grad_reduce,
                  "under torchrun: reduce-scatter gradient buckets during the backward pass")
+      ->capture_default_str();
+  app.add_option("--bucket-size", bucket_size, "under torchrun: elements per gradient bucket")
+      ->capture_default_str();
+  app.add_option("--grad-reduce-in-fp32", grad_reduce_in_fp32,
+                 "half precisions: reduce gradients in float32 (false: in the params dtype)")
       ->capture_default_str();
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
@@ -109,6 +116,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.seed = seed;
     recipe.resume = resume;
     recipe.overlap_grad_reduce = overlap_grad_reduce;
+    TORCH_CHECK(bucket_size >= 1, "--bucket-size must be >= 1 element, got ", bucket_size);
+    recipe.bucket_size = bucket_size;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
     // Only "auto" precision looks at the device: bf16-mixed on a GPU, 32 on the CPU.
     const bool on_cuda = device == "auto" ? torch::cuda::is_available() : device.rfind("cuda", 0) == 0;
@@ -120,6 +129,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
             .fp8_params(fp8_params).fp8_min_gemm_size(fp8_min_gemm_size);
       }
+      options.grad_reduce_in_fp32(grad_reduce_in_fp32);
       options.validate();
       return options;
     };

@@ -93,6 +93,44 @@ class StepTimer : public Callback {
   std::vector<double> seconds_;
 };
 
+// Data-parallel on CUDA: the DistributedOptimizer's per-step communication waits, collected every
+// 50 steps (reading them waits for the GPU, so not every step) and at the end.
+class CommunicationTimer : public Callback {
+ public:
+  explicit CommunicationTimer(MixedPrecisionPlugin& plugin) : plugin_(plugin) {}
+  void on_train_batch_end(Trainer&, const StepMetrics& m) override {
+    if (m.step % 50 == 0) collect();
+  }
+  void on_train_end(Trainer&) override { collect(); }
+  /// Medians over the second half of the steps measured.
+  DistributedOptimizer::StepCommunication steady() const {
+    DistributedOptimizer::StepCommunication result;
+    if (steps_.empty()) return result;
+    std::vector<DistributedOptimizer::StepCommunication> tail(
+        steps_.begin() + static_cast<std::ptrdiff_t>(steps_.size() / 2), steps_.end());
+    auto median = [&](auto field) {
+      std::vector<double> values;
+      for (const auto& s : tail) values.push_back(static_cast<double>(s.*field));
+      std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2), values.end());
+      return values[values.size() / 2];
+    };
+    result.reduce_ms = median(&DistributedOptimizer::StepCommunication::reduce_ms);
+    result.gather_ms = median(&DistributedOptimizer::StepCommunication::gather_ms);
+    result.reduce_bytes = static_cast<int64_t>(median(&DistributedOptimizer::StepCommunication::reduce_bytes));
+    result.gather_bytes = static_cast<int64_t>(median(&DistributedOptimizer::StepCommunication::gather_bytes));
+    return result;
+  }
+
+ private:
+  void collect() {
+    auto* optimizer = plugin_.distributed_optimizer();  // made when the Trainer connects
+    if (optimizer == nullptr) return;
+    for (const auto& s : optimizer->take_communication_times()) steps_.push_back(s);
+  }
+  MixedPrecisionPlugin& plugin_;
+  std::vector<DistributedOptimizer::StepCommunication> steps_;
+};
+
 // One JSON object per step into metrics.jsonl.
 class MetricsWriter : public Callback {
  public:
@@ -241,7 +279,9 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   trainer_options.tokens_per_micro_batch(tokens_per_micro_batch);
   auto plugin = std::make_shared<MixedPrecisionPlugin>(recipe.precision);
   if (group) {
-    plugin->set_process_group(group, DistributedOptimizerOptions().overlap_grad_reduce(recipe.overlap_grad_reduce));
+    plugin->set_process_group(group, DistributedOptimizerOptions()
+                                         .overlap_grad_reduce(recipe.overlap_grad_reduce)
+                                         .bucket_size(recipe.bucket_size));
   }
   Trainer trainer(trainer_options, plugin);
   trainer.log = &out;
@@ -250,6 +290,11 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   trainer.callbacks.push_back(schedule);
   auto timer = std::make_shared<StepTimer>();
   trainer.callbacks.push_back(timer);
+  std::shared_ptr<CommunicationTimer> communication;
+  if (group && device.is_cuda()) {
+    communication = std::make_shared<CommunicationTimer>(*plugin);
+    trainer.callbacks.push_back(communication);
+  }
   if (rank == 0) {
     trainer.callbacks.push_back(std::make_shared<MetricsWriter>(
         metrics_path, !resume.empty(), *schedule,
@@ -308,6 +353,21 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
             .peak);
   }
 #endif
+  if (communication) {
+    const auto steady = communication->steady();
+    result.reduce_wait_ms = steady.reduce_ms;
+    result.gather_wait_ms = steady.gather_ms;
+    result.reduce_bytes = static_cast<double>(steady.reduce_bytes);
+    result.gather_bytes = static_cast<double>(steady.gather_bytes);
+    if (rank == 0) {
+      out << "gpt_pretrain: data-parallel communication per step (median of the second half): "
+          << "waited " << result.reduce_wait_ms << " ms for the reduce-scatter of "
+          << result.reduce_bytes / 1e6 << " MB after the backward pass (overlap_grad_reduce "
+          << (recipe.overlap_grad_reduce ? "on" : "off") << ", buckets of " << recipe.bucket_size
+          << " elements), " << result.gather_wait_ms << " ms for the all-gather of "
+          << result.gather_bytes / 1e6 << " MB" << std::endl;
+    }
+  }
   result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();
   if (group) group->shutdown();  // NCCL's communicators, before the process exits
   if (rank == 0) write_loss_svg(result.picture_path, {{result.precision, read_losses(metrics_path)}},

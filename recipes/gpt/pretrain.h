@@ -40,6 +40,8 @@ struct PretrainRecipe {
   uint64_t seed = 1234;
   /// Data-parallel (under torchrun): reduce-scatter gradient buckets during the backward pass.
   bool overlap_grad_reduce = true;
+  /// Data-parallel: elements per gradient bucket (DistributedOptimizerOptions::bucket_size).
+  int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
 };
 
 /// The default recipe for a named model config (see GptConfig::named): batch, sequence and
@@ -58,6 +60,12 @@ struct PretrainResult {
   int64_t parameters = 0;
   std::string precision;             ///< the plugin's name
   std::string metrics_path, picture_path;
+  /// Data-parallel on CUDA: per step, the median over the second half of the run of the time the
+  /// compute stream waited for the gradient reduce-scatter after the backward pass and for the
+  /// parameter all-gather after the step (DistributedOptimizer::StepCommunication), and the
+  /// bytes each rank put into them. 0 otherwise.
+  double reduce_wait_ms = 0, gather_wait_ms = 0;
+  double reduce_bytes = 0, gather_bytes = 0;
 };
 
 /// Runs the recipe: checks every setting first (a bad one throws c10::Error naming it, before
