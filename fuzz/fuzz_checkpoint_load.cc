@@ -57,6 +57,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  // AMP8_FUZZ_VERBOSE=1: print what each input's load ended in (to triage an input by hand).
+  static const bool verbose = std::getenv("AMP8_FUZZ_VERBOSE") != nullptr;
   if (size == 0) return 0;
   const bool with_trailer = data[0] & 1;
   const uint8_t* payload = data + 1;
@@ -81,7 +83,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
   try {
     trainer.load_checkpoint(scratch_file(), *model, optimizer);
-  } catch (const c10::Error&) {
+    if (verbose) std::fprintf(stderr, "fuzz_checkpoint_load: loaded\n");
+  } catch (const c10::Error& e) {
+    if (verbose) std::fprintf(stderr, "fuzz_checkpoint_load: %s\n", e.what_without_backtrace());
     // Nothing half-loaded: the model is what it was.
     size_t i = 0;
     for (const auto& p : model->parameters()) {

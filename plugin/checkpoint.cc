@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include <cerrno>
 #include <cstdio>
@@ -132,8 +134,64 @@ std::string checkpoint_trailer(const void* archive, size_t length) {
   return make_trailer(length, checksum.finish());
 }
 
-void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& what) {
+namespace {
+
+// Bytes per element of the storage classes LibTorch pickles (torch.<Name>); 0 if unknown.
+int64_t storage_element_size(const std::string& name) {
+  static const std::pair<const char*, int64_t> kSizes[] = {
+      {"DoubleStorage", 8},   {"FloatStorage", 4},          {"HalfStorage", 2},
+      {"BFloat16Storage", 2}, {"LongStorage", 8},           {"IntStorage", 4},
+      {"ShortStorage", 2},    {"CharStorage", 1},           {"ByteStorage", 1},
+      {"BoolStorage", 1},     {"Float8_e4m3fnStorage", 1},  {"Float8_e5m2Storage", 1},
+      {"ComplexFloatStorage", 8}, {"ComplexDoubleStorage", 16}};
+  for (const auto& [type, bytes] : kSizes) {
+    if (name == type) return bytes;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& what,
+                         const std::function<int64_t(const std::string& key)>& storage_record_bytes) {
   size_t pos = 0, at = 0, memo_entries = 0;  // at: the current opcode's offset
+  // The persistent id being read: from its "storage" string to BINPERSID ('Q').
+  struct StorageId {
+    bool open = false;
+    std::string type;
+    std::vector<std::string> strings;  // key, location
+    std::optional<int64_t> numel;
+  } storage;
+  auto string_at = [&](size_t begin, size_t length) {
+    return std::string(reinterpret_cast<const char*>(data + begin), length);
+  };
+  auto on_string = [&](size_t begin, size_t length) {
+    if (length == 7 && string_at(begin, length) == "storage") {
+      storage = StorageId();
+      storage.open = true;
+    } else if (storage.open) {
+      storage.strings.push_back(string_at(begin, std::min<size_t>(length, 256)));
+    }
+  };
+  auto on_int = [&](int64_t value) {
+    if (storage.open) storage.numel = value;
+  };
+  auto on_persistent_id = [&] {
+    const bool complete = storage.open && storage.strings.size() == 2 && storage.numel.has_value();
+    const int64_t element = complete ? storage_element_size(storage.type) : 0;
+    if (storage_record_bytes && element > 0) {
+      const std::string& key = storage.strings[0];
+      const int64_t numel = *storage.numel;
+      const int64_t record = storage_record_bytes(key);
+      TORCH_CHECK(numel >= 0 && numel <= (int64_t{1} << 50) / element, what, ": storage ", key,
+                  " has ", numel, " elements");
+      TORCH_CHECK(numel == 0 || (record >= 0 && numel * element <= record), what, ": storage ", key,
+                  " (", storage.type, ") claims ", numel, " elements = ", numel * element,
+                  " bytes, but its record data/", key, " ", record < 0 ? std::string("is missing")
+                  : "holds " + std::to_string(record) + " bytes");
+    }
+    storage = StorageId();
+  };
   auto need = [&](size_t n, const char* opcode) {
     TORCH_CHECK(n <= size - pos, what, ": ", opcode, " at byte ", at, " needs ", n,
                 " more bytes, the pickle ends after ", size - pos);
@@ -161,39 +219,66 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
         return;
       case 'q': put(1, "BINPUT"); break;
       case 'r': put(4, "LONG_BINPUT"); break;
+      case 'K':  // BININT1
+        need(1, "BININT1");
+        on_int(data[pos]);
+        pos += 1;
+        break;
       case 0x80:  // PROTO
-      case 'K':   // BININT1
       case 'h':   // BINGET
         need(1, "a 1-byte operand");
         pos += 1;
         break;
       case 'M':  // BININT2
         need(2, "BININT2");
+        on_int(static_cast<int64_t>(get_le(data + pos, 2)));
         pos += 2;
         break;
       case 'J':  // BININT
+        need(4, "BININT");
+        on_int(static_cast<int32_t>(get_le(data + pos, 4)));
+        pos += 4;
+        break;
       case 'j':  // LONG_BINGET
-        need(4, "a 4-byte operand");
+        need(4, "LONG_BINGET");
         pos += 4;
         break;
       case 'G':  // BINFLOAT
         need(8, "BINFLOAT");
         pos += 8;
         break;
-      case 0x8a: skip_counted(1, "LONG1"); break;
+      case 0x8a: {  // LONG1: a little-endian two's-complement integer of n bytes
+        const size_t begin = pos + 1;
+        skip_counted(1, "LONG1");
+        if (pos - begin == 8) on_int(static_cast<int64_t>(get_le(data + begin, 8)));
+        else storage.open = false;  // not LibTorch's form: leave this id to LibTorch
+        break;
+      }
       case 0x8c: skip_counted(1, "SHORT_BINUNICODE"); break;
       case 'C': skip_counted(1, "SHORT_BINBYTES"); break;
-      case 'X': skip_counted(4, "BINUNICODE"); break;
+      case 'X': {
+        const size_t begin = pos + 4;
+        skip_counted(4, "BINUNICODE");
+        on_string(begin, pos - begin);
+        break;
+      }
       case 'B': skip_counted(4, "BINBYTES"); break;
-      case 'c':  // GLOBAL: module and name, each ended by a newline
-        for (int line = 0; line < 2; ++line) {
+      case 'c': {  // GLOBAL: module and name, each ended by a newline
+        std::string lines[2];
+        for (auto& line : lines) {
           const auto* end = static_cast<const uint8_t*>(std::memchr(data + pos, '\n', size - pos));
           TORCH_CHECK(end != nullptr, what, ": GLOBAL at byte ", at, " is not ended by a newline");
+          line = string_at(pos, std::min<size_t>(static_cast<size_t>(end - data) - pos, 256));
           pos = static_cast<size_t>(end - data) + 1;
         }
+        if (storage.open && lines[0] == "torch") storage.type = lines[1];
+        break;
+      }
+      case 'Q':  // BINPERSID
+        on_persistent_id();
         break;
       case '(': case ']': case ')': case '}': case 'N': case 't': case 'a': case 'e': case 'l':
-      case 'd': case 's': case 'u': case 'b': case 'R': case 'Q': case '0': case '1': case '2':
+      case 'd': case 's': case 'u': case 'b': case 'R': case '0': case '1': case '2':
       case 0x81: case 0x85: case 0x86: case 0x87: case 0x88: case 0x89:
         break;  // no operand
       default:
@@ -279,7 +364,15 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
       for (const auto& name : reader.getAllRecords()) {
         if (name.size() < 3 || name.compare(name.size() - 3, 3, "pkl") != 0) continue;
         const auto [record, record_size] = reader.getRecord(name);
-        check_pickle_bounds(static_cast<const uint8_t*>(record.get()), record_size, "record " + name);
+        // LibTorch reads the storages of data.pkl from data/<key>, those of constants.pkl from
+        // constants/<key>.
+        const std::string folder = name == "constants.pkl" ? "constants/" : "data/";
+        check_pickle_bounds(static_cast<const uint8_t*>(record.get()), record_size, "record " + name,
+                            [&reader, &folder](const std::string& key) -> int64_t {
+                              const std::string record_name = folder + key;
+                              if (!reader.hasRecord(record_name)) return -1;
+                              return static_cast<int64_t>(reader.getRecordSize(record_name));
+                            });
       }
     }
     archive.load_from(

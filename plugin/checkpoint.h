@@ -3,6 +3,7 @@
 #include <torch/serialize/archive.h>
 
 #include <cstddef>
+#include <functional>
 #include <cstdint>
 #include <string>
 
@@ -40,6 +41,13 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
 /// the end, so a PUT beyond the next id or an operand past the end is a c10::Error naming `what`,
 /// the opcode and its byte offset. The walk stops at STOP, and at an opcode it does not know
 /// (LibTorch then names that).
-void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& what);
+///
+/// A tensor's storage is a persistent id ("storage", torch.<Type>Storage, key, location, numel):
+/// LibTorch makes a storage of numel × element size bytes over the record data/<key>, however
+/// long that record is, so a corrupt numel lets a tensor read past its data. When
+/// `storage_record_bytes` is given (the size of record data/<key>, or -1 if there is none), a
+/// storage whose bytes exceed its record is a c10::Error naming the key and both sizes.
+void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& what,
+                         const std::function<int64_t(const std::string& key)>& storage_record_bytes = {});
 
 }  // namespace amp8

@@ -313,16 +313,17 @@ TEST_F(TrainerTest, CheckpointSurvivesAWriterKilledMidWrite) {
   EXPECT_TRUE(killed_mid_write) << "no attempt killed the writer mid-write";
 }
 
-// LibTorch's unpickler sizes its memo table by the ids it reads: a corrupt id in an archive with
-// a valid trailer (fuzz_checkpoint_load found one) asked for 32 GB. check_pickle_bounds names it
-// before LibTorch sees it, and a checkpoint big enough to need LONG_BINPUT ids still loads.
 // A string literal's bytes, zeros included.
 template <size_t N>
 std::string raw(const char (&literal)[N]) {
   return std::string(literal, N - 1);
 }
 
-TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchAllocates) {
+// LibTorch's unpickler sizes its memo table by the ids it reads (a corrupt id in an archive with
+// a valid trailer, found by fuzz_checkpoint_load, asked for 32 GB) and builds a storage of the
+// size the pickle claims over a record of any size. check_pickle_bounds names both before
+// LibTorch sees them, and a checkpoint big enough to need LONG_BINPUT ids still loads.
+TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchReadsThem) {
   auto expect_bad = [](const std::string& pickle, const std::string& message) {
     ExpectErrorContaining([&] {
       check_pickle_bounds(reinterpret_cast<const uint8_t*>(pickle.data()), pickle.size(), "p");
@@ -337,7 +338,24 @@ TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchAllocates) {
   expect_bad(raw("\x80\x02X\xff\xff\xff\x7f" "ab."),
              "p: BINUNICODE at byte 2 needs 2147483647 more bytes, the pickle ends after 3");
   expect_bad(raw("\x80\x02" "ctorch\nTensor"), "p: GLOBAL at byte 2 is not ended by a newline");
-  expect_bad(raw("\x80\x02J\x01\x02"), "p: a 4-byte operand at byte 2 needs 4 more bytes");
+  expect_bad(raw("\x80\x02J\x01\x02"), "p: BININT at byte 2 needs 4 more bytes");
+
+  // A storage's persistent id as LibTorch writes it: ("storage", torch.FloatStorage, key,
+  // location, numel). Its bytes must fit its record.
+  const std::string storage_id = raw("\x80\x02(X\x07\x00\x00\x00" "storagectorch\nFloatStorage\n"
+                                     "X\x01\x00\x00\x00" "0X\x03\x00\x00\x00" "cpuK\x05tQ.");
+  auto record_of = [](int64_t bytes) {
+    return [bytes](const std::string& key) -> int64_t { return key == "0" ? bytes : -1; };
+  };
+  auto check_storage = [&](int64_t record_bytes) {
+    check_pickle_bounds(reinterpret_cast<const uint8_t*>(storage_id.data()), storage_id.size(), "p",
+                        record_of(record_bytes));
+  };
+  EXPECT_NO_THROW(check_storage(20));  // 5 floats
+  ExpectErrorContaining([&] { check_storage(8); },
+                        "p: storage 0 (FloatStorage) claims 5 elements = 20 bytes, but its record "
+                        "data/0 holds 8 bytes");
+  ExpectErrorContaining([&] { check_storage(-1); }, "its record data/0 is missing");
 
   // The fuzzer's case end to end: data.pkl's first PUT made a LONG_BINPUT of a huge id, the
   // trailer recomputed so only the pickle check stands between the file and LibTorch.
@@ -372,6 +390,20 @@ TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchAllocates) {
                         "stores memo id 1986423104");
   EXPECT_TRUE(model->parameters()[0].equal(before));
   ASSERT_NO_THROW(trainer.load_checkpoint(good_path, *model, optimizer));
+
+  // The first storage (amp8_checkpoint_version: one int64) made to claim 255 elements: a tensor
+  // of 2040 bytes over an 8-byte record, which LibTorch would build and read past.
+  archive = bytes.substr(0, bytes.size() - 28);
+  const size_t location = archive.find(raw("\x03\x00\x00\x00" "cpu"), data_pkl);
+  ASSERT_NE(location, std::string::npos);
+  const size_t numel_at = archive.find("K\x01tQ", location);  // BININT1 1, TUPLE, BINPERSID
+  ASSERT_LT(numel_at - location, 16u);
+  archive[numel_at + 1] = '\xff';
+  const auto numel_path = (dir / "numel.ckpt").string();
+  std::ofstream(numel_path, std::ios::binary) << archive << checkpoint_trailer(archive.data(), archive.size());
+  ExpectErrorContaining([&] { trainer.load_checkpoint(numel_path, *model, optimizer); },
+                        "numel.ckpt is not a readable archive: record data.pkl: storage 0 (LongStorage) "
+                        "claims 255 elements = 2040 bytes, but its record data/0 holds 8 bytes");
 
   // 200 layers: far more than 256 memo entries, so the writer used LONG_BINPUT; it loads.
   torch::nn::Sequential deep;
