@@ -223,6 +223,34 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
       torch::autograd::impl::set_post_acc_grad_hooks(param.model, std::make_unique<GradHook>(this, n));
     }
   }
+  // Every rank starts from rank 0's parameters (as DDP does), whatever each one initialized:
+  // the parameter buffers (FP8 as bytes) and the float32 values the masters start from.
+  {
+    std::vector<torch::Tensor> tensors;
+    for (auto& buffer : buffers_) {
+      tensors.push_back(is_fp8(buffer.param_dtype) ? buffer.params.view(at::kByte) : buffer.params);
+    }
+    std::vector<size_t> seeded;
+    std::vector<torch::Tensor> seeds;
+    for (size_t n = 0; n < specs.size(); ++n) {
+      if (!specs[n].seed.defined()) continue;
+      seeded.push_back(n);
+      seeds.push_back(specs[n].seed.detach().reshape(-1).to(device, at::kFloat));
+    }
+    if (!seeds.empty()) tensors.push_back(torch::cat(seeds));
+    for (auto& tensor : tensors) {
+      std::vector<torch::Tensor> one{tensor};
+      group_->broadcast(one, c10d::BroadcastOptions{/*rootRank=*/0})->wait();
+    }
+    if (!seeds.empty()) {
+      int64_t offset = 0;
+      for (size_t i = 0; i < seeded.size(); ++i) {
+        auto& seed = specs[seeded[i]].seed;
+        seed = tensors.back().narrow(0, offset, seed.numel()).view(seed.sizes());
+        offset += seed.numel();
+      }
+    }
+  }
 
   // This rank's shard of every bucket, cut along the parameters it holds.
   std::vector<std::vector<torch::Tensor>> group_params(optimizer.param_groups().size());
@@ -250,6 +278,9 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
   }
   for (const auto& piece : pieces_) master_shards_.push_back(piece.master);
   for (size_t g = 0; g < group_params.size(); ++g) optimizer.param_groups()[g].params() = group_params[g];
+  // FP8 weights: quantized again from the (rank 0) masters with an all-reduced amax, so their
+  // bytes and scales agree on every rank from the first forward pass.
+  if (!fp8_params_.empty()) gather_params();
   zero_gradients();
 }
 

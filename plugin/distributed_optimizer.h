@@ -61,7 +61,9 @@ class DistributedOptimizer {
 
   /// Lays out the buffers, makes the model parameters views of the parameter buffer, hooks
   /// their gradients, and points `optimizer` at this rank's FP32 master shards. `params` are in
-  /// the optimizer's order (params[i] belongs to the param group that held it).
+  /// the optimizer's order (params[i] belongs to the param group that held it). Every rank
+  /// starts from rank 0's parameters and master seeds (broadcast, as DDP does; module buffers
+  /// that are not parameters are left as each rank has them).
   void connect(torch::optim::Optimizer& optimizer, std::vector<ParamSpec> params);
 
   /// false while accumulating micro-batches: gradients are only summed into the buffer; the

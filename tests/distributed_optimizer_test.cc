@@ -73,8 +73,8 @@ int64_t state_bytes(torch::optim::Optimizer& optimizer, const std::vector<torch:
   return bytes;
 }
 
-torch::nn::Sequential initial_model(const MixedPrecisionOptions& options) {
-  torch::manual_seed(kSeed);
+torch::nn::Sequential initial_model(const MixedPrecisionOptions& options, uint64_t seed = kSeed) {
+  torch::manual_seed(seed);
   std::optional<Fp8ModelInit> init;
   if (options.fp8_params()) init.emplace();
   return testing::make_mlp();
@@ -111,11 +111,13 @@ Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c1
   return run;
 }
 
+// different_inits: rank r initializes its model from seed kSeed + r (rank 0's is the reference's).
 std::vector<Run> train_ranks(const MixedPrecisionOptions& options, int world, int steps, int64_t accumulate = 1,
-                             int64_t clip = 0, std::shared_ptr<InProcessWorld>* world_out = nullptr) {
+                             int64_t clip = 0, std::shared_ptr<InProcessWorld>* world_out = nullptr,
+                             bool different_inits = false) {
   data();
   std::vector<torch::nn::Sequential> models;
-  for (int r = 0; r < world; ++r) models.push_back(initial_model(options));
+  for (int r = 0; r < world; ++r) models.push_back(initial_model(options, different_inits ? kSeed + r : kSeed));
   std::vector<Run> runs(world);
   const auto errors = testing::run_ranks(
       world,
@@ -202,6 +204,33 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
   }
 }
 
+// Each rank initialized its own model (rank r from seed kSeed + r): training starts from rank 0's
+// parameters, as DDP broadcasts them, so it is single-rank training from rank 0's model; FP8
+// weights (fp8_params) included, whose masters start from rank 0's high-precision values.
+TEST(DistributedOptimizerTest, EveryRankStartsFromRankZerosParameters) {
+  struct Case {
+    const char* name;
+    MixedPrecisionOptions options;
+    double loss_bound;  // as in the tests above
+  };
+  const std::vector<Case> cases = {
+      {"32", MixedPrecisionOptions("32"), 1e-5},
+      {"bf16-mixed", recipes::bf16_mixed(), 2e-3},
+      {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 1e-2},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    {
+      auto a = initial_model(c.options), b = initial_model(c.options, kSeed + 1);
+      ASSERT_FALSE(a->parameters()[0].equal(b->parameters()[0])) << "the ranks' inits must differ";
+    }
+    const auto reference = train(c.options, 8, {}, initial_model(c.options));
+    const auto runs = train_ranks(c.options, 3, 8, 1, 0, nullptr, /*different_inits=*/true);
+    expect_ranks_agree(runs);
+    EXPECT_LT(max_rel_loss_diff(runs[0].losses, reference.losses), c.loss_bound);
+  }
+}
+
 TEST(DistributedOptimizerTest, GradientAccumulationAndClippingMatchSingleRank) {
   const auto options = MixedPrecisionOptions("32");
   // Single rank: 4 micro-batches of 12 rows; 2 ranks: 2 micro-batches of 12 rows each.
@@ -269,9 +298,10 @@ TEST(DistributedOptimizerTest, Fp8ParamsAllGatherWeightsAsOneBytePerElement) {
   const int64_t weights = 32 * 64 + 64 * 64 + 64 * 16;  // the MLP's Linear weights (FP8 eligible)
   const int64_t steps = 2, world = 2;
   // Per step, the all-gather's input is this rank's shard: bf16 params → 2 bytes per element.
+  // fp8_params gathers once more, at connect (FP8 weights quantized from rank 0's masters).
   const int64_t bf16_gathered = bytes_of(bf16_world->log(0), "allgather") * world / steps;
-  const int64_t fp8_gathered = bytes_of(fp8_world->log(0), "allgather") * world / steps;
-  EXPECT_EQ(bytes_of(fp8_world->log(0), "allgather", at::kByte) * world / steps, weights)
+  const int64_t fp8_gathered = bytes_of(fp8_world->log(0), "allgather") * world / (steps + 1);
+  EXPECT_EQ(bytes_of(fp8_world->log(0), "allgather", at::kByte) * world / (steps + 1), weights)
       << "the FP8 weights travel as bytes, one per element";
   EXPECT_EQ(bf16_gathered - fp8_gathered, weights) << "the weights' share of the all-gather halves";
 }
