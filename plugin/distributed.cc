@@ -63,6 +63,26 @@ std::optional<DistributedEnvironment> DistributedEnvironment::from_env() {
   return env;
 }
 
+c10::intrusive_ptr<c10d::Store> rendezvous(const DistributedEnvironment& env, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(env.master_port);
+  store_options.isServer = env.rank == 0 && !env.use_agent_store;
+  store_options.numWorkers = env.use_agent_store ? std::nullopt : std::optional<std::size_t>(env.world_size);
+  store_options.waitWorkers = !env.use_agent_store;
+  store_options.timeout = timeout;
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
+  try {
+    tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
+    TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
+                " could not meet the other ranks at ", env.master_addr, ":", env.master_port,
+                " within ", timeout.count(), " ms (a rank that did not start, or died before the "
+                "rendezvous?): ", error ? error->what_without_backtrace() : e.what());
+  }
+  return c10::make_intrusive<c10d::PrefixStore>("amp8_dp", tcp);
+}
+
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const DistributedEnvironment& env,
                                                           std::chrono::milliseconds timeout) {
 #ifdef AMP8_HAS_NCCL
@@ -70,14 +90,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const DistributedEnvir
   TORCH_CHECK(env.local_rank < devices, "LOCAL_RANK ", env.local_rank, " has no GPU: this machine has ",
               static_cast<int>(devices), " (launch at most that many processes per node)");
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<std::uint16_t>(env.master_port);
-  store_options.isServer = env.rank == 0 && !env.use_agent_store;
-  store_options.numWorkers = env.use_agent_store ? std::nullopt : std::optional<std::size_t>(env.world_size);
-  store_options.waitWorkers = !env.use_agent_store;
-  store_options.timeout = timeout;
-  auto tcp = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
-  auto store = c10::make_intrusive<c10d::PrefixStore>("amp8_dp", tcp);
+  auto store = rendezvous(env, timeout);
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, options);

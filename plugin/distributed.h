@@ -35,6 +35,14 @@ struct DistributedEnvironment {
                                             const std::string& master_port);
 };
 
+/// The rendezvous of init_process_group: a c10d::TCPStore at MASTER_ADDR:MASTER_PORT, hosted
+/// by rank 0, which waits until all WORLD_SIZE ranks have connected (or by torchrun's agent),
+/// seen through the prefix "amp8_dp". A rank that does not arrive within `timeout` (or a server
+/// that never starts) makes the others throw a c10::Error naming this rank, the address and what
+/// the store reported, instead of waiting for ever.
+c10::intrusive_ptr<c10d::Store> rendezvous(const DistributedEnvironment& env,
+                                           std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
 /// ProcessGroupNCCL over a TCPStore at MASTER_ADDR:MASTER_PORT (hosted by rank 0, or by
 /// torchrun's agent), on cuda:LOCAL_RANK (made the current device). `timeout` bounds the
 /// rendezvous and every collective: when a rank dies, the others fail with NCCL's watchdog error

@@ -4,6 +4,9 @@
 // checkpoints, and a rank that dies.
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -563,6 +566,59 @@ TEST(DistributedEnvironmentTest, ReadsTorchrunVariablesAndNamesABadOne) {
     });
     EXPECT_NE(error.find(message), std::string::npos) << "expected \"" << message << "\" in: " << error;
   }
+}
+
+// A TCP port nobody listens on (the kernel's pick for a socket that is then closed).
+int unused_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// The rendezvous over c10d's real TCPStore (what init_process_group uses before NCCL): rank 0
+// waits for the others; a rank that never comes, or a server that never starts, is an error
+// naming the rank and the address within the timeout, not a hang.
+TEST(DistributedEnvironmentTest, RendezvousTimesOutNamingTheMissingRank) {
+  using clock = std::chrono::steady_clock;
+  const std::chrono::milliseconds timeout(1500);
+  for (const char* rank : {"0", "1"}) {
+    SCOPED_TRACE(std::string("rank ") + rank);
+    const int port = unused_port();
+    const auto env = DistributedEnvironment::from_values(rank, "2", rank, "127.0.0.1", std::to_string(port));
+    const auto start = clock::now();
+    const auto error = error_of([&] { rendezvous(env, timeout); });
+    const double seconds = std::chrono::duration<double>(clock::now() - start).count();
+    EXPECT_NE(error.find(std::string("init_process_group: rank ") + rank + " of 2 could not meet the "
+                         "other ranks at 127.0.0.1:" + std::to_string(port) + " within 1500 ms"),
+              std::string::npos) << error;
+    EXPECT_LT(seconds, 30.0) << "bounded by the timeout, not a hang";
+  }
+  // Both ranks present: each gets a store, and a key one sets the other reads.
+  const int port = unused_port();
+  std::vector<c10::intrusive_ptr<c10d::Store>> stores(2);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      errors[r] = error_of([&] {
+        stores[r] = rendezvous(DistributedEnvironment::from_values(std::to_string(r), "2", std::to_string(r),
+                                                                   "127.0.0.1", std::to_string(port)),
+                               std::chrono::seconds(30));
+      });
+    });
+  }
+  for (auto& t : ranks) t.join();
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  stores[1]->set("hello", std::vector<uint8_t>{4, 2});
+  EXPECT_EQ(stores[0]->get("hello"), (std::vector<uint8_t>{4, 2}));
 }
 
 TEST(DistributedEnvironmentTest, AbsentWithoutTorchrunAndAMissingVariableIsNamed) {
