@@ -413,6 +413,11 @@ std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
   }
   const int64_t rows = input.numel() / options.in_features();
   if (rows * options.in_features() * options.out_features() < options.fp8_min_gemm_size()) {
+    TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(), "): a GEMM of ",
+                    rows, " x ", options.in_features(), " x ", options.out_features(),
+                    " is smaller than fp8_min_gemm_size (", options.fp8_min_gemm_size(),
+                    ") and runs in high precision, as every such GEMM will (reported once); "
+                    "fp8_min_gemm_size(0) puts every GEMM in FP8.");
     return std::nullopt;
   }
   const auto compute = compute_dtype(input);
