@@ -538,7 +538,9 @@ TEST(DistributedNcclTest, MatchesSingleRankTrainingOverProcessGroupNccl_CUDA) {
       EXPECT_GE(step.reduce_ms, 0.0);
       EXPECT_GT(step.gather_ms, 0.0);
       EXPECT_EQ(step.reduce_bytes, run.padded_numel * 4);
-      if (std::string(c.name) == "32") EXPECT_EQ(step.gather_bytes, run.padded_numel * 4);
+      if (std::string(c.name) == "32") {
+        EXPECT_EQ(step.gather_bytes, run.padded_numel * 4);
+      }
     }
   }
   group->shutdown();
