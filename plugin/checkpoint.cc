@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include <cerrno>
@@ -155,6 +156,15 @@ int64_t storage_element_size(const std::string& name) {
 void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& what,
                          const std::function<int64_t(const std::string& key)>& storage_record_bytes) {
   size_t pos = 0, at = 0, memo_entries = 0;  // at: the current opcode's offset
+  // What the top of the unpickler's stack is, as far as the storage check cares: a string or a
+  // GLOBAL (LibTorch's pickler memoizes both and repeats them with BINGET: after the first
+  // tensor, "storage", "torch\nFloatStorage" and "cpu" come from the memo), or anything else.
+  struct Value {
+    enum Kind { kOther, kString, kGlobal } kind = kOther;
+    std::string text;  // the string, or the GLOBAL's module + '\n' + name (at most 256 bytes each)
+  };
+  Value top;
+  std::unordered_map<uint64_t, Value> memo;  // memo id -> a string or GLOBAL stored there
   // The persistent id being read: from its "storage" string to BINPERSID ('Q').
   struct StorageId {
     bool open = false;
@@ -163,14 +173,19 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
     std::optional<int64_t> numel;
   } storage;
   auto string_at = [&](size_t begin, size_t length) {
-    return std::string(reinterpret_cast<const char*>(data + begin), length);
+    return std::string(reinterpret_cast<const char*>(data + begin), std::min<size_t>(length, 256));
   };
-  auto on_string = [&](size_t begin, size_t length) {
-    if (length == 7 && string_at(begin, length) == "storage") {
-      storage = StorageId();
-      storage.open = true;
-    } else if (storage.open) {
-      storage.strings.push_back(string_at(begin, std::min<size_t>(length, 256)));
+  auto on_value = [&](const Value& value) {  // a string or GLOBAL pushed, read or from the memo
+    top = value;
+    if (value.kind == Value::kString) {
+      if (value.text == "storage") {
+        storage = StorageId();
+        storage.open = true;
+      } else if (storage.open) {
+        storage.strings.push_back(value.text);
+      }
+    } else if (value.kind == Value::kGlobal && storage.open && value.text.rfind("torch\n", 0) == 0) {
+      storage.type = value.text.substr(6);
     }
   };
   auto on_int = [&](int64_t value) {
@@ -187,7 +202,7 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
                   " has ", numel, " elements");
       TORCH_CHECK(numel == 0 || (record >= 0 && numel * element <= record), what, ": storage ", key,
                   " (", storage.type, ") claims ", numel, " elements = ", numel * element,
-                  " bytes, but its record data/", key, " ", record < 0 ? std::string("is missing")
+                  " bytes, but its record ", record < 0 ? std::string("is missing")
                   : "holds " + std::to_string(record) + " bytes");
     }
     storage = StorageId();
@@ -196,12 +211,15 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
     TORCH_CHECK(n <= size - pos, what, ": ", opcode, " at byte ", at, " needs ", n,
                 " more bytes, the pickle ends after ", size - pos);
   };
+  // A length-prefixed operand: returns where its bytes begin (they end at pos).
   auto skip_counted = [&](int count_bytes, const char* opcode) {
     need(count_bytes, opcode);
     const uint64_t n = get_le(data + pos, count_bytes);
     pos += count_bytes;
     need(n, opcode);
+    const size_t begin = pos;
     pos += n;
+    return begin;
   };
   auto put = [&](int id_bytes, const char* opcode) {
     need(id_bytes, opcode);
@@ -210,23 +228,34 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
                 id, ", but only ", memo_entries, " memo entries precede it (a pickler numbers "
                 "them 0, 1, 2, ...; LibTorch would allocate ", id + 1, " entries)");
     if (id == memo_entries) ++memo_entries;
+    if (top.kind == Value::kOther) memo.erase(id);
+    else memo[id] = top;
     pos += id_bytes;
+  };
+  auto get = [&](int id_bytes, const char* opcode) {
+    need(id_bytes, opcode);
+    const auto found = memo.find(get_le(data + pos, id_bytes));
+    pos += id_bytes;
+    if (found != memo.end()) on_value(found->second);
+    else top = Value();
   };
   while (pos < size) {
     at = pos++;
-    switch (data[at]) {
+    const uint8_t opcode = data[at];
+    switch (opcode) {
       case '.':  // STOP
         return;
       case 'q': put(1, "BINPUT"); break;
       case 'r': put(4, "LONG_BINPUT"); break;
+      case 'h': get(1, "BINGET"); break;
+      case 'j': get(4, "LONG_BINGET"); break;
       case 'K':  // BININT1
         need(1, "BININT1");
         on_int(data[pos]);
         pos += 1;
         break;
       case 0x80:  // PROTO
-      case 'h':   // BINGET
-        need(1, "a 1-byte operand");
+        need(1, "PROTO");
         pos += 1;
         break;
       case 'M':  // BININT2
@@ -239,39 +268,37 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
         on_int(static_cast<int32_t>(get_le(data + pos, 4)));
         pos += 4;
         break;
-      case 'j':  // LONG_BINGET
-        need(4, "LONG_BINGET");
-        pos += 4;
-        break;
       case 'G':  // BINFLOAT
         need(8, "BINFLOAT");
         pos += 8;
         break;
       case 0x8a: {  // LONG1: a little-endian two's-complement integer of n bytes
-        const size_t begin = pos + 1;
-        skip_counted(1, "LONG1");
+        const size_t begin = skip_counted(1, "LONG1");
         if (pos - begin == 8) on_int(static_cast<int64_t>(get_le(data + begin, 8)));
         else storage.open = false;  // not LibTorch's form: leave this id to LibTorch
         break;
       }
-      case 0x8c: skip_counted(1, "SHORT_BINUNICODE"); break;
-      case 'C': skip_counted(1, "SHORT_BINBYTES"); break;
-      case 'X': {
-        const size_t begin = pos + 4;
-        skip_counted(4, "BINUNICODE");
-        on_string(begin, pos - begin);
+      case 'X':     // BINUNICODE
+      case 0x8c:    // SHORT_BINUNICODE
+      case 0x8d: {  // BINUNICODE8
+        const int count = opcode == 'X' ? 4 : opcode == 0x8c ? 1 : 8;
+        const size_t begin = skip_counted(count, opcode == 'X' ? "BINUNICODE" : opcode == 0x8c ? "SHORT_BINUNICODE" : "BINUNICODE8");
+        on_value({Value::kString, string_at(begin, pos - begin)});
         break;
       }
+      case 'C': skip_counted(1, "SHORT_BINBYTES"); break;
       case 'B': skip_counted(4, "BINBYTES"); break;
+      case 0x8e: skip_counted(8, "BINBYTES8"); break;
+      case 0x96: skip_counted(8, "BYTEARRAY8"); break;
       case 'c': {  // GLOBAL: module and name, each ended by a newline
         std::string lines[2];
         for (auto& line : lines) {
           const auto* end = static_cast<const uint8_t*>(std::memchr(data + pos, '\n', size - pos));
           TORCH_CHECK(end != nullptr, what, ": GLOBAL at byte ", at, " is not ended by a newline");
-          line = string_at(pos, std::min<size_t>(static_cast<size_t>(end - data) - pos, 256));
+          line = string_at(pos, static_cast<size_t>(end - data) - pos);
           pos = static_cast<size_t>(end - data) + 1;
         }
-        if (storage.open && lines[0] == "torch") storage.type = lines[1];
+        on_value({Value::kGlobal, lines[0] + "\n" + lines[1]});
         break;
       }
       case 'Q':  // BINPERSID
@@ -284,6 +311,12 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
       default:
         return;  // an opcode this walk does not know: LibTorch's unpickler names it
     }
+    // What this opcode left on top of the stack, unless it pushed a string or GLOBAL (or is a
+    // PUT, which leaves the stack as it was).
+    const bool keeps_top = opcode == 'q' || opcode == 'r' || opcode == 'h' || opcode == 'j' ||
+                           opcode == 'X' || opcode == 0x8c || opcode == 0x8d || opcode == 'c' ||
+                           opcode == 0x80;
+    if (!keeps_top) top = Value();
   }
 }
 

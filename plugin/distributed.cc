@@ -76,9 +76,10 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const DistributedEnvironment& env, st
   } catch (const std::exception& e) {
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK(false, "init_process_group: rank ", env.rank, " of ", env.world_size,
-                " could not meet the other ranks at ", env.master_addr, ":", env.master_port,
-                " within ", timeout.count(), " ms (a rank that did not start, or died before the "
-                "rendezvous?): ", error ? error->what_without_backtrace() : e.what());
+                ": the rendezvous at ", env.master_addr, ":", env.master_port, " failed (timeout ",
+                timeout.count(), " ms; a rank that did not start or died before it, an address "
+                "that does not resolve, or a port in use?): ",
+                error ? error->what_without_backtrace() : e.what());
   }
   return c10::make_intrusive<c10d::PrefixStore>("amp8_dp", tcp);
 }

@@ -230,25 +230,16 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
     for (auto& buffer : buffers_) {
       tensors.push_back(is_fp8(buffer.param_dtype) ? buffer.params.view(at::kByte) : buffer.params);
     }
-    std::vector<size_t> seeded;
-    std::vector<torch::Tensor> seeds;
-    for (size_t n = 0; n < specs.size(); ++n) {
-      if (!specs[n].seed.defined()) continue;
-      seeded.push_back(n);
-      seeds.push_back(specs[n].seed.detach().reshape(-1).to(device, at::kFloat));
+    // Seeds one at a time, in place where they already are float32 on the device (no second
+    // copy of the model).
+    for (auto& spec : specs) {
+      if (!spec.seed.defined()) continue;
+      spec.seed = spec.seed.detach().to(device, at::kFloat).contiguous();
+      tensors.push_back(spec.seed);
     }
-    if (!seeds.empty()) tensors.push_back(torch::cat(seeds));
     for (auto& tensor : tensors) {
       std::vector<torch::Tensor> one{tensor};
       group_->broadcast(one, c10d::BroadcastOptions{/*rootRank=*/0})->wait();
-    }
-    if (!seeds.empty()) {
-      int64_t offset = 0;
-      for (size_t i = 0; i < seeded.size(); ++i) {
-        auto& seed = specs[seeded[i]].seed;
-        seed = tensors.back().narrow(0, offset, seed.numel()).view(seed.sizes());
-        offset += seed.numel();
-      }
     }
   }
 

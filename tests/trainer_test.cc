@@ -354,8 +354,22 @@ TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchReadsThem) {
   EXPECT_NO_THROW(check_storage(20));  // 5 floats
   ExpectErrorContaining([&] { check_storage(8); },
                         "p: storage 0 (FloatStorage) claims 5 elements = 20 bytes, but its record "
-                        "data/0 holds 8 bytes");
-  ExpectErrorContaining([&] { check_storage(-1); }, "its record data/0 is missing");
+                        "holds 8 bytes");
+  ExpectErrorContaining([&] { check_storage(-1); }, "p: storage 0 (FloatStorage) claims 5 elements = "
+                        "20 bytes, but its record is missing");
+  // The second storage of a pickle, as LibTorch writes it: "storage", the GLOBAL and the
+  // location come from the memo (BINGET), only the key is new.
+  const std::string two_storages = raw(
+      "\x80\x02(X\x07\x00\x00\x00" "storageq\x00" "ctorch\nFloatStorage\nq\x01"
+      "X\x01\x00\x00\x00" "0q\x02X\x03\x00\x00\x00" "cpuq\x03K\x05tQ"
+      "(h\x00h\x01X\x01\x00\x00\x00" "1q\x04h\x03K\x09tQ.");
+  auto check_two = [&](int64_t second_bytes) {
+    check_pickle_bounds(reinterpret_cast<const uint8_t*>(two_storages.data()), two_storages.size(), "p",
+                        [second_bytes](const std::string& key) -> int64_t { return key == "0" ? 20 : second_bytes; });
+  };
+  EXPECT_NO_THROW(check_two(36));  // 9 floats
+  ExpectErrorContaining([&] { check_two(16); },
+                        "p: storage 1 (FloatStorage) claims 9 elements = 36 bytes, but its record holds 16 bytes");
 
   // The fuzzer's case end to end: data.pkl's first PUT made a LONG_BINPUT of a huge id, the
   // trailer recomputed so only the pickle check stands between the file and LibTorch.
@@ -374,11 +388,12 @@ TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchReadsThem) {
     bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
   std::string archive = bytes.substr(0, bytes.size() - 28);
-  size_t data_pkl = 0;
+  size_t data_pkl = 0, data_pkl_size = 0;
   {
     std::istringstream stream(archive);
     caffe2::serialize::PyTorchStreamReader reader(&stream);
     data_pkl = reader.getRecordOffset("data.pkl");
+    data_pkl_size = reader.getRecordSize("data.pkl");
   }
   ASSERT_EQ(archive.substr(data_pkl, 2), raw("\x80\x02"));
   archive.replace(data_pkl, 9, raw("\x80\x02]r\x40\x69\x66\x76."));
@@ -403,7 +418,34 @@ TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchReadsThem) {
   std::ofstream(numel_path, std::ios::binary) << archive << checkpoint_trailer(archive.data(), archive.size());
   ExpectErrorContaining([&] { trainer.load_checkpoint(numel_path, *model, optimizer); },
                         "numel.ckpt is not a readable archive: record data.pkl: storage 0 (LongStorage) "
-                        "claims 255 elements = 2040 bytes, but its record data/0 holds 8 bytes");
+                        "claims 255 elements = 2040 bytes, but its record holds 8 bytes");
+
+  // The last storage of the archive (its persistent id mostly memo references) made to claim
+  // the most elements its integer opcode holds.
+  archive = bytes.substr(0, bytes.size() - 28);
+  const size_t last_id = archive.rfind("tQ", data_pkl + data_pkl_size - 2);  // data.pkl's last id
+  ASSERT_NE(last_id, std::string::npos);
+  ASSERT_GT(last_id, data_pkl);
+  if (archive[last_id - 2] == 'K') {
+    archive[last_id - 1] = '\xff';
+  } else if (archive[last_id - 3] == 'M') {
+    archive[last_id - 2] = archive[last_id - 1] = '\xff';
+  } else {
+    ASSERT_EQ(archive[last_id - 5], 'J') << "the numel of the last storage is a BININT";
+    archive[last_id - 4] = archive[last_id - 3] = archive[last_id - 2] = '\xff';
+    archive[last_id - 1] = '\x7f';
+  }
+  const auto last_path = (dir / "last.ckpt").string();
+  std::ofstream(last_path, std::ios::binary) << archive << checkpoint_trailer(archive.data(), archive.size());
+  std::string error;
+  try {
+    trainer.load_checkpoint(last_path, *model, optimizer);
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  EXPECT_NE(error.find("last.ckpt is not a readable archive: record data.pkl: storage "), std::string::npos) << error;
+  EXPECT_NE(error.find("but its record holds"), std::string::npos) << error;
+  EXPECT_EQ(error.find("storage 0 "), std::string::npos) << "a later storage, not the first: " << error;
 
   // 200 layers: far more than 256 memo entries, so the writer used LONG_BINPUT; it loads.
   torch::nn::Sequential deep;

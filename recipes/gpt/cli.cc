@@ -49,7 +49,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
   bool fp8_params = true, overlap_grad_reduce = true;
-  bool grad_reduce_in_fp32 = MixedPrecisionOptions("bf16-mixed").grad_reduce_in_fp32();
+  bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
   double lr = -1;
@@ -83,9 +83,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       ->capture_default_str();
   app.add_option("--bucket-size", bucket_size, "under torchrun: elements per gradient bucket")
       ->capture_default_str();
-  app.add_option("--grad-reduce-in-fp32", grad_reduce_in_fp32,
-                 "half precisions: reduce gradients in float32 (false: in the params dtype)")
-      ->capture_default_str();
+  auto* grad_reduce_flag = app.add_option(
+      "--grad-reduce-in-fp32", grad_reduce_in_fp32,
+      "reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
+      "true for bf16-mixed, false for 16-mixed)");
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
                  "e.g. 32,bf16-mixed,bf16-mixed+fp8; per run +fp8=e4m3, +fp8-params or +bf16-params "
@@ -129,7 +130,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
             .fp8_params(fp8_params).fp8_min_gemm_size(fp8_min_gemm_size);
       }
-      options.grad_reduce_in_fp32(grad_reduce_in_fp32);
+      if (grad_reduce_flag->count() > 0) options.grad_reduce_in_fp32(grad_reduce_in_fp32);
       options.validate();
       return options;
     };
