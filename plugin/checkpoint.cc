@@ -395,6 +395,12 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
     {
       caffe2::serialize::PyTorchStreamReader reader(adapter);
       for (const auto& name : reader.getAllRecords()) {
+        // LibTorch allocates a record's declared (uncompressed) size before reading it; no
+        // record of an archive it wrote is larger than the whole archive (tensors are stored
+        // uncompressed, and the deflated code records are a few hundred bytes).
+        const size_t declared = reader.getRecordSize(name);
+        TORCH_CHECK(declared <= length, "record ", name, " declares ", declared,
+                    " bytes, more than the whole archive (", length, " bytes)");
         if (name.size() < 3 || name.compare(name.size() - 3, 3, "pkl") != 0) continue;
         const auto [record, record_size] = reader.getRecord(name);
         // LibTorch reads the storages of data.pkl from data/<key>, those of constants.pkl from

@@ -17,11 +17,15 @@ status=0
 for target in fuzz_precision_options fuzz_checkpoint_load fuzz_text_data; do
   work="$BUILD/run_$target"
   rm -rf "$work" && mkdir -p "$work/new"
+  rc=0
   (cd "$work" && OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=0 "$BUILD/$target" -max_total_time="$SECONDS_EACH" \
-     -max_len=65536 -timeout=20 -print_final_stats=1 new "$ROOT/fuzz/corpus/$target" >"$work/log" 2>&1) || status=1
+     -max_len=65536 -timeout=20 -print_final_stats=1 new "$ROOT/fuzz/corpus/$target" >"$work/log" 2>&1) || rc=$?
   runs=$(grep -oE "stat::number_of_executed_units: *[0-9]+" "$work/log" | grep -oE "[0-9]+$" || echo "?")
-  crashes=$(find "$work" -maxdepth 1 -name 'crash-*' -o -maxdepth 1 -name 'leak-*' -o -maxdepth 1 -name 'timeout-*' | wc -l)
-  echo "$target: $runs executions in ${SECONDS_EACH} s, $crashes crash/leak/timeout inputs"
-  if ((crashes > 0)); then tail -n 40 "$work/log"; fi
+  crashes=$(find "$work" -maxdepth 1 \( -name 'crash-*' -o -name 'leak-*' -o -name 'timeout-*' -o -name 'oom-*' \) | wc -l)
+  echo "$target: $runs executions in ${SECONDS_EACH} s, $crashes crash/leak/timeout/out-of-memory inputs (exit $rc)"
+  if ((crashes > 0 || rc != 0)); then
+    status=1
+    grep -v '^#[0-9]' "$work/log" | tail -n 40
+  fi
 done
 exit $status
