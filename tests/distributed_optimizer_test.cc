@@ -207,21 +207,26 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
   }
 }
 
-// Each rank initialized its own model (rank r from seed kSeed + r): training starts from rank 0's
-// parameters, as DDP broadcasts them, so it is single-rank training from rank 0's model; FP8
-// weights (fp8_params) included, whose masters start from rank 0's high-precision values.
-TEST(DistributedOptimizerTest, EveryRankStartsFromRankZerosParameters) {
-  struct Case {
-    const char* name;
-    MixedPrecisionOptions options;
-    double loss_bound;  // as in the tests above
-  };
-  const std::vector<Case> cases = {
+// fp32, bf16 and bf16 + FP8 fp8_params with the loss bounds of the tests above (fp32 to
+// rounding; bf16 and FP8 per HalfAndFp8PrecisionsMatchSingleRankWithinTheirRounding).
+struct PrecisionCase {
+  const char* name;
+  MixedPrecisionOptions options;
+  double loss_bound;
+};
+std::vector<PrecisionCase> fp32_bf16_fp8_cases() {
+  return {
       {"32", MixedPrecisionOptions("32"), 1e-5},
       {"bf16-mixed", recipes::bf16_mixed(), 2e-3},
       {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 1e-2},
   };
-  for (const auto& c : cases) {
+}
+
+// Each rank initialized its own model (rank r from seed kSeed + r): training starts from rank 0's
+// parameters, as DDP broadcasts them, so it is single-rank training from rank 0's model; FP8
+// weights (fp8_params) included, whose masters start from rank 0's high-precision values.
+TEST(DistributedOptimizerTest, EveryRankStartsFromRankZerosParameters) {
+  for (const auto& c : fp32_bf16_fp8_cases()) {
     SCOPED_TRACE(c.name);
     {
       auto a = initial_model(c.options), b = initial_model(c.options, kSeed + 1);
@@ -505,19 +510,8 @@ TEST(DistributedNcclTest, MatchesSingleRankTrainingOverProcessGroupNccl_CUDA) {
   auto group = init_process_group(*env, std::chrono::seconds(120));
   const torch::Device device(torch::kCUDA, static_cast<c10::DeviceIndex>(env->local_rank));
   data();
-  struct Case {
-    const char* name;
-    MixedPrecisionOptions options;
-    double loss_bound;
-  };
-  // The CPU test's bounds (see HalfAndFp8PrecisionsMatchSingleRankWithinTheirRounding); fp32
-  // with TF32 off.
-  const std::vector<Case> cases = {
-      {"32", MixedPrecisionOptions("32"), 1e-5},
-      {"bf16-mixed", recipes::bf16_mixed(), 2e-3},
-      {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 1e-2},
-  };
-  for (const auto& c : cases) {
+  // The CPU test's bounds; fp32 with TF32 off.
+  for (const auto& c : fp32_bf16_fp8_cases()) {
     SCOPED_TRACE(c.name);
     const auto reference = train(c.options, 8, {}, initial_model(c.options), 1, 0, device);
     const auto run = train(c.options, 8, group, initial_model(c.options), 1, 0, device);
