@@ -87,16 +87,21 @@ void memory_case(const std::string& cmd) {
   namespace alloc = c10::cuda::CUDACachingAllocator;
   const int64_t m = 16384, k = 4096, n = 4096;
   const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  // Peak allocated bytes of the second step; `resident` gets what was allocated when it began
+  // (parameters, gradients, inputs, and whatever the first step left behind).
+  double resident = 0;
   auto peak_step_bytes = [&](const std::function<void()>& step) {
     step();
     torch::cuda::synchronize();
     alloc::resetPeakStats(0);
+    resident = static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[aggregate].current);
     step();
     torch::cuda::synchronize();
     return static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[aggregate].peak);
   };
   auto bf16_opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
   double bf16_params = 0, fp8_params = 0, bf16_peak = 0, fp8_peak = 0;
+  double bf16_resident = 0, fp8_resident = 0;
   {
     torch::nn::Linear reference(k, n);
     reference->to(torch::kCUDA, torch::kBFloat16);
@@ -107,6 +112,7 @@ void memory_case(const std::string& cmd) {
       x.mutable_grad() = torch::Tensor();
       reference->forward(x).backward(g);
     });
+    bf16_resident = resident;
   }
   {
     Fp8Linear fp8{nullptr};
@@ -128,6 +134,7 @@ void memory_case(const std::string& cmd) {
       }
       y.backward(g);
     });
+    fp8_resident = resident;
   }
   // A stack of four such layers (ReLU between them): the saved activations are the FP8
   // transposes (1 byte per element) instead of the bf16 inputs.
@@ -182,6 +189,8 @@ void memory_case(const std::string& cmd) {
       .set("ours_peak_bytes", fp8_peak)
       .set("baseline_peak_bytes", bf16_peak)
       .set("peak_ratio", fp8_peak / bf16_peak)
+      .set("ours_resident_bytes", fp8_resident)
+      .set("baseline_resident_bytes", bf16_resident)
       .print();
 }
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <numeric>
 #include <optional>
 #include <cmath>
 
@@ -44,7 +45,6 @@ struct DistributedOptimizer::Bucket {
   int64_t begin = 0, size = 0;  // padded: size % (world_size * kAlignment) == 0
   std::vector<size_t> params;
   int64_t pending = 0;  // parameters whose gradient is not in yet
-  bool deferred = false;  // FP8 weights: their gradients are only complete at the step
   bool launched = false;
   c10::intrusive_ptr<c10d::Work> work;
 };
@@ -95,7 +95,9 @@ DistributedOptimizer::DistributedOptimizer(c10::intrusive_ptr<c10d::ProcessGroup
 DistributedOptimizer::~DistributedOptimizer() {
   // The hooks point at this object: take them off the parameters, which may outlive it.
   for (auto& param : params_) {
-    if (!param.fp8_owner && param.model.defined()) {
+    if (param.fp8_owner) {
+      param.fp8_owner->set_main_grad_hook(nullptr);
+    } else if (param.model.defined()) {
       torch::autograd::impl::set_post_acc_grad_hooks(param.model, nullptr);
     }
   }
@@ -183,15 +185,14 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
     open->params.push_back(n);
     buffer->numel = open->begin + open->size;
   }
-  // Launch order: the buckets the backward pass fills, in the order it fills them, then the
-  // FP8 weights' (their FP32 gradients live in the modules until the step).
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    buckets_[b].deferred = is_fp8(buffers_[buckets_[b].buffer].param_dtype);
-    if (!buckets_[b].deferred) launch_order_.push_back(b);
-  }
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (buckets_[b].deferred) launch_order_.push_back(b);
-  }
+  // Launch order: the order in which the backward pass completes the buckets, across buffers
+  // (FP8 weights and the rest interleave): a bucket is complete when its first parameter's
+  // gradient arrives, and the backward pass produces them from the last parameter to the first.
+  launch_order_.resize(buckets_.size());
+  std::iota(launch_order_.begin(), launch_order_.end(), size_t{0});
+  auto first_param = [&](size_t b) { return *std::min_element(buckets_[b].params.begin(), buckets_[b].params.end()); };
+  std::sort(launch_order_.begin(), launch_order_.end(),
+            [&](size_t a, size_t b) { return first_param(a) > first_param(b); });
   // Pad every bucket; lay the buckets out again with the padded sizes.
   for (auto& buffer : buffers_) buffer.numel = 0;
   for (auto& bucket : buckets_) {
@@ -217,7 +218,11 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
     auto view = buffers_[param.buffer].params.narrow(0, param.offset, param.numel).view(param.model.sizes());
     view.copy_(param.model.detach());
     param.model.set_data(view);
-    if (!param.fp8_owner) {
+    if (param.fp8_owner) {
+      // The FP8 weight's gradient accumulates in FP32 in its module (main_grad); the module
+      // says when, so its bucket can be reduced during the backward pass like the others.
+      param.fp8_owner->set_main_grad_hook([this, n] { on_main_grad_ready(n); });
+    } else {
       TORCH_CHECK(param.model.requires_grad(), "DistributedOptimizer: parameter ", n,
                   " of the optimizer does not require grad");
       torch::autograd::impl::set_post_acc_grad_hooks(param.model, std::make_unique<GradHook>(this, n));
@@ -297,10 +302,32 @@ void DistributedOptimizer::on_grad_ready(size_t index, const torch::Tensor& tens
   if (sync_ && options_.overlap_grad_reduce()) launch_ready_buckets();
 }
 
+void DistributedOptimizer::on_main_grad_ready(size_t index) {
+  // Micro-batches that do not synchronize keep accumulating in main_grad; the one that does
+  // copies the sum into the bucket. A layer called twice in one forward pass comes here twice:
+  // each time the copy takes the running sum.
+  if (!sync_) return;
+  auto& param = params_[index];
+  auto& bucket = buckets_[param.bucket];
+  TORCH_CHECK(!bucket.launched,
+              "DistributedOptimizer: an FP8 weight's gradient arrived for a bucket that is already "
+              "being reduced (a layer whose backward ran after its bucket was complete)");
+  {
+    torch::NoGradGuard no_grad;
+    buffers_[param.buffer].grads.narrow(0, param.offset, param.numel)
+        .copy_(param.fp8_owner->main_grad().reshape(-1));
+  }
+  if (!param.ready) {
+    param.ready = true;
+    --bucket.pending;
+  }
+  if (options_.overlap_grad_reduce()) launch_ready_buckets();
+}
+
 void DistributedOptimizer::launch_ready_buckets() {
   while (next_launch_ < launch_order_.size()) {
     auto& bucket = buckets_[launch_order_[next_launch_]];
-    if (bucket.deferred || bucket.pending > 0) break;
+    if (bucket.pending > 0) break;
     launch(bucket);
     ++next_launch_;
   }
@@ -319,9 +346,10 @@ std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
   TORCH_CHECK(connected_, "DistributedOptimizer: connect before reducing gradients");
   {
     torch::NoGradGuard no_grad;
-    // FP8 weights accumulate their gradient in FP32 inside the module (main_grad).
+    // FP8 weights accumulate their gradient in FP32 inside the module (main_grad); the hook
+    // has copied it already unless no backward pass reached the layer since the last step.
     for (auto& param : params_) {
-      if (!param.fp8_owner) continue;
+      if (!param.fp8_owner || param.ready) continue;
       const auto& main_grad = param.fp8_owner->main_grad();
       if (main_grad.defined()) {
         buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).copy_(main_grad.reshape(-1));
@@ -474,7 +502,7 @@ void DistributedOptimizer::zero_gradients() {
     bucket.work.reset();
     bucket.launched = false;
     bucket.pending = 0;
-    for (size_t p : bucket.params) bucket.pending += params_[p].fp8_owner ? 0 : 1;
+    bucket.pending = static_cast<int64_t>(bucket.params.size());
   }
   next_launch_ = 0;
   timing_step_ = false;

@@ -115,6 +115,7 @@ class DistributedOptimizer {
   friend class GradHook;
 
   void on_grad_ready(size_t index, const torch::Tensor& param);
+  void on_main_grad_ready(size_t index);
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void relink_params();

@@ -117,7 +117,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
                                  : fp8_transpose(Fp8Tensor(tensors[5], tensors[6], format));
     }
     auto grads = detail::fp8_linear_backward(saved, grad_outputs[0].reshape({-1, w_t.data.size(1)}),
-                                             x_t, w_t, need_ln, ctx->needs_input_grad(3),
+                                             std::move(x_t), w_t, need_ln, ctx->needs_input_grad(3),
                                              ctx->needs_input_grad(4));
     torch::Tensor grad_input, grad_ln_weight, grad_ln_bias;
     if (need_ln) {

@@ -2,6 +2,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
 
@@ -82,8 +83,26 @@ at::Tensor Fp8LinearSaved::unflatten(const at::Tensor& t2d) const {
   return t2d.reshape(sizes);
 }
 
+void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t) {
+  ctx->saved_data["x_t"] = x_t.data;
+  ctx->saved_data["x_t_scale_inv"] = x_t.scale_inv;
+}
+
+Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format) {
+  Fp8Tensor x_t(ctx->saved_data.at("x_t").toTensor(), ctx->saved_data.at("x_t_scale_inv").toTensor(),
+                format);
+  // Without retain_graph this backward is the tensor's last use: drop the context's
+  // reference so that fp8_linear_backward frees it after wgrad, as autograd would free a
+  // save_for_backward tensor only after the whole backward function.
+  if (!torch::autograd::get_current_graph_task_keep_graph()) {
+    ctx->saved_data.erase("x_t");
+    ctx->saved_data.erase("x_t_scale_inv");
+  }
+  return x_t;
+}
+
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
-                                   const Fp8Tensor& x_t, const Fp8Tensor& w_t, bool need_input,
+                                   Fp8Tensor x_t, const Fp8Tensor& w_t, bool need_input,
                                    bool need_weight, bool need_bias) {
   auto& module = *saved.linear;
   const auto& recipe = saved.recipe;
@@ -101,12 +120,10 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
         &module, {module.fp8_bwd_amax_history, module.fp8_bwd_scale, module.fp8_bwd_scale_inv},
         recipe, Fp8LinearInternals::group(module));
   }
+  // Weight gradient first, so that the gradient's transpose and the saved input transpose
+  // (when the caller gave up its reference) are freed before dgrad allocates its output: the
+  // backward's peak holds three FP8 copies of an activation, not three plus dx.
   Fp8LinearGrads grads;
-  if (need_input) {
-    // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
-    grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
-  }
-  g_q.data = Fp8Tensor();  // the row-major copy served dgrad only: free it before wgrad
   if (module.options.fp8_params()) {
     // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad,
     // accumulated by the GEMM itself (Megatron's gradient-accumulation fusion): no
@@ -115,6 +132,12 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   } else if (need_weight) {
     // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
     grads.weight = fp8_gemm(g_q.transposed, x_t, saved.weight_dtype);
+  }
+  g_q.transposed = Fp8Tensor();
+  x_t = Fp8Tensor();
+  if (need_input) {
+    // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
+    grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
   }
   if (need_bias && saved.has_bias) {
     grads.bias = grad_output2d.sum(0, /*keepdim=*/false, at::kFloat).to(saved.weight_dtype);
@@ -150,8 +173,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     auto y = fp8_gemm(x_q.data, call.weight_q.data, call.out_dtype, gemm);
     if (y.size(0) != rows) y = y.narrow(0, 0, rows);
 
-    ctx->save_for_backward({x_q.transposed.data, x_q.transposed.scale_inv,
-                            call.weight_q.transposed.data, call.weight_q.transposed.scale_inv});
+    ctx->save_for_backward({call.weight_q.transposed.data, call.weight_q.transposed.scale_inv});
+    detail::save_input_transpose(ctx, x_q.transposed);
     const detail::Fp8LinearSaved saved{module,
                                        recipe,
                                        rows,
@@ -168,10 +191,10 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
     const auto tensors = ctx->get_saved_variables();
     const auto format = saved.recipe.forward_format();
-    const Fp8Tensor x_t(tensors[0], tensors[1], format);
-    const Fp8Tensor w_t(tensors[2], tensors[3], format);
+    const Fp8Tensor w_t(tensors[0], tensors[1], format);
     auto grads = detail::fp8_linear_backward(saved, grad_outputs[0].reshape({-1, w_t.data.size(1)}),
-                                             x_t, w_t, ctx->needs_input_grad(0),
+                                             detail::take_input_transpose(ctx, format), w_t,
+                                             ctx->needs_input_grad(0),
                                              ctx->needs_input_grad(1), ctx->needs_input_grad(2));
     if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
     return {grads.input,     grads.weight,    grads.bias,
@@ -233,6 +256,7 @@ void Fp8LinearImpl::reset() {
     weight_scale_inv = register_buffer("weight_scale_inv", torch::ones({1}));
   weight_cache_.reset();
   main_grad_ = torch::Tensor();
+  main_grad_hook_ = nullptr;
   reset_parameters();
 }
 
@@ -314,6 +338,7 @@ void Fp8LinearImpl::accumulate_main_grad(const torch::Tensor& grad) {
     main_grad_ = torch::zeros(weight.sizes(), grad.options().dtype(at::kFloat));
   }
   main_grad_.add_(grad.to(at::kFloat));
+  if (main_grad_hook_) main_grad_hook_();
 }
 
 void Fp8LinearImpl::pretty_print(std::ostream& stream) const {
@@ -456,12 +481,13 @@ void Fp8LinearInternals::accumulate_main_grad_gemm(Fp8LinearImpl& linear, const 
   auto& main_grad = linear.main_grad_;
   if (!main_grad.defined()) {
     main_grad = fp8_gemm(grad_t, x_t, at::kFloat);
-    return;
+  } else {
+    Fp8GemmOptions accumulate;
+    accumulate.out = main_grad;
+    accumulate.accumulate = true;
+    fp8_gemm(grad_t, x_t, at::kFloat, accumulate);
   }
-  Fp8GemmOptions accumulate;
-  accumulate.out = main_grad;
-  accumulate.accumulate = true;
-  fp8_gemm(grad_t, x_t, at::kFloat, accumulate);
+  if (linear.main_grad_hook_) linear.main_grad_hook_();
 }
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& Fp8LinearInternals::group(

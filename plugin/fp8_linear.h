@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <ostream>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -118,6 +119,11 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// undefined before the first backward.
   const torch::Tensor& main_grad() const { return main_grad_; }
   void zero_main_grad();
+  /// Called each time a backward pass has added this layer's weight gradient into main_grad
+  /// (on the compute stream's order, inside the backward pass), so that a distributed
+  /// optimizer can start reducing it while the backward pass goes on. One hook; an empty
+  /// function removes it. Not copied by clone().
+  void set_main_grad_hook(std::function<void()> hook) { main_grad_hook_ = std::move(hook); }
   /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
   /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
   void update_fp8_weight(const torch::Tensor& master);
@@ -160,6 +166,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   torch::Tensor grad_anchor_;
   torch::Tensor high_precision_init_val_;
   torch::Tensor main_grad_;
+  std::function<void()> main_grad_hook_;
   c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group_;  // of the last FP8 forward
   std::optional<Fp8CastTranspose> weight_cache_;
   int64_t forward_calls_ = 0;

@@ -301,6 +301,36 @@ TEST_F(Fp8LinearTest, WithoutBias) {
   EXPECT_TRUE(x.grad().defined());
 }
 
+// The backward frees the saved FP8 input transpose before dgrad unless the graph is retained:
+// with retain_graph a second backward still finds it and matches the fp64 gradients, and
+// after the last one a further backward is LibTorch's usual error, not a missing tensor.
+TEST_F(Fp8LinearTest, RetainedGraphKeepsTheSavedInputForASecondBackward) {
+  Fp8Linear layer(Fp8LinearOptions(64, 48).fp8_min_gemm_size(0));
+  auto x = torch::randn({24, 64}).requires_grad_(true);
+  auto grad_y = torch::randn({24, 48});
+  torch::Tensor y;
+  {
+    Fp8Autocast region;
+    y = layer->forward(x);
+  }
+  y.backward(grad_y, /*retain_graph=*/true);
+  layer->zero_grad();
+  x.mutable_grad() = torch::Tensor();
+  y.backward(grad_y);
+  auto xd = x.detach().to(torch::kDouble).requires_grad_(true);
+  auto wd = layer->weight.detach().to(torch::kDouble).requires_grad_(true);
+  torch::nn::functional::linear(xd, wd, layer->bias.detach().to(torch::kDouble))
+      .backward(grad_y.to(torch::kDouble));
+  EXPECT_LE(relative_error(x.grad(), xd.grad()), kHybridGradBound);
+  EXPECT_LE(relative_error(layer->weight.grad(), wd.grad()), kHybridGradBound);
+  try {
+    y.backward(grad_y);
+    ADD_FAILURE() << "a third backward through a freed graph ran";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("second time"));
+  }
+}
+
 TEST_F(Fp8LinearTest, SmallGemmsRunInHighPrecisionByDefault) {
   Fp8Linear layer(64, 64);  // default fp8_min_gemm_size: 2^36
   auto x = torch::randn({16, 64});

@@ -17,7 +17,8 @@
 # OUTDIR/gpt_dp.tar.gz: every run's metrics.jsonl and logs, and how the GPUs are linked
 # (nvidia-smi topo -m). NVLink multicast stays off.
 # AMP8_GPT_DP_RUNS="name|GPUS|flags;..." adds runs to it, each with AMP8_GPT_DP's flags and its
-# own appended (GPUS 1: on GPU 0; 2: under torchrun), e.g.
+# own appended (GPUS 1: on GPU 0; 2: under torchrun; 2x1: two independent single-GPU runs at
+# once, on GPU 0 and GPU 1, to see what sharing the host costs), e.g.
 #   "one_350m|1|--config 350m --grad-accum 2;two_350m|2|--config 350m --bucket-size 10000000".
 # The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
 # processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
@@ -110,6 +111,17 @@ if [[ -n "${AMP8_GPT_DP:-}" ]]; then
       # shellcheck disable=SC2086
       CUDA_VISIBLE_DEVICES=0 "$BUILD/gpt_pretrain" $AMP8_GPT_DP $flags --save-dir "$DP/$name" \
         2>&1 | tee "$DP/$name.log" || status=1
+    elif [[ "$gpus" == 2x1 ]]; then
+      # Two independent single-GPU runs at once, one per GPU, no communication: how much the
+      # two processes slow each other down through the shared host alone.
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=1 "$BUILD/gpt_pretrain" $AMP8_GPT_DP $flags --save-dir "$DP/${name}_gpu1" \
+        >"$DP/${name}_gpu1.log" 2>&1 &
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=0 "$BUILD/gpt_pretrain" $AMP8_GPT_DP $flags --save-dir "$DP/$name" \
+        2>&1 | tee "$DP/$name.log" || status=1
+      wait $! || status=1
+      grep -E "^gpt_pretrain: final" "$DP/${name}_gpu1.log" | sed "s/^/${name}_gpu1: /" | tee -a "$LOG"
     else
       # shellcheck disable=SC2086
       python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" --no-python "$BUILD/gpt_pretrain" \

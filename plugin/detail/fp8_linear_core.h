@@ -74,12 +74,21 @@ struct Fp8LinearSaved {
   at::Tensor unflatten(const at::Tensor& t2d) const;
 };
 
+/// The FP8 input transpose (wgrad's operand) kept in the context's saved_data instead of
+/// save_for_backward: take_input_transpose hands it to the backward and, unless the graph is
+/// retained, drops the context's reference, so fp8_linear_backward can free it before dgrad.
+/// It is an internal tensor nobody else sees or modifies, so save_for_backward's version
+/// check has nothing to guard.
+void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t);
+Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format);
+
 /// The backward GEMMs of an FP8 linear layer: grad_output2d [rows, out_features] is quantized
-/// once (cast_transpose) into the gradient format; dgrad from w_t, wgrad from x_t (which may
-/// be undefined when no weight gradient is needed); under fp8_params the weight gradient goes
-/// to main_grad. need_bias is ignored for a layer without bias.
+/// once (cast_transpose) into the gradient format; wgrad from x_t (which may be undefined when
+/// no weight gradient is needed), then dgrad from w_t; under fp8_params the weight gradient
+/// goes to main_grad. x_t is dropped before dgrad: pass it by std::move, holding no other
+/// reference, to free it there. need_bias is ignored for a layer without bias.
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
-                                   const Fp8Tensor& x_t, const Fp8Tensor& w_t, bool need_input,
+                                   Fp8Tensor x_t, const Fp8Tensor& w_t, bool need_input,
                                    bool need_weight, bool need_bias);
 
 }  // namespace amp8::detail
