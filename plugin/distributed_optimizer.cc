@@ -304,11 +304,19 @@ void DistributedOptimizer::on_grad_ready(size_t index, const torch::Tensor& tens
 
 void DistributedOptimizer::on_main_grad_ready(size_t index) {
   // Micro-batches that do not synchronize keep accumulating in main_grad; the one that does
-  // copies the sum into the bucket. A layer called twice in one forward pass comes here twice:
-  // each time the copy takes the running sum.
-  if (!sync_) return;
+  // copies the sum into the bucket. (The module calls this once per backward pass, after its
+  // last use in it: a layer used twice in one forward pass has both gradients in by then.)
+  // Without overlap, reduce_gradients copies every FP8 weight's main_grad at the step.
+  if (!options_.overlap_grad_reduce()) return;
   auto& param = params_[index];
   auto& bucket = buckets_[param.bucket];
+  if (!sync_) {
+    TORCH_CHECK(!(param.ready && bucket.launched),
+                "DistributedOptimizer: an FP8 weight's gradient arrived after the micro-batch that "
+                "synchronizes, for a bucket already being reduced: call set_gradient_sync(false) "
+                "before every micro-batch's backward but the last");
+    return;
+  }
   TORCH_CHECK(!bucket.launched,
               "DistributedOptimizer: an FP8 weight's gradient arrived for a bucket that is already "
               "being reduced (a layer whose backward ran after its bucket was complete)");
@@ -321,7 +329,7 @@ void DistributedOptimizer::on_main_grad_ready(size_t index) {
     param.ready = true;
     --bucket.pending;
   }
-  if (options_.overlap_grad_reduce()) launch_ready_buckets();
+  launch_ready_buckets();
 }
 
 void DistributedOptimizer::launch_ready_buckets() {
@@ -347,9 +355,10 @@ std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
   {
     torch::NoGradGuard no_grad;
     // FP8 weights accumulate their gradient in FP32 inside the module (main_grad); the hook
-    // has copied it already unless no backward pass reached the layer since the last step.
+    // has copied it into a launched bucket already unless overlap is off, the bucket waits for
+    // other gradients, or no backward pass reached the layer since the last step.
     for (auto& param : params_) {
-      if (!param.fp8_owner || param.ready) continue;
+      if (!param.fp8_owner || (param.ready && buckets_[param.bucket].launched)) continue;
       const auto& main_grad = param.fp8_owner->main_grad();
       if (main_grad.defined()) {
         buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).copy_(main_grad.reshape(-1));
@@ -501,7 +510,6 @@ void DistributedOptimizer::zero_gradients() {
     if (bucket.work) bucket.work->wait();  // never free a buffer a collective still uses
     bucket.work.reset();
     bucket.launched = false;
-    bucket.pending = 0;
     bucket.pending = static_cast<int64_t>(bucket.params.size());
   }
   next_launch_ = 0;

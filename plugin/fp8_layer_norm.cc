@@ -232,6 +232,7 @@ torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
               "Fp8LayerNormLinear: input must be float32, bfloat16 or float16, got ",
               input.scalar_type());
   const auto& anchor = detail::Fp8LinearInternals::grad_anchor(lin);
+  detail::Fp8LinearInternals::expect_main_grad(lin);
   return LayerNormLinearFunction::apply(input, layer_norm->weight, layer_norm->bias, lin.weight,
                                         lin.bias.defined() ? lin.bias : anchor.detach(), anchor,
                                         &lin, *call, options.eps());

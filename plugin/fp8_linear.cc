@@ -89,8 +89,11 @@ void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor
 }
 
 Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format) {
-  Fp8Tensor x_t(ctx->saved_data.at("x_t").toTensor(), ctx->saved_data.at("x_t_scale_inv").toTensor(),
-                format);
+  const auto data = ctx->saved_data.find("x_t"), scale_inv = ctx->saved_data.find("x_t_scale_inv");
+  TORCH_CHECK(data != ctx->saved_data.end() && scale_inv != ctx->saved_data.end(),
+              "Fp8Linear: the saved input was already freed by an earlier backward pass; trying to "
+              "backward through the graph a second time needs retain_graph=true the first time");
+  Fp8Tensor x_t(data->second.toTensor(), scale_inv->second.toTensor(), format);
   // Without retain_graph this backward is the tensor's last use: drop the context's
   // reference so that fp8_linear_backward frees it after wgrad, as autograd would free a
   // save_for_backward tensor only after the whole backward function.
@@ -257,6 +260,7 @@ void Fp8LinearImpl::reset() {
   weight_cache_.reset();
   main_grad_ = torch::Tensor();
   main_grad_hook_ = nullptr;
+  pending_main_grads_ = 0;
   reset_parameters();
 }
 
@@ -330,6 +334,12 @@ void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
 
 void Fp8LinearImpl::zero_main_grad() {
   if (main_grad_.defined()) main_grad_.zero_();
+  pending_main_grads_ = 0;
+}
+
+void Fp8LinearImpl::main_grad_accumulated() {
+  if (pending_main_grads_ > 0) --pending_main_grads_;
+  if (pending_main_grads_ == 0 && main_grad_hook_) main_grad_hook_();
 }
 
 void Fp8LinearImpl::accumulate_main_grad(const torch::Tensor& grad) {
@@ -338,7 +348,7 @@ void Fp8LinearImpl::accumulate_main_grad(const torch::Tensor& grad) {
     main_grad_ = torch::zeros(weight.sizes(), grad.options().dtype(at::kFloat));
   }
   main_grad_.add_(grad.to(at::kFloat));
-  if (main_grad_hook_) main_grad_hook_();
+  main_grad_accumulated();
 }
 
 void Fp8LinearImpl::pretty_print(std::ostream& stream) const {
@@ -418,6 +428,7 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
   auto call = Fp8LinearInternals::prepare(*this, input);
   if (!call) return high_precision_forward(input);
   const auto& anchor = Fp8LinearInternals::grad_anchor(*this);
+  Fp8LinearInternals::expect_main_grad(*this);
   // Custom autograd functions take no undefined tensors: an empty tensor stands in for a
   // missing bias, and for the anchor outside fp8_params.
   return Fp8LinearFunction::apply(input, weight, bias.defined() ? bias : anchor.detach(), anchor,
@@ -487,7 +498,11 @@ void Fp8LinearInternals::accumulate_main_grad_gemm(Fp8LinearImpl& linear, const 
     accumulate.accumulate = true;
     fp8_gemm(grad_t, x_t, at::kFloat, accumulate);
   }
-  if (linear.main_grad_hook_) linear.main_grad_hook_();
+  linear.main_grad_accumulated();
+}
+
+void Fp8LinearInternals::expect_main_grad(Fp8LinearImpl& linear) {
+  if (linear.options.fp8_params() && torch::GradMode::is_enabled()) ++linear.pending_main_grads_;
 }
 
 const c10::intrusive_ptr<c10d::ProcessGroup>& Fp8LinearInternals::group(
@@ -504,6 +519,7 @@ torch::Tensor Fp8LinearImpl::high_precision_forward(const torch::Tensor& input) 
   const auto dtype = input.is_floating_point() ? input.scalar_type() : at::kFloat;
   auto w = fp8_weight().dequantize(dtype).requires_grad_(true);
   w.register_hook([this](const torch::Tensor& grad) { accumulate_main_grad(grad); });
+  Fp8LinearInternals::expect_main_grad(*this);
   return torch::nn::functional::linear(input, w, bias);
 }
 

@@ -119,10 +119,11 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// undefined before the first backward.
   const torch::Tensor& main_grad() const { return main_grad_; }
   void zero_main_grad();
-  /// Called each time a backward pass has added this layer's weight gradient into main_grad
-  /// (on the compute stream's order, inside the backward pass), so that a distributed
-  /// optimizer can start reducing it while the backward pass goes on. One hook; an empty
-  /// function removes it. Not copied by clone().
+  /// Called inside the backward pass once every forward call recorded since the last
+  /// zero_main_grad() has added its weight gradient into main_grad (a layer used twice in one
+  /// forward pass: after the second), so that a distributed optimizer can start reducing it
+  /// while the backward pass goes on. One hook; an empty function removes it. Not copied by
+  /// clone().
   void set_main_grad_hook(std::function<void()> hook) { main_grad_hook_ = std::move(hook); }
   /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
   /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
@@ -153,6 +154,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
 
   friend struct detail::Fp8LinearInternals;
   void accumulate_main_grad(const torch::Tensor& grad);
+  void main_grad_accumulated();
   torch::Tensor high_precision_forward(const torch::Tensor& input);
   // Views of single slots of the FP8 metadata (scale / amax-history row 0), rebuilt when a
   // buffer's storage changes (to(), load, history resize): the per-call narrow/select ops were
@@ -167,6 +169,9 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   torch::Tensor high_precision_init_val_;
   torch::Tensor main_grad_;
   std::function<void()> main_grad_hook_;
+  // Backward passes recorded by forward calls (grad mode on, fp8_params) that have not added
+  // into main_grad yet; the hook fires when the last of them has.
+  int64_t pending_main_grads_ = 0;
   c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group_;  // of the last FP8 forward
   std::optional<Fp8CastTranspose> weight_cache_;
   int64_t forward_calls_ = 0;

@@ -355,6 +355,63 @@ TEST(DistributedOptimizerTest, Fp8WeightGradientsAreReducedDuringTheBackwardPass
   }
 }
 
+// An FP8 layer used twice in one forward pass: its main_grad is complete only after the second
+// backward through it, so its bucket must not be reduced after the first. With one parameter
+// per bucket and no bias on the shared layer, nothing else holds its bucket back.
+struct SharedLayerNet : torch::nn::Module {
+  SharedLayerNet() {
+    Fp8ModelInit init;
+    shared = register_module("shared", Fp8Linear(Fp8LinearOptions(32, 32).bias(false)));
+    head = register_module("head", Fp8Linear(Fp8LinearOptions(32, 16)));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(torch::relu(shared(torch::relu(shared(x)))));
+  }
+  Fp8Linear shared{nullptr}, head{nullptr};
+};
+
+TEST(DistributedOptimizerTest, AnFp8LayerUsedTwicePerForwardPassIsReducedWhenComplete) {
+  const auto options = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  data();
+  constexpr int kSteps = 4;
+  // Every model from the same seed, built before any rank thread runs.
+  std::vector<std::shared_ptr<SharedLayerNet>> nets;
+  for (int i = 0; i < 3; ++i) {
+    torch::manual_seed(kSeed);
+    nets.push_back(std::make_shared<SharedLayerNet>());
+  }
+  auto train_net = [&](SharedLayerNet& net, int rank, int world, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    torch::optim::AdamW optimizer(net.parameters(), torch::optim::AdamWOptions(3e-3));
+    MixedPrecisionPlugin plugin(options);
+    if (group) plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(1));
+    plugin.connect(net, optimizer);
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = data().batch(step);
+      const int64_t rows = kGlobalRows / world;
+      x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
+      torch::Tensor loss;
+      {
+        auto context = plugin.forward_context();
+        loss = torch::mse_loss(plugin.convert_output(net.forward(plugin.convert_input(x))), y);
+      }
+      plugin.backward(loss);
+      EXPECT_TRUE(plugin.optimizer_step(optimizer));
+      losses.push_back(loss.item<double>());
+    }
+    return losses;
+  };
+  const auto reference = train_net(*nets[2], 0, 1, {});
+  std::vector<std::vector<double>> losses(2);
+  const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    losses[rank] = train_net(*nets[rank], rank, 2, group);
+  });
+  for (int r = 0; r < 2; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  std::vector<double> global(kSteps);  // the two halves' mean: the full batch's loss
+  for (int s = 0; s < kSteps; ++s) global[s] = (losses[0][s] + losses[1][s]) / 2;
+  EXPECT_LT(max_rel_loss_diff(global, reference), 1e-2);
+}
+
 TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndRejectsAnotherWorldSize) {
   const auto options = recipes::fp16_mixed().fp16_initial_loss_scale(1 << 24);
   const auto dir = testing::scratch_path("DistributedOptimizerTest", "sharded");

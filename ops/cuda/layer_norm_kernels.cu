@@ -88,11 +88,13 @@ __device__ __forceinline__ float block_sum(float a, float2* smem) {
 constexpr int kMaxThreads = 512;
 // At least two blocks of kMaxThreads per SM caps the forward at 64 registers per thread. Without
 // it the bf16 → bf16 instance at hidden 4096 (8 × 4 elements per thread) took 87 registers,
-// which leaves room for 5 blocks of 128 threads per SM instead of 8.
-constexpr int kFwdMinBlocks = 2;
+// which leaves room for 5 blocks of 128 threads per SM instead of 8. float32 inputs with 32
+// elements per thread would spill under the cap, so they keep one.
+template <typename T, int kVec, int kIters>
+constexpr int kFwdMinBlocks = (sizeof(T) == 4 && kVec * kIters > 16) ? 1 : 2;
 
 template <typename T, int kVec, int kIters, int kOut>
-__global__ void __launch_bounds__(kMaxThreads, kFwdMinBlocks)
+__global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
     layer_norm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
                           const float* __restrict__ beta, int64_t rows, int hidden, float eps,
                           void* __restrict__ out, float* __restrict__ mean_out,

@@ -27,6 +27,9 @@ struct Fp8LinearInternals {
   static std::optional<Fp8LinearCall> prepare(Fp8LinearImpl& linear, const at::Tensor& input);
   /// An empty tensor that requires grad under fp8_params (so backward reaches main_grad).
   static const at::Tensor& grad_anchor(Fp8LinearImpl& linear);
+  /// Under fp8_params with grad mode on: one more backward pass will add into main_grad (a
+  /// layer may run several times per forward pass; its main_grad hook fires after the last).
+  static void expect_main_grad(Fp8LinearImpl& linear);
   static at::Tensor high_precision_forward(Fp8LinearImpl& linear, const at::Tensor& input);
   static void accumulate_main_grad(Fp8LinearImpl& linear, const at::Tensor& grad);
   /// main_grad += grad_tᵀ-GEMM (dW = dyᵀ·x in FP8), accumulated by the GEMM itself.
