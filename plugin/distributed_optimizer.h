@@ -7,7 +7,10 @@
 //              when grad_reduce_in_fp32, else the params dtype) as soon as autograd has
 //              accumulated it, and the parameter's own .grad is released; a bucket whose
 //              gradients are all in is reduce-scattered (average) at once, while the rest of
-//              the backward pass runs (buckets launch in a fixed order, the same on every rank);
+//              the backward pass runs (buckets launch in a fixed order, the same on every rank).
+//              An FP8 weight's gradient accumulates in FP32 in its module (main_grad), which
+//              reports (Fp8LinearImpl::set_main_grad_hook) after the last backward through the
+//              layer; it is copied into its bucket then;
 //   step       the rank's shard of the averaged gradients becomes the gradient of its FP32
 //              master shard; the optimizer (any torch::optim optimizer, re-pointed at those
 //              shards) steps them; the updated shards are written into a contiguous parameter
