@@ -188,11 +188,11 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
   // Launch order: the order in which the backward pass completes the buckets, across buffers
   // (FP8 weights and the rest interleave): a bucket is complete when its first parameter's
   // gradient arrives, and the backward pass produces them from the last parameter to the first.
+  // (A bucket's params were added last to first: its first parameter is params.back().)
   launch_order_.resize(buckets_.size());
   std::iota(launch_order_.begin(), launch_order_.end(), size_t{0});
-  auto first_param = [&](size_t b) { return *std::min_element(buckets_[b].params.begin(), buckets_[b].params.end()); };
   std::sort(launch_order_.begin(), launch_order_.end(),
-            [&](size_t a, size_t b) { return first_param(a) > first_param(b); });
+            [&](size_t a, size_t b) { return buckets_[a].params.back() > buckets_[b].params.back(); });
   // Pad every bucket; lay the buckets out again with the padded sizes.
   for (auto& buffer : buffers_) buffer.numel = 0;
   for (auto& bucket : buckets_) {
@@ -302,6 +302,13 @@ void DistributedOptimizer::on_grad_ready(size_t index, const torch::Tensor& tens
   if (sync_ && options_.overlap_grad_reduce()) launch_ready_buckets();
 }
 
+void DistributedOptimizer::copy_main_grad(const Param& param) {
+  const auto& main_grad = param.fp8_owner->main_grad();
+  if (!main_grad.defined()) return;
+  torch::NoGradGuard no_grad;
+  buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).copy_(main_grad.reshape(-1));
+}
+
 void DistributedOptimizer::on_main_grad_ready(size_t index) {
   // Micro-batches that do not synchronize keep accumulating in main_grad; the one that does
   // copies the sum into the bucket. (The module calls this once per backward pass, after its
@@ -320,11 +327,7 @@ void DistributedOptimizer::on_main_grad_ready(size_t index) {
   TORCH_CHECK(!bucket.launched,
               "DistributedOptimizer: an FP8 weight's gradient arrived for a bucket that is already "
               "being reduced (a layer whose backward ran after its bucket was complete)");
-  {
-    torch::NoGradGuard no_grad;
-    buffers_[param.buffer].grads.narrow(0, param.offset, param.numel)
-        .copy_(param.fp8_owner->main_grad().reshape(-1));
-  }
+  copy_main_grad(param);
   if (!param.ready) {
     param.ready = true;
     --bucket.pending;
@@ -358,11 +361,7 @@ std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
     // has copied it into a launched bucket already unless overlap is off, the bucket waits for
     // other gradients, or no backward pass reached the layer since the last step.
     for (auto& param : params_) {
-      if (!param.fp8_owner || (param.ready && buckets_[param.bucket].launched)) continue;
-      const auto& main_grad = param.fp8_owner->main_grad();
-      if (main_grad.defined()) {
-        buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).copy_(main_grad.reshape(-1));
-      }
+      if (param.fp8_owner && !(param.ready && buckets_[param.bucket].launched)) copy_main_grad(param);
     }
   }
   if (step_events_.size() == 4096) step_events_.pop_front();

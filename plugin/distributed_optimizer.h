@@ -119,6 +119,7 @@ class DistributedOptimizer {
 
   void on_grad_ready(size_t index, const torch::Tensor& param);
   void on_main_grad_ready(size_t index);
+  void copy_main_grad(const Param& param);  // an FP8 weight's main_grad into its bucket
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void relink_params();
