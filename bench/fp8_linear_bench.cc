@@ -7,6 +7,9 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 
 #include "bench/bench_util.h"
 #include "plugin/fp8_autocast.h"
@@ -80,6 +83,48 @@ size_t parameter_bytes(torch::nn::Module& module) {
   return bytes;
 }
 
+// With AMP8_MEMORY_TRACE=FILE, the caching allocator's history of `step` is appended to FILE:
+// every allocation and completed free of 1 MiB or more, with the bytes allocated after it, so
+// that a peak can be read as the list of tensors alive at that moment.
+void trace_step(const std::string& label, const std::function<void()>& step) {
+  namespace alloc = c10::cuda::CUDACachingAllocator;
+  const char* path = std::getenv("AMP8_MEMORY_TRACE");
+  if (path == nullptr || *path == '\0') {
+    step();
+    return;
+  }
+  const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  const double start =
+      static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[aggregate].current);
+  auto no_context = []() -> std::shared_ptr<c10::GatheredContext> { return nullptr; };
+  alloc::recordHistory(true, no_context, 1 << 20, c10::CachingDeviceAllocator::RecordContext::STATE,
+                       /*clearHistory=*/true, {});
+  step();
+  torch::cuda::synchronize();
+  const auto snapshot = alloc::snapshot();
+  alloc::recordHistory(false, nullptr, 0, c10::CachingDeviceAllocator::RecordContext::NEVER,
+                       /*clearHistory=*/true, {});
+  std::FILE* file = std::fopen(path, "a");
+  if (file == nullptr) return;
+  std::fprintf(file, "== %s: %.2f MB allocated before the step\n", label.c_str(), start / 1e6);
+  double current = start;
+  using Entry = c10::CachingDeviceAllocator::TraceEntry;
+  for (const auto& entry : snapshot.device_traces.at(0)) {
+    const char* action = nullptr;
+    if (entry.action_ == Entry::ALLOC) {
+      current += static_cast<double>(entry.size_);
+      action = "alloc";
+    } else if (entry.action_ == Entry::FREE_COMPLETED) {
+      current -= static_cast<double>(entry.size_);
+      action = "free";
+    }
+    if (action != nullptr && entry.size_ >= (size_t{1} << 20)) {
+      std::fprintf(file, "%-5s %9.2f MB -> %9.2f MB\n", action, entry.size_ / 1e6, current / 1e6);
+    }
+  }
+  std::fclose(file);
+}
+
 // Parameter bytes of a 4096×4096 layer under Fp8ModelInit against a bf16 torch::nn::Linear, and
 // the peak memory of a forward + backward (second step, so gradients exist) of each.
 void memory_case(const std::string& cmd) {
@@ -90,12 +135,12 @@ void memory_case(const std::string& cmd) {
   // Peak allocated bytes of the second step; `resident` gets what was allocated when it began
   // (parameters, gradients, inputs, and whatever the first step left behind).
   double resident = 0;
-  auto peak_step_bytes = [&](const std::function<void()>& step) {
+  auto peak_step_bytes = [&](const std::function<void()>& step, const std::string& label) {
     step();
     torch::cuda::synchronize();
     alloc::resetPeakStats(0);
     resident = static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[aggregate].current);
-    step();
+    trace_step(label, step);
     torch::cuda::synchronize();
     return static_cast<double>(alloc::getDeviceStats(0).allocated_bytes[aggregate].peak);
   };
@@ -111,7 +156,7 @@ void memory_case(const std::string& cmd) {
     bf16_peak = peak_step_bytes([&] {
       x.mutable_grad() = torch::Tensor();
       reference->forward(x).backward(g);
-    });
+    }, "bf16 torch::nn::Linear");
     bf16_resident = resident;
   }
   {
@@ -133,7 +178,7 @@ void memory_case(const std::string& cmd) {
         y = fp8->forward(x);
       }
       y.backward(g);
-    });
+    }, "Fp8Linear under Fp8ModelInit");
     fp8_resident = resident;
   }
   // A stack of four such layers (ReLU between them): the saved activations are the FP8
@@ -148,7 +193,8 @@ void memory_case(const std::string& cmd) {
     reference->to(torch::kCUDA, torch::kBFloat16);
     auto x = torch::randn({m, k}, bf16_opts);
     auto g = torch::randn({m, n}, bf16_opts);
-    bf16_stack_peak = peak_step_bytes([&] { reference->forward(x).backward(g); });
+    bf16_stack_peak =
+        peak_step_bytes([&] { reference->forward(x).backward(g); }, "4 bf16 torch::nn::Linear");
   }
   {
     torch::nn::Sequential stack;
@@ -173,7 +219,7 @@ void memory_case(const std::string& cmd) {
         y = stack->forward(x);
       }
       y.backward(g);
-    });
+    }, "4 Fp8Linear under Fp8ModelInit");
   }
   bench::Record("fp8_params_memory_4_layer_stack", "4 x 16384x4096x4096", cmd)
       .set("baseline", "4 torch::nn::Linear in bf16")

@@ -43,7 +43,9 @@ struct Fp8Conversion {
   std::vector<ConvertedModule> modules;
   /// (old parameter, new parameter) for every parameter of a swapped module, so that an
   /// optimizer built before the swap can be pointed at the new ones. Without fp8_params the
-  /// new parameter shares the old one's storage.
+  /// new parameter shares the old one's storage. The old parameters stay allocated while this
+  /// list holds them: clear it once the optimizer is re-pointed (MixedPrecisionPlugin does so
+  /// in convert_optimizer).
   std::vector<std::pair<torch::Tensor, torch::Tensor>> replaced_params;
   /// Modules FP8 could take that were left in high precision (bf16 layers), and
   /// torch::nn::Linear modules whose shape FP8 cannot take (a dimension not a multiple of 16).

@@ -82,9 +82,9 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     auto y = fp8_gemm(x_q, call.weight_q.data, call.out_dtype, gemm);
     if (rows_padded != rows) y = y.narrow(0, 0, rows);
 
-    ctx->save_for_backward({x2d, stats.mean, stats.rstd, ln_weight, ln_bias, x_q.data,
-                            x_q.scale_inv, x_t, call.weight_q.transposed.data,
-                            call.weight_q.transposed.scale_inv});
+    detail::save_dgrad_weight(ctx, call.weight_q,
+                              {x2d, stats.mean, stats.rstd, ln_weight, ln_bias, x_q.data,
+                               x_q.scale_inv, x_t});
     const detail::Fp8LinearSaved saved{linear,
                                        recipe,
                                        rows,
@@ -106,7 +106,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     const auto& ln_weight = tensors[3];
     const auto& ln_bias = tensors[4];
     const auto format = recipe.forward_format();
-    const Fp8Tensor w_t(tensors[8], tensors[9], format);
+    const Fp8Tensor w(tensors[8], tensors[9], format);
 
     const bool need_ln =
         ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
@@ -116,9 +116,9 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
       x_t = tensors[7].defined() ? Fp8Tensor(tensors[7], tensors[6], format)
                                  : fp8_transpose(Fp8Tensor(tensors[5], tensors[6], format));
     }
-    auto grads = detail::fp8_linear_backward(saved, grad_outputs[0].reshape({-1, w_t.data.size(1)}),
-                                             std::move(x_t), w_t, need_ln, ctx->needs_input_grad(3),
-                                             ctx->needs_input_grad(4));
+    auto grads = detail::fp8_linear_backward(
+        saved, grad_outputs[0].reshape({-1, saved.linear->options.out_features()}),
+        std::move(x_t), w, need_ln, ctx->needs_input_grad(3), ctx->needs_input_grad(4));
     torch::Tensor grad_input, grad_ln_weight, grad_ln_bias;
     if (need_ln) {
       auto ln = layer_norm_backward(grads.input, x2d, stats, ln_weight, ln_bias);

@@ -104,8 +104,19 @@ Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format 
   return x_t;
 }
 
+void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
+                       std::vector<at::Tensor> tensors) {
+  // Under fp8_params the call carries no transpose: the FP8 weight itself is saved (detached,
+  // so an optimizer's set_data cannot swap it out from under the backward; an in-place write
+  // fails the saved-tensor version check) and fp8_linear_backward transposes it for dgrad.
+  const auto& w = weight_q.transposed.defined() ? weight_q.transposed : weight_q.data;
+  tensors.push_back(weight_q.transposed.defined() ? w.data : w.data.detach());
+  tensors.push_back(w.scale_inv);
+  ctx->save_for_backward(tensors);
+}
+
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
-                                   Fp8Tensor x_t, const Fp8Tensor& w_t, bool need_input,
+                                   Fp8Tensor x_t, const Fp8Tensor& w, bool need_input,
                                    bool need_weight, bool need_bias) {
   auto& module = *saved.linear;
   const auto& recipe = saved.recipe;
@@ -139,7 +150,10 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   g_q.transposed = Fp8Tensor();
   x_t = Fp8Tensor();
   if (need_input) {
-    // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ
+    // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ. Under fp8_params Wᵀ is made only now, after
+    // wgrad has freed its operands, and freed with this frame.
+    const bool transpose = module.options.fp8_params();
+    const auto w_t = transpose ? Fp8Tensor(w.data.t().contiguous(), w.scale_inv, w.format) : w;
     grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
   }
   if (need_bias && saved.has_bias) {
@@ -176,7 +190,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     auto y = fp8_gemm(x_q.data, call.weight_q.data, call.out_dtype, gemm);
     if (y.size(0) != rows) y = y.narrow(0, 0, rows);
 
-    ctx->save_for_backward({call.weight_q.transposed.data, call.weight_q.transposed.scale_inv});
+    detail::save_dgrad_weight(ctx, call.weight_q, {});
     detail::save_input_transpose(ctx, x_q.transposed);
     const detail::Fp8LinearSaved saved{module,
                                        recipe,
@@ -194,9 +208,10 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
     const auto tensors = ctx->get_saved_variables();
     const auto format = saved.recipe.forward_format();
-    const Fp8Tensor w_t(tensors[0], tensors[1], format);
-    auto grads = detail::fp8_linear_backward(saved, grad_outputs[0].reshape({-1, w_t.data.size(1)}),
-                                             detail::take_input_transpose(ctx, format), w_t,
+    const Fp8Tensor w(tensors[0], tensors[1], format);
+    auto grads = detail::fp8_linear_backward(
+        saved, grad_outputs[0].reshape({-1, saved.linear->options.out_features()}),
+        detail::take_input_transpose(ctx, format), w,
                                              ctx->needs_input_grad(0),
                                              ctx->needs_input_grad(1), ctx->needs_input_grad(2));
     if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
@@ -332,8 +347,12 @@ void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
                          /*copy=*/true);
 }
 
-void Fp8LinearImpl::zero_main_grad() {
-  if (main_grad_.defined()) main_grad_.zero_();
+void Fp8LinearImpl::zero_main_grad(bool set_to_none) {
+  if (set_to_none) {
+    main_grad_ = torch::Tensor();
+  } else if (main_grad_.defined()) {
+    main_grad_.zero_();
+  }
   pending_main_grads_ = 0;
 }
 
@@ -397,9 +416,10 @@ const Fp8LinearImpl::SlotViews& Fp8LinearImpl::slot_views() {
 
 Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe) {
   if (options.fp8_params()) {
-    // Already FP8: the transpose the backward GEMM needs is a byte transpose.
-    torch::NoGradGuard no_grad;
-    return {fp8_weight(), Fp8Tensor(weight.t().contiguous(), weight_scale_inv, Fp8Format::kE4M3)};
+    // Already FP8. The transpose dgrad needs is a byte transpose, made by the backward itself
+    // (fp8_linear_backward): made here, every layer's would stay alive from its forward to
+    // its backward, one byte per parameter across the whole model.
+    return {fp8_weight(), Fp8Tensor()};
   }
   const int64_t version = weight._version();
   if (options.cache_fp8_weight() && weight_cache_ && weight_cache_version_ == version &&

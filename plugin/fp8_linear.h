@@ -116,9 +116,14 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   const torch::Tensor& high_precision_init_val() const { return high_precision_init_val_; }
   void clear_high_precision_init_val() { high_precision_init_val_ = torch::Tensor(); }
   /// FP32 gradient of the FP8 weight, accumulated over backward passes until zeroed;
-  /// undefined before the first backward.
+  /// undefined before the first backward and after zero_main_grad().
   const torch::Tensor& main_grad() const { return main_grad_; }
-  void zero_main_grad();
+  /// Clears main_grad for the next optimizer step. As torch::optim::Optimizer::zero_grad, it
+  /// releases the tensor by default (4 bytes per weight element that are not held between
+  /// steps, nor during the next forward pass, where activations peak); the next backward pass
+  /// allocates it again, written by its first weight-gradient GEMM without a zero fill.
+  /// set_to_none=false keeps it allocated and fills it with zeros.
+  void zero_main_grad(bool set_to_none = true);
   /// Called inside the backward pass once every forward call recorded since the last
   /// zero_main_grad() has added its weight gradient into main_grad (a layer used twice in one
   /// forward pass: after the second), so that a distributed optimizer can start reducing it

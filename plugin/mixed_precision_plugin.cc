@@ -197,6 +197,9 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
     }
   }
   master_seeds_.clear();
+  // The swapped-out parameters (the old modules' float32 weights) were kept only to map this
+  // optimizer onto the new ones; nothing else holds them now, so they are freed here.
+  conversion_.replaced_params.clear();
   if (group_) {
     distributed_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_,
                                                           options_.grad_reduce_in_fp32());

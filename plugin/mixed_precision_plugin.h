@@ -145,7 +145,8 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   int data_parallel_rank() const override { return group_ ? group_->getRank() : 0; }
   int data_parallel_size() const override { return group_ ? group_->getSize() : 1; }
   const MixedPrecisionOptions& options() const { return options_; }
-  /// What convert_module swapped (empty without FP8).
+  /// What convert_module swapped (empty without FP8); replaced_params is emptied by
+  /// convert_optimizer, which releases the old parameters.
   const Fp8Conversion& conversion() const { return conversion_; }
   /// The loss scaler (fp16 only).
   const std::optional<LossScaler>& scaler() const { return scaler_; }

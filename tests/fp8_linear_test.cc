@@ -511,6 +511,39 @@ void fp8_params_gradient_case(torch::Device device) {
   auto before = layer->main_grad().clone();
   layer->forward(x).backward(g);
   EXPECT_LE(relative_error(layer->main_grad() - before, reference_dw), 1e-5) << device;
+  // Cleared as zero_grad clears .grad: released by default, zero-filled on request.
+  layer->zero_main_grad(/*set_to_none=*/false);
+  ASSERT_TRUE(layer->main_grad().defined());
+  EXPECT_EQ(layer->main_grad().abs().max().item<float>(), 0.0f);
+  layer->zero_main_grad();
+  EXPECT_FALSE(layer->main_grad().defined());
+}
+
+// Under fp8_params the forward saves the stored FP8 weight itself (no copy) for dgrad, whose
+// byte transpose the backward makes: a model's layers do not all hold a transposed weight
+// between their forward and backward.
+TEST_F(Fp8LinearTest, Fp8ParamsForwardSavesNoWeightTranspose) {
+  auto layer = make_fp8_params_layer(1024, 512);
+  auto x = torch::randn({16, 1024}).requires_grad_(true);
+  auto g = torch::randn({16, 512});
+  const auto reference_dx = torch::matmul(g.to(torch::kDouble),
+                                          layer->fp8_weight().dequantize().to(torch::kDouble));
+  for (int step = 0; step < 2; ++step) {
+    x.mutable_grad() = torch::Tensor();
+    torch::Tensor y;
+    const int64_t before = testing::CpuAllocationCounter::live_bytes();
+    {
+      Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(16));
+      y = layer->forward(x);
+    }
+    const int64_t kept = testing::CpuAllocationCounter::live_bytes() - before;
+    // y (16×512 float32, 32 KiB), the input transpose (16 KiB) and scale metadata; the
+    // transposed weight alone would be 512 KiB.
+    EXPECT_GT(kept, y.nbytes());
+    EXPECT_LT(kept, layer->weight.nbytes() / 4);
+    y.backward(g);
+    EXPECT_LE(relative_error(x.grad(), reference_dx), kHybridGradBound) << "step " << step;
+  }
 }
 
 TEST_F(Fp8LinearTest, Fp8ParamsGradientsGoToMainGrad) { fp8_params_gradient_case(torch::kCPU); }

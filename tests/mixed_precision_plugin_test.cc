@@ -218,6 +218,26 @@ TEST_F(ConvertModuleTest, SwapsLinearAndLayerNormKeepingValuesAndBf16Layers) {
   EXPECT_EQ(model->blocks[1]->as<testing::TinyBlockImpl>()->qkv->ptr(0)->as<Fp8LinearImpl>()->forward_calls(), 1);
 }
 
+// The modules convert_module swaps out held float32 parameters (4 bytes per parameter); once
+// the optimizer is pointed at the masters nothing may keep them alive.
+TEST_F(ConvertModuleTest, ConnectReleasesTheSwappedOutParameters) {
+  for (const bool fp8_params : {false, true}) {
+    SCOPED_TRACE(fp8_params ? "fp8_params" : "bf16 params");
+    auto model = testing::make_mlp();
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> originals;
+    for (const auto& p : model->parameters()) originals.push_back(p.storage().getWeakStorageImpl());
+    torch::optim::Adam optimizer(model->parameters(), 1e-3);
+    MixedPrecisionPlugin plugin =
+        recipes::bf16_with_fp8_mixed().fp8_params(fp8_params).fp8_min_gemm_size(0);
+    plugin.connect(*model, optimizer);
+    ASSERT_EQ(plugin.conversion().modules.size(), 3u);
+    EXPECT_TRUE(plugin.conversion().replaced_params.empty());
+    for (size_t i = 0; i < originals.size(); ++i) {
+      EXPECT_TRUE(originals[i].expired()) << "parameter " << i << "'s float32 storage is still held";
+    }
+  }
+}
+
 TEST_F(ConvertModuleTest, IneligibleShapesStayAndAreReported) {
   auto model = torch::nn::Sequential(torch::nn::Linear(32, 48), torch::nn::ReLU(),
                                      torch::nn::Linear(48, 10));

@@ -2,17 +2,21 @@
 // Shared helpers of the amp8 test suites.
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <ftw.h>
 #include <unistd.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 
 namespace amp8::testing {
 
@@ -157,5 +161,67 @@ inline std::string shape_name(int64_t rows, int64_t cols) {
   os << rows << "x" << cols;
   return os.str();
 }
+
+// Live bytes of every CPU tensor allocated since the counter was installed: a pass-through
+// wrapper around LibTorch's CPU allocator, installed on first use for the rest of the process
+// (tensors it allocated may outlive any test, so it is never removed). Like the default CPU
+// allocator it hands out data pointers that are their own deleter context, so raw_allocate
+// works through it too.
+class CpuAllocationCounter final : public c10::Allocator {
+ public:
+  static int64_t live_bytes() { return instance().live_.load(); }
+
+  c10::DataPtr allocate(size_t n) override {
+    auto inner = base_->allocate(n);
+    void* data = inner.get();
+    const auto device = inner.device();
+    TORCH_CHECK(inner.get_context() == data, "CpuAllocationCounter: the wrapped CPU allocator "
+                                              "does not use the data pointer as its context");
+    const auto deleter = inner.get_deleter();
+    inner.release_context();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_[data] = {static_cast<int64_t>(n), deleter};
+    }
+    live_ += static_cast<int64_t>(n);
+    return {data, data, &CpuAllocationCounter::release, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &CpuAllocationCounter::release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    base_->copy_data(dest, src, count);
+  }
+
+ private:
+  struct Block {
+    int64_t bytes;
+    c10::DeleterFnPtr deleter;
+  };
+  static CpuAllocationCounter& instance() {
+    static CpuAllocationCounter* counter = [] {
+      auto* c = new CpuAllocationCounter(c10::GetCPUAllocator());
+      c10::SetCPUAllocator(c, /*priority=*/100);
+      return c;
+    }();
+    return *counter;
+  }
+  explicit CpuAllocationCounter(c10::Allocator* base) : base_(base) {}
+  static void release(void* data) {
+    auto& self = instance();
+    Block block{};
+    {
+      std::lock_guard<std::mutex> lock(self.mutex_);
+      auto it = self.blocks_.find(data);
+      if (it == self.blocks_.end()) return;
+      block = it->second;
+      self.blocks_.erase(it);
+    }
+    self.live_ -= block.bytes;
+    if (block.deleter) block.deleter(data);
+  }
+  c10::Allocator* base_;
+  std::mutex mutex_;
+  std::unordered_map<void*, Block> blocks_;
+  std::atomic<int64_t> live_{0};
+};
 
 }  // namespace amp8::testing

@@ -85,13 +85,20 @@ struct Fp8LinearSaved {
 void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t);
 Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format);
 
+/// Saves `tensors` and then the FP8 weight operand dgrad needs (two more tensors: data and
+/// scale_inv): the call's transpose Wᵀ [in, out], or under fp8_params, whose call carries no
+/// transpose, the stored FP8 weight W [out, in] itself.
+void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
+                       std::vector<at::Tensor> tensors);
+
 /// The backward GEMMs of an FP8 linear layer: grad_output2d [rows, out_features] is quantized
 /// once (cast_transpose) into the gradient format; wgrad from x_t (which may be undefined when
-/// no weight gradient is needed), then dgrad from w_t; under fp8_params the weight gradient
-/// goes to main_grad. x_t is dropped before dgrad: pass it by std::move, holding no other
-/// reference, to free it there. need_bias is ignored for a layer without bias.
+/// no weight gradient is needed), then dgrad from `w`, what save_dgrad_weight saved (under
+/// fp8_params W, byte-transposed here just before dgrad; else Wᵀ); under fp8_params the weight
+/// gradient goes to main_grad. x_t is dropped before dgrad: pass it by std::move, holding no
+/// other reference, to free it there. need_bias is ignored for a layer without bias.
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
-                                   Fp8Tensor x_t, const Fp8Tensor& w_t, bool need_input,
+                                   Fp8Tensor x_t, const Fp8Tensor& w, bool need_input,
                                    bool need_weight, bool need_bias);
 
 }  // namespace amp8::detail
