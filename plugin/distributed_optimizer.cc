@@ -97,6 +97,7 @@ DistributedOptimizer::~DistributedOptimizer() {
   for (auto& param : params_) {
     if (param.fp8_owner) {
       param.fp8_owner->set_main_grad_hook(nullptr);
+      param.fp8_owner->set_main_grad_buffer({});
     } else if (param.model.defined()) {
       torch::autograd::impl::set_post_acc_grad_hooks(param.model, nullptr);
     }
@@ -219,8 +220,11 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
     view.copy_(param.model.detach());
     param.model.set_data(view);
     if (param.fp8_owner) {
-      // The FP8 weight's gradient accumulates in FP32 in its module (main_grad); the module
-      // says when, so its bucket can be reduced during the backward pass like the others.
+      // The FP8 weight has no autograd gradient: its wgrad GEMMs accumulate straight into its
+      // slice of the bucket (main_grad bound to it, Megatron's param.main_grad), and the module
+      // says when the last has, so its bucket can be reduced during the backward pass.
+      param.fp8_owner->set_main_grad_buffer(
+          buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).view(param.model.sizes()));
       param.fp8_owner->set_main_grad_hook([this, n] { on_main_grad_ready(n); });
     } else {
       TORCH_CHECK(param.model.requires_grad(), "DistributedOptimizer: parameter ", n,
@@ -302,18 +306,10 @@ void DistributedOptimizer::on_grad_ready(size_t index, const torch::Tensor& tens
   if (sync_ && options_.overlap_grad_reduce()) launch_ready_buckets();
 }
 
-void DistributedOptimizer::copy_main_grad(const Param& param) {
-  const auto& main_grad = param.fp8_owner->main_grad();
-  if (!main_grad.defined()) return;
-  torch::NoGradGuard no_grad;
-  buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).copy_(main_grad.reshape(-1));
-}
-
 void DistributedOptimizer::on_main_grad_ready(size_t index) {
-  // Micro-batches that do not synchronize keep accumulating in main_grad; the one that does
-  // copies the sum into the bucket. (The module calls this once per backward pass, after its
-  // last use in it: a layer used twice in one forward pass has both gradients in by then.)
-  // Without overlap, reduce_gradients copies every FP8 weight's main_grad at the step.
+  // The gradient is already in the bucket (main_grad is its slice); micro-batches that do not
+  // synchronize just accumulate there. (The module calls this once per backward pass, after
+  // its last use in it: a layer used twice in one forward pass has both gradients in by then.)
   if (!options_.overlap_grad_reduce()) return;
   auto& param = params_[index];
   auto& bucket = buckets_[param.bucket];
@@ -327,7 +323,6 @@ void DistributedOptimizer::on_main_grad_ready(size_t index) {
   TORCH_CHECK(!bucket.launched,
               "DistributedOptimizer: an FP8 weight's gradient arrived for a bucket that is already "
               "being reduced (a layer whose backward ran after its bucket was complete)");
-  copy_main_grad(param);
   if (!param.ready) {
     param.ready = true;
     --bucket.pending;
@@ -355,15 +350,6 @@ void DistributedOptimizer::launch(Bucket& bucket) {
 
 std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
   TORCH_CHECK(connected_, "DistributedOptimizer: connect before reducing gradients");
-  {
-    torch::NoGradGuard no_grad;
-    // FP8 weights accumulate their gradient in FP32 inside the module (main_grad); the hook
-    // has copied it into a launched bucket already unless overlap is off, the bucket waits for
-    // other gradients, or no backward pass reached the layer since the last step.
-    for (auto& param : params_) {
-      if (param.fp8_owner && !(param.ready && buckets_[param.bucket].launched)) copy_main_grad(param);
-    }
-  }
   if (step_events_.size() == 4096) step_events_.pop_front();
   step_events_.push_back(std::make_unique<StepEvents>());
   timing_step_ = true;

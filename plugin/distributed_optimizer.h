@@ -8,9 +8,10 @@
 //              accumulated it, and the parameter's own .grad is released; a bucket whose
 //              gradients are all in is reduce-scattered (average) at once, while the rest of
 //              the backward pass runs (buckets launch in a fixed order, the same on every rank).
-//              An FP8 weight's gradient accumulates in FP32 in its module (main_grad), which
-//              reports (Fp8LinearImpl::set_main_grad_hook) after the last backward through the
-//              layer; it is copied into its bucket then;
+//              An FP8 weight has no autograd gradient: its module's main_grad is bound to its
+//              slice of the buffer (Megatron's param.main_grad), so the wgrad GEMMs accumulate
+//              there directly, and the module reports (Fp8LinearImpl::set_main_grad_hook) after
+//              the last backward through the layer;
 //   step       the rank's shard of the averaged gradients becomes the gradient of its FP32
 //              master shard; the optimizer (any torch::optim optimizer, re-pointed at those
 //              shards) steps them; the updated shards are written into a contiguous parameter
@@ -119,7 +120,6 @@ class DistributedOptimizer {
 
   void on_grad_ready(size_t index, const torch::Tensor& param);
   void on_main_grad_ready(size_t index);
-  void copy_main_grad(const Param& param);  // an FP8 weight's main_grad into its bucket
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void relink_params();

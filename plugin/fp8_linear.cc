@@ -274,6 +274,7 @@ void Fp8LinearImpl::reset() {
     weight_scale_inv = register_buffer("weight_scale_inv", torch::ones({1}));
   weight_cache_.reset();
   main_grad_ = torch::Tensor();
+  main_grad_bound_ = false;
   main_grad_hook_ = nullptr;
   pending_main_grads_ = 0;
   reset_parameters();
@@ -348,12 +349,32 @@ void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
 }
 
 void Fp8LinearImpl::zero_main_grad(bool set_to_none) {
-  if (set_to_none) {
+  if (!set_to_none) {
+    if (main_grad_.defined()) main_grad_.zero_();
+  } else if (!main_grad_bound_) {
     main_grad_ = torch::Tensor();
-  } else if (main_grad_.defined()) {
-    main_grad_.zero_();
   }
   pending_main_grads_ = 0;
+}
+
+void Fp8LinearImpl::set_main_grad_buffer(torch::Tensor buffer) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::set_main_grad_buffer: the module has no fp8_params (its weight has an "
+              "autograd gradient)");
+  if (buffer.defined()) {
+    const auto dtype = buffer.scalar_type();
+    TORCH_CHECK(buffer.sizes() == weight.sizes(), "Fp8Linear::set_main_grad_buffer: buffer must "
+                "have the weight's shape ", weight.sizes(), ", got ", buffer.sizes());
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "Fp8Linear::set_main_grad_buffer: buffer must be float32, bfloat16 or float16, "
+                "got ", dtype);
+    TORCH_CHECK(buffer.device() == weight.device(), "Fp8Linear::set_main_grad_buffer: buffer "
+                "must be on the weight's device ", weight.device(), ", got ", buffer.device());
+    TORCH_CHECK(buffer.is_contiguous(),
+                "Fp8Linear::set_main_grad_buffer: buffer must be contiguous");
+  }
+  main_grad_ = std::move(buffer);
+  main_grad_bound_ = main_grad_.defined();
 }
 
 void Fp8LinearImpl::main_grad_accumulated() {
@@ -516,7 +537,7 @@ void Fp8LinearInternals::accumulate_main_grad_gemm(Fp8LinearImpl& linear, const 
     Fp8GemmOptions accumulate;
     accumulate.out = main_grad;
     accumulate.accumulate = true;
-    fp8_gemm(grad_t, x_t, at::kFloat, accumulate);
+    fp8_gemm(grad_t, x_t, main_grad.scalar_type(), accumulate);  // float32 unless bound
   }
   linear.main_grad_accumulated();
 }

@@ -116,14 +116,22 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   const torch::Tensor& high_precision_init_val() const { return high_precision_init_val_; }
   void clear_high_precision_init_val() { high_precision_init_val_ = torch::Tensor(); }
   /// FP32 gradient of the FP8 weight, accumulated over backward passes until zeroed;
-  /// undefined before the first backward and after zero_main_grad().
+  /// undefined before the first backward and after zero_main_grad(). Bound to a buffer
+  /// (set_main_grad_buffer), it is that buffer.
   const torch::Tensor& main_grad() const { return main_grad_; }
   /// Clears main_grad for the next optimizer step. As torch::optim::Optimizer::zero_grad, it
   /// releases the tensor by default (4 bytes per weight element that are not held between
   /// steps, nor during the next forward pass, where activations peak); the next backward pass
   /// allocates it again, written by its first weight-gradient GEMM without a zero fill.
-  /// set_to_none=false keeps it allocated and fills it with zeros.
+  /// set_to_none=false keeps it allocated and fills it with zeros. A bound buffer stays bound
+  /// and is left as it is (its owner zeroes it) unless set_to_none is false.
   void zero_main_grad(bool set_to_none = true);
+  /// Binds main_grad to `buffer` ([out_features, in_features]; float32, bfloat16 or float16;
+  /// on the weight's device): the weight gradient GEMMs accumulate into it directly, with no
+  /// tensor of the module's own and no copy. For a data-parallel gradient bucket (Megatron's
+  /// param.main_grad is a view into its grad buffer); the buffer's dtype is then the
+  /// accumulation dtype. An undefined tensor unbinds (main_grad becomes undefined).
+  void set_main_grad_buffer(torch::Tensor buffer);
   /// Called inside the backward pass once every forward call recorded since the last
   /// zero_main_grad() has added its weight gradient into main_grad (a layer used twice in one
   /// forward pass: after the second), so that a distributed optimizer can start reducing it
@@ -173,6 +181,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   torch::Tensor grad_anchor_;
   torch::Tensor high_precision_init_val_;
   torch::Tensor main_grad_;
+  bool main_grad_bound_ = false;  // main_grad_ is a caller's buffer (set_main_grad_buffer)
   std::function<void()> main_grad_hook_;
   // Backward passes recorded by forward calls (grad mode on, fp8_params) that have not added
   // into main_grad yet; the hook fires when the last of them has.

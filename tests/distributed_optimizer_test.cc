@@ -239,8 +239,8 @@ TEST(DistributedOptimizerTest, EveryRankStartsFromRankZerosParameters) {
   }
 }
 
-// FP8 weights (fp8_params) included: their first micro-batch's gradient stays in main_grad
-// (gradient sync off) and the second's hook copies the sum into the bucket.
+// FP8 weights (fp8_params) included: their micro-batches' gradients accumulate in their bucket
+// slice (main_grad) with gradient sync off for the first, and the second's hook launches it.
 TEST(DistributedOptimizerTest, GradientAccumulationAndClippingMatchSingleRank) {
   for (const auto& c : fp32_bf16_fp8_cases()) {
     SCOPED_TRACE(c.name);
@@ -249,7 +249,9 @@ TEST(DistributedOptimizerTest, GradientAccumulationAndClippingMatchSingleRank) {
     const auto runs = train_ranks(c.options, 2, 6, /*accumulate=*/2, /*clip=*/1);
     expect_ranks_agree(runs);
     EXPECT_LT(max_rel_loss_diff(runs[0].losses, reference.losses), c.loss_bound);
-    if (std::string(c.name) == "32") EXPECT_LT(max_abs_diff(runs[0].params, reference.params), 1e-5);
+    if (std::string(c.name) == "32") {
+      EXPECT_LT(max_abs_diff(runs[0].params, reference.params), 1e-5);
+    }
   }
 }
 
@@ -318,7 +320,7 @@ TEST(DistributedOptimizerTest, Fp8ParamsAllGatherWeightsAsOneBytePerElement) {
   EXPECT_EQ(bf16_gathered - fp8_gathered, weights) << "the weights' share of the all-gather halves";
 }
 
-// FP8 weights accumulate their gradient in their modules (main_grad); each module reports
+// FP8 weights accumulate their gradient in their bucket slices (main_grad); each module reports
 // when it has, so their buckets are reduce-scattered during the backward pass like the others
 // and nothing is left for the step. (Before, they waited for the step: 8 ms per step of
 // exposed communication for a 1b GPT on two H200s.)
@@ -356,6 +358,51 @@ TEST(DistributedOptimizerTest, Fp8WeightGradientsAreReducedDuringTheBackwardPass
     EXPECT_EQ(errors[r], "") << "rank " << r;
     EXPECT_GE(after_step[r], fp8_weights * 4) << "rank " << r << ": the FP8 weights' FP32 gradients";
     EXPECT_EQ(after_backward[r], after_step[r]) << "rank " << r << ": reduced during the backward pass";
+  }
+}
+
+// An FP8 weight's main_grad is its slice of the gradient buffer (Megatron's param.main_grad),
+// in the buffer's dtype: no FP32 tensor of the module's own beside the bucket, and no copy.
+TEST(DistributedOptimizerTest, Fp8MainGradsAreSlicesOfTheGradientBuffer) {
+  for (const bool in_fp32 : {true, false}) {
+    SCOPED_TRACE(in_fp32 ? "grad_reduce_in_fp32" : "grads reduced in bf16");
+    const auto options = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).grad_reduce_in_fp32(in_fp32);
+    data();
+    std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options)};
+    const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+      auto& model = models[rank];
+      torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      MixedPrecisionPlugin plugin(options);
+      plugin.set_process_group(group);
+      plugin.connect(*model, optimizer);
+      std::vector<std::shared_ptr<Fp8LinearImpl>> layers;
+      for (const auto& module : model->modules(/*include_self=*/false)) {
+        if (auto linear = std::dynamic_pointer_cast<Fp8LinearImpl>(module)) layers.push_back(linear);
+      }
+      ASSERT_EQ(layers.size(), 3u);
+      for (const auto& layer : layers) {
+        ASSERT_TRUE(layer->main_grad().defined());
+        EXPECT_EQ(layer->main_grad().scalar_type(), in_fp32 ? at::kFloat : at::kBFloat16);
+        EXPECT_TRUE(layer->main_grad().is_alias_of(layers[0]->main_grad()))
+            << "every FP8 weight's main_grad lies in the one FP8 gradient buffer";
+      }
+      auto [x, y] = data().batch(0);
+      const int64_t rows = kGlobalRows / 2;
+      x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
+      torch::Tensor loss;
+      {
+        auto context = plugin.forward_context();
+        loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+      }
+      plugin.backward(loss);
+      EXPECT_TRUE(plugin.optimizer_step(optimizer));
+      for (const auto& layer : layers) {
+        ASSERT_TRUE(layer->main_grad().defined()) << "still bound after the step";
+        EXPECT_TRUE(layer->main_grad().is_alias_of(layers[0]->main_grad()));
+        EXPECT_EQ(layer->main_grad().abs().max().item<float>(), 0.0f) << "zeroed with the buffer";
+      }
+    });
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   }
 }
 
