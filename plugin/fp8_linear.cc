@@ -121,6 +121,14 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   auto& module = *saved.linear;
   const auto& recipe = saved.recipe;
   const int64_t rows = saved.rows;
+  Fp8LinearGrads grads;
+  if (need_bias && saved.has_bias) {
+    // First: LibTorch's column reduction over [rows, out] stages partial sums in a workspace
+    // about the size of the gradient itself (138 MB at 16384 × 4096 in bf16, measured on an
+    // H200), which must not be alive beside the FP8 copies or dx (the bf16 layer's peak has it
+    // beside dx and its weight gradient).
+    grads.bias = grad_output2d.sum(0, /*keepdim=*/false, at::kFloat).to(saved.weight_dtype);
+  }
   auto g = pad_rows(grad_output2d, padded_rows(rows));
   if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
       g.scalar_type() != at::kHalf) {
@@ -137,7 +145,6 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   // Weight gradient first, so that the gradient's transpose and the saved input transpose
   // (when the caller gave up its reference) are freed before dgrad allocates its output: the
   // backward's peak holds three FP8 copies of an activation, not three plus dx.
-  Fp8LinearGrads grads;
   if (module.options.fp8_params()) {
     // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad,
     // accumulated by the GEMM itself (Megatron's gradient-accumulation fusion): no
@@ -155,9 +162,6 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
     const bool transpose = module.options.fp8_params();
     const auto w_t = transpose ? Fp8Tensor(w.data.t().contiguous(), w.scale_inv, w.format) : w;
     grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
-  }
-  if (need_bias && saved.has_bias) {
-    grads.bias = grad_output2d.sum(0, /*keepdim=*/false, at::kFloat).to(saved.weight_dtype);
   }
   return grads;
 }
