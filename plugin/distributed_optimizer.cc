@@ -97,7 +97,10 @@ DistributedOptimizer::~DistributedOptimizer() {
   for (auto& param : params_) {
     if (param.fp8_owner) {
       param.fp8_owner->set_main_grad_hook(nullptr);
-      param.fp8_owner->set_main_grad_buffer({});
+      if (param.fp8_owner->main_grad().defined() &&
+          param.fp8_owner->main_grad().is_alias_of(buffers_[param.buffer].grads)) {
+        param.fp8_owner->set_main_grad_buffer({});
+      }
     } else if (param.model.defined()) {
       torch::autograd::impl::set_post_acc_grad_hooks(param.model, nullptr);
     }
@@ -350,6 +353,18 @@ void DistributedOptimizer::launch(Bucket& bucket) {
 
 std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
   TORCH_CHECK(connected_, "DistributedOptimizer: connect before reducing gradients");
+  // An FP8 weight's gradient reaches its bucket only through the binding: a module reset()
+  // or re-bound since connect would train on zeros without a word.
+  for (size_t n : fp8_params_) {
+    const auto& param = params_[n];
+    const auto& main_grad = param.fp8_owner->main_grad();
+    TORCH_CHECK(main_grad.defined() &&
+                    main_grad.const_data_ptr() ==
+                        buffers_[param.buffer].grads.narrow(0, param.offset, 1).const_data_ptr(),
+                "DistributedOptimizer: FP8 weight ", n, "'s main_grad is no longer its slice of the "
+                "gradient buffer (the module was reset() or set_main_grad_buffer was called after "
+                "connect), so its gradient would not be reduced");
+  }
   if (step_events_.size() == 4096) step_events_.pop_front();
   step_events_.push_back(std::make_unique<StepEvents>());
   timing_step_ = true;

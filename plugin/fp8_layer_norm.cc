@@ -106,7 +106,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     const auto& ln_weight = tensors[3];
     const auto& ln_bias = tensors[4];
     const auto format = recipe.forward_format();
-    const Fp8Tensor w(tensors[8], tensors[9], format);
+    const auto w = detail::load_dgrad_weight(ctx, tensors[8], tensors[9], format);
 
     const bool need_ln =
         ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);

@@ -107,16 +107,24 @@ Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format 
 void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
                        std::vector<at::Tensor> tensors) {
   // Under fp8_params the call carries no transpose: the FP8 weight itself is saved (detached,
-  // so an optimizer's set_data cannot swap it out from under the backward; an in-place write
-  // fails the saved-tensor version check) and fp8_linear_backward transposes it for dgrad.
-  const auto& w = weight_q.transposed.defined() ? weight_q.transposed : weight_q.data;
-  tensors.push_back(weight_q.transposed.defined() ? w.data : w.data.detach());
+  // so an optimizer's set_data cannot swap it out from under the backward; every writer of
+  // the FP8 weight also writes weight_scale_inv, saved here too, whose version check fails
+  // the backward) and fp8_linear_backward transposes it for dgrad.
+  const bool transposed = weight_q.transposed.defined();
+  const auto& w = transposed ? weight_q.transposed : weight_q.data;
+  tensors.push_back(transposed ? w.data : w.data.detach());
   tensors.push_back(w.scale_inv);
   ctx->save_for_backward(tensors);
+  ctx->saved_data["dgrad_weight_transposed"] = transposed;
+}
+
+Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at::Tensor& data,
+                                 const at::Tensor& scale_inv, Fp8Format format) {
+  return {Fp8Tensor(data, scale_inv, format), ctx->saved_data["dgrad_weight_transposed"].toBool()};
 }
 
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
-                                   Fp8Tensor x_t, const Fp8Tensor& w, bool need_input,
+                                   Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias) {
   auto& module = *saved.linear;
   const auto& recipe = saved.recipe;
@@ -159,8 +167,10 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   if (need_input) {
     // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ. Under fp8_params Wᵀ is made only now, after
     // wgrad has freed its operands, and freed with this frame.
-    const bool transpose = module.options.fp8_params();
-    const auto w_t = transpose ? Fp8Tensor(w.data.t().contiguous(), w.scale_inv, w.format) : w;
+    const auto& saved_w = w.weight;
+    const auto w_t = w.transposed ? saved_w
+                                  : Fp8Tensor(saved_w.data.t().contiguous(), saved_w.scale_inv,
+                                              saved_w.format);
     grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
   }
   return grads;
@@ -212,7 +222,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
     const auto tensors = ctx->get_saved_variables();
     const auto format = saved.recipe.forward_format();
-    const Fp8Tensor w(tensors[0], tensors[1], format);
+    const auto w = detail::load_dgrad_weight(ctx, tensors[0], tensors[1], format);
     auto grads = detail::fp8_linear_backward(
         saved, grad_outputs[0].reshape({-1, saved.linear->options.out_features()}),
         detail::take_input_transpose(ctx, format), w,
@@ -376,6 +386,9 @@ void Fp8LinearImpl::set_main_grad_buffer(torch::Tensor buffer) {
                 "must be on the weight's device ", weight.device(), ", got ", buffer.device());
     TORCH_CHECK(buffer.is_contiguous(),
                 "Fp8Linear::set_main_grad_buffer: buffer must be contiguous");
+    TORCH_CHECK(!main_grad_bound_,
+                "Fp8Linear::set_main_grad_buffer: main_grad is already bound to a buffer (another "
+                "optimizer's?); unbind it first with set_main_grad_buffer({})");
   }
   main_grad_ = std::move(buffer);
   main_grad_bound_ = main_grad_.defined();

@@ -82,7 +82,8 @@ class Fp8ModelInit {
 /// With fp8_params (built under Fp8ModelInit) `weight` holds E4M3 data (no autograd; the
 /// optimizer owns an FP32 master copy, as Megatron's does): the weight gradient, computed in
 /// FP8 as usual (or in high precision outside a region), is accumulated in FP32 into
-/// main_grad() (Megatron's param.main_grad), and update_fp8_weight(master) re-quantizes the
+/// main_grad() (Megatron's param.main_grad; in a bound buffer's dtype, see
+/// set_main_grad_buffer), and update_fp8_weight(master) re-quantizes the
 /// weight after each optimizer step. The backward GEMM's transposed weight is a byte
 /// transpose of the stored FP8 weight: nothing is quantized twice.
 ///
@@ -115,14 +116,15 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// preserve_high_precision_init_val until cleared; undefined otherwise.
   const torch::Tensor& high_precision_init_val() const { return high_precision_init_val_; }
   void clear_high_precision_init_val() { high_precision_init_val_ = torch::Tensor(); }
-  /// FP32 gradient of the FP8 weight, accumulated over backward passes until zeroed;
-  /// undefined before the first backward and after zero_main_grad(). Bound to a buffer
-  /// (set_main_grad_buffer), it is that buffer.
+  /// Gradient of the FP8 weight, accumulated over backward passes until zeroed: FP32,
+  /// undefined before the first backward and after zero_main_grad(); bound to a buffer
+  /// (set_main_grad_buffer), it is that buffer, in its dtype.
   const torch::Tensor& main_grad() const { return main_grad_; }
   /// Clears main_grad for the next optimizer step. As torch::optim::Optimizer::zero_grad, it
   /// releases the tensor by default (4 bytes per weight element that are not held between
   /// steps, nor during the next forward pass, where activations peak); the next backward pass
-  /// allocates it again, written by its first weight-gradient GEMM without a zero fill.
+  /// allocates it again (an FP8 pass writes it with its first weight-gradient GEMM, without a
+  /// zero fill).
   /// set_to_none=false keeps it allocated and fills it with zeros. A bound buffer stays bound
   /// and is left as it is (its owner zeroes it) unless set_to_none is false.
   void zero_main_grad(bool set_to_none = true);

@@ -401,6 +401,14 @@ TEST(DistributedOptimizerTest, Fp8MainGradsAreSlicesOfTheGradientBuffer) {
         EXPECT_TRUE(layer->main_grad().is_alias_of(layers[0]->main_grad()));
         EXPECT_EQ(layer->main_grad().abs().max().item<float>(), 0.0f) << "zeroed with the buffer";
       }
+      // Binding over a binding is refused; a weight unbound behind the optimizer's back fails
+      // the next step (before any collective) instead of training on zero gradients.
+      testing::ExpectErrorContaining(
+          [&] { layers[1]->set_main_grad_buffer(torch::zeros_like(layers[1]->main_grad())); },
+          "already bound");
+      layers[1]->set_main_grad_buffer({});
+      testing::ExpectErrorContaining([&] { plugin.optimizer_step(optimizer); },
+                                     "no longer its slice of the gradient buffer");
     });
     for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   }

@@ -152,6 +152,32 @@ TEST(Fp8GemmScaledMmTest, MatchesScaledMm_CUDA) {
   }
 }
 
+// fp16 loss scaling relies on overflowing gradients becoming inf: an FP8 weight's wgrad GEMM
+// writes (and, in a data-parallel bucket, accumulates into) an fp16 main_grad directly, so an
+// fp16 output too large for fp16 must be inf, not saturated at 65504.
+void fp16_overflow_case(at::Device device) {
+  const auto e4m3 = at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(device);
+  const auto one = at::ones({}, at::TensorOptions().device(device));
+  const Fp8Tensor a(at::full({16, 32}, 448.0, e4m3), one, Fp8Format::kE4M3);
+  const Fp8Tensor b(at::full({16, 32}, 448.0, e4m3), one, Fp8Format::kE4M3);
+  // Every element is 32 · 448² ≈ 6.4e6 > 65504.
+  const auto written = fp8_gemm(a, b, at::kHalf);
+  EXPECT_TRUE(written.isinf().all().item<bool>()) << written.to(at::kFloat).max().item<float>();
+  Fp8GemmOptions accumulate;
+  accumulate.out = at::full({16, 16}, 1.0, at::TensorOptions().dtype(at::kHalf).device(device));
+  accumulate.accumulate = true;
+  fp8_gemm(a, b, at::kHalf, accumulate);
+  EXPECT_TRUE(accumulate.out.isinf().all().item<bool>())
+      << accumulate.out.to(at::kFloat).max().item<float>();
+}
+
+TEST(Fp8GemmOutputTest, Fp16OutputOverflowsToInf) { fp16_overflow_case(at::kCPU); }
+
+TEST(Fp8GemmOutputTest, Fp16OutputOverflowsToInf_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  fp16_overflow_case(at::kCUDA);
+}
+
 TEST(Fp8GemmErrorsTest, BadShapesAndOptionsAreNamed) {
   auto expect_error = [](auto&& fn, const std::string& text) {
     testing::ExpectErrorContaining(fn, text);

@@ -211,7 +211,11 @@ class CpuAllocationCounter final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(self.mutex_);
       auto it = self.blocks_.find(data);
-      if (it == self.blocks_.end()) return;
+      if (it == self.blocks_.end()) {
+        // Allocated before the counter was installed and freed through it (raw_deallocate).
+        if (auto base_deleter = self.base_->raw_deleter()) base_deleter(data);
+        return;
+      }
       block = it->second;
       self.blocks_.erase(it);
     }

@@ -15,7 +15,9 @@ namespace amp8::detail {
 
 /// What one FP8 forward call of a linear layer uses.
 struct Fp8LinearCall {
-  Fp8CastTranspose weight_q;  ///< the FP8 weight and its transpose (cached or fresh)
+  /// The FP8 weight and its transpose (cached or fresh); under fp8_params no transpose (the
+  /// backward makes it).
+  Fp8CastTranspose weight_q;
   Fp8RecipeOptions recipe;
   at::ScalarType out_dtype;  ///< the autocast dtype, else the input's
 };
@@ -87,18 +89,25 @@ Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format 
 
 /// Saves `tensors` and then the FP8 weight operand dgrad needs (two more tensors: data and
 /// scale_inv): the call's transpose Wᵀ [in, out], or under fp8_params, whose call carries no
-/// transpose, the stored FP8 weight W [out, in] itself.
+/// transpose, the stored FP8 weight W [out, in] itself. load_dgrad_weight takes the two saved
+/// tensors back with which of the two they are.
+struct Fp8DgradWeight {
+  Fp8Tensor weight;
+  bool transposed = true;  ///< Wᵀ [in, out]; false: W [out, in], transposed just before dgrad
+};
 void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
                        std::vector<at::Tensor> tensors);
+Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at::Tensor& data,
+                                 const at::Tensor& scale_inv, Fp8Format format);
 
 /// The backward GEMMs of an FP8 linear layer: grad_output2d [rows, out_features] is quantized
 /// once (cast_transpose) into the gradient format; wgrad from x_t (which may be undefined when
-/// no weight gradient is needed), then dgrad from `w`, what save_dgrad_weight saved (under
-/// fp8_params W, byte-transposed here just before dgrad; else Wᵀ); under fp8_params the weight
-/// gradient goes to main_grad. x_t is dropped before dgrad: pass it by std::move, holding no
+/// no weight gradient is needed), then dgrad from `w`, what save_dgrad_weight saved (W is
+/// byte-transposed here, just before dgrad); under fp8_params the weight gradient goes to
+/// main_grad. The bias gradient is reduced first, before any of that is allocated. x_t is dropped before dgrad: pass it by std::move, holding no
 /// other reference, to free it there. need_bias is ignored for a layer without bias.
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
-                                   Fp8Tensor x_t, const Fp8Tensor& w, bool need_input,
+                                   Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias);
 
 }  // namespace amp8::detail
