@@ -358,9 +358,9 @@ std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
   for (size_t n : fp8_params_) {
     const auto& param = params_[n];
     const auto& main_grad = param.fp8_owner->main_grad();
-    TORCH_CHECK(main_grad.defined() &&
-                    main_grad.const_data_ptr() ==
-                        buffers_[param.buffer].grads.narrow(0, param.offset, 1).const_data_ptr(),
+    const auto& grads = buffers_[param.buffer].grads;
+    const auto* slice = static_cast<const char*>(grads.const_data_ptr()) + param.offset * grads.element_size();
+    TORCH_CHECK(main_grad.defined() && main_grad.const_data_ptr() == slice,
                 "DistributedOptimizer: FP8 weight ", n, "'s main_grad is no longer its slice of the "
                 "gradient buffer (the module was reset() or set_main_grad_buffer was called after "
                 "connect), so its gradient would not be reduced");

@@ -114,6 +114,22 @@ Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c1
   return run;
 }
 
+// One forward (in the plugin's context) and backward of rank `rank`'s share of step `step`'s
+// batch split over `world` ranks; returns the loss.
+template <typename Model>
+torch::Tensor forward_backward(MixedPrecisionPlugin& plugin, Model& model, int step, int rank, int world) {
+  auto [x, y] = data().batch(step);
+  const int64_t rows = kGlobalRows / world;
+  x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
+  torch::Tensor loss;
+  {
+    auto context = plugin.forward_context();
+    loss = torch::mse_loss(plugin.convert_output(model.forward(plugin.convert_input(x))), y);
+  }
+  plugin.backward(loss);
+  return loss;
+}
+
 // different_inits: rank r initializes its model from seed kSeed + r (rank 0's is the reference's).
 std::vector<Run> train_ranks(const MixedPrecisionOptions& options, int world, int steps, int64_t accumulate = 1,
                              int64_t clip = 0, std::shared_ptr<InProcessWorld>* world_out = nullptr,
@@ -339,15 +355,7 @@ TEST(DistributedOptimizerTest, Fp8WeightGradientsAreReducedDuringTheBackwardPass
         // Three buckets: the 4096 + 1024 FP8 weights of layers 2-3, layer 1's 2048, the rest.
         plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
         plugin.connect(*model, optimizer);
-        auto [x, y] = data().batch(0);
-        const int64_t rows = kGlobalRows / 2;
-        x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
-        torch::Tensor loss;
-        {
-          auto context = plugin.forward_context();
-          loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-        }
-        plugin.backward(loss);
+        forward_backward(plugin, *model, /*step=*/0, rank, /*world=*/2);
         after_backward[rank] = bytes_of(world->log(rank), "reduce_scatter");
         EXPECT_TRUE(plugin.optimizer_step(optimizer));
         after_step[rank] = bytes_of(world->log(rank), "reduce_scatter");
@@ -386,15 +394,7 @@ TEST(DistributedOptimizerTest, Fp8MainGradsAreSlicesOfTheGradientBuffer) {
         EXPECT_TRUE(layer->main_grad().is_alias_of(layers[0]->main_grad()))
             << "every FP8 weight's main_grad lies in the one FP8 gradient buffer";
       }
-      auto [x, y] = data().batch(0);
-      const int64_t rows = kGlobalRows / 2;
-      x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
-      torch::Tensor loss;
-      {
-        auto context = plugin.forward_context();
-        loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
-      }
-      plugin.backward(loss);
+      forward_backward(plugin, *model, /*step=*/0, rank, /*world=*/2);
       EXPECT_TRUE(plugin.optimizer_step(optimizer));
       for (const auto& layer : layers) {
         ASSERT_TRUE(layer->main_grad().defined()) << "still bound after the step";
@@ -446,15 +446,7 @@ TEST(DistributedOptimizerTest, AnFp8LayerUsedTwicePerForwardPassIsReducedWhenCom
     plugin.connect(net, optimizer);
     std::vector<double> losses;
     for (int step = 0; step < kSteps; ++step) {
-      auto [x, y] = data().batch(step);
-      const int64_t rows = kGlobalRows / world;
-      x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
-      torch::Tensor loss;
-      {
-        auto context = plugin.forward_context();
-        loss = torch::mse_loss(plugin.convert_output(net.forward(plugin.convert_input(x))), y);
-      }
-      plugin.backward(loss);
+      const auto loss = forward_backward(plugin, net, step, rank, world);
       EXPECT_TRUE(plugin.optimizer_step(optimizer));
       losses.push_back(loss.item<double>());
     }
