@@ -127,18 +127,22 @@ Measured plugin_case(const amp8::MixedPrecisionOptions& precision, const torch::
 }
 
 // What the plugin itself adds to a bf16-mixed step, measured with CUDA events inside real steps:
-// unscale_gradients (the half gradients copied into FP32 master gradients) and optimizer_step
-// minus the optimizer's own step (the masters copied back into the bf16 parameters, gradients
-// cleared). The hooks around forward and backward launch no kernels under bf16.
+// unscale_gradients (unfused: the half gradients copied into FP32 master gradients; fused:
+// nothing to copy) and optimizer_step (unfused: AdamW's own step, then the masters copied back
+// into the bf16 parameters; fused: one multi-tensor pass). The hooks around forward and
+// backward launch no kernels under bf16.
 struct Overhead {
   double grad_copy_ms = 0, optimizer_step_ms = 0, plugin_step_ms = 0;
+  double params = 0;
 };
 
-Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps) {
+Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps, bool fused) {
   auto model = make_stack();
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
-  amp8::MixedPrecisionPlugin plugin = amp8::recipes::bf16_mixed();
+  amp8::MixedPrecisionPlugin plugin = amp8::recipes::bf16_mixed().fused_optimizer(fused);
   plugin.connect(*model, optimizer);
+  double params = 0;
+  for (const auto& p : model->parameters()) params += static_cast<double>(p.numel());
 
   auto stream = at::cuda::getCurrentCUDAStream();
   auto median = [](std::vector<double> v) {
@@ -160,12 +164,22 @@ Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps)
       step.push_back(b.elapsed_time(c));
     }
   }
+  if (fused) return {median(unscale), median(step), median(step), params};
   // The optimizer's own step on the FP32 masters (gradients in place from unscale_gradients).
   forward_backward(plugin, model, x, y);
   plugin.unscale_gradients(optimizer);
   const double optimizer_ms = amp8::bench::median_ms([&] { optimizer.step(); }, 2, reps);
   plugin.optimizer_step(optimizer);
-  return {median(unscale), optimizer_ms, median(step)};
+  return {median(unscale), optimizer_ms, median(step), params};
+}
+
+// Device-to-device copy rate (bytes read + written per second) of a 1 GiB buffer: the floor
+// that the optimizer step's bytes are measured against.
+double copy_bytes_per_s() {
+  auto src = torch::empty({int64_t{1} << 30}, torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA));
+  auto dst = torch::empty_like(src);
+  const double ms = amp8::bench::median_ms([&] { dst.copy_(src); }, 3, 20);
+  return 2.0 * static_cast<double>(src.numel()) / (ms / 1000.0);
 }
 
 Measured bare_bf16_case(const torch::Tensor& x, const torch::Tensor& y, int warmup, int reps) {
@@ -233,8 +247,33 @@ int main(int argc, char** argv) {
   c10::cuda::CUDACachingAllocator::emptyCache();
   emit("gpt_stack_step_bf16_fp8", fp8_no_params, "bf16-mixed", bf16.step_ms);
 
-  const auto overhead = overhead_case(x, y, 10);
+  const auto bf16_unfused = plugin_case(amp8::recipes::bf16_mixed().fused_optimizer(false), x, y, 3, 10);
   c10::cuda::CUDACachingAllocator::emptyCache();
+  emit("gpt_stack_step_bf16_mixed_unfused_optimizer", bf16_unfused, "bf16-mixed (fused optimizer)", bf16.step_ms);
+
+  const auto fp8_unfused = plugin_case(amp8::recipes::bf16_with_fp8_mixed().fused_optimizer(false), x, y, 3, 10);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  emit("gpt_stack_step_bf16_fp8_params_unfused_optimizer", fp8_unfused, "bf16 + FP8 fp8_params (fused optimizer)", fp8.step_ms);
+
+  // The optimizer step with master weights against its bytes-moved floor: per parameter the
+  // FP32 master and both moments read and written (24 B), the bf16 gradient read and the bf16
+  // parameter written (4 B), at the copy rate measured here.
+  const double copy_rate = copy_bytes_per_s();
+  const auto fused_step = overhead_case(x, y, 10, /*fused=*/true);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  const double floor_ms = 28.0 * fused_step.params / copy_rate * 1000.0;
+  const auto overhead = overhead_case(x, y, 10, /*fused=*/false);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  const double unfused_ms = overhead.grad_copy_ms + overhead.plugin_step_ms;
+  const double fused_ms = fused_step.grad_copy_ms + fused_step.plugin_step_ms;
+  amp8::bench::Record("gpt_stack_optimizer_step", shape, cmd)
+      .timing(fused_ms, "unfused (grad copy + torch::optim::AdamW + copy-back)", unfused_ms)
+      .set("params", fused_step.params)
+      .set("copy_rate_bytes_per_s", copy_rate)
+      .set("floor_ms", floor_ms)
+      .set("fraction_of_floor", fused_ms / floor_ms)
+      .set("unfused_fraction_of_floor", unfused_ms / floor_ms)
+      .print();
   const double copy_back_ms = overhead.plugin_step_ms - overhead.optimizer_step_ms;
   const double overhead_ms = overhead.grad_copy_ms + copy_back_ms;
   // For scale: a bf16 loop with no FP32 masters at all (bf16 params stepped by AdamW directly).

@@ -133,7 +133,13 @@ class Converter {
           record(parent, name, path, child, replacement.ptr(), torch::nn::AnyModule(replacement));
         }
       } else if (auto fp8 = std::dynamic_pointer_cast<Fp8LinearImpl>(child)) {
-        if (fp8->fp8_eligible() && !keep_child) ++result_.fp8_linear_count;
+        // The model's own FP8 layers follow the same knobs as the swapped-in ones.
+        fp8->options.fp8_min_gemm_size(options_.fp8_min_gemm_size()).keep_in_high_precision(keep_child);
+        if (keep_child) {
+          result_.kept_in_high_precision.push_back(path + " (bf16 layer)");
+        } else if (fp8->fp8_eligible()) {
+          ++result_.fp8_linear_count;
+        }
       } else {
         visit(*child, path, keep_child);
       }

@@ -10,14 +10,17 @@
 #include <utility>
 #include <vector>
 
+#include "plugin/fp8_recipe.h"
+
 namespace amp8 {
 
 /// How convert_to_fp8 builds the FP8 modules.
 struct Fp8ConversionOptions {
   /// As Fp8LinearOptions::fp8_amax_history_len. Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
-  /// As Fp8LinearOptions::fp8_min_gemm_size. Default: 2^36.
-  TORCH_ARG(int64_t, fp8_min_gemm_size) = int64_t{1} << 36;
+  /// As Fp8LinearOptions::fp8_min_gemm_size; set on every Fp8Linear of the model, swapped in
+  /// or already there. Default: kDefaultFp8MinGemmSize (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
   /// Build the Fp8Linear modules with their weights kept only in FP8 (as under Fp8ModelInit).
   /// Default: false.
   TORCH_ARG(bool, fp8_params) = false;
@@ -56,8 +59,9 @@ struct Fp8Conversion {
 
 /// Replaces every torch::nn::Linear whose in/out features are multiples of 16 with an
 /// Fp8Linear, and every torch::nn::LayerNorm with an Fp8LayerNorm, anywhere in `model`'s tree,
-/// moving the parameters (same values; without fp8_params the same storage). Modules already
-/// amp8's are left as they are.
+/// moving the parameters (same values; without fp8_params the same storage). Fp8Linear modules
+/// already in the model (also inside Fp8LayerNormLinear) are kept, with fp8_min_gemm_size set
+/// and, inside a kept layer, keep_in_high_precision.
 ///
 /// Layers for num_layers_at_start/end_in_bf16: the children of the model's layer stack — the
 /// torch::nn::ModuleList or Sequential with the most children that contain a linear layer

@@ -105,4 +105,12 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const DistributedEnvir
 #endif
 }
 
+bool nccl_available() {
+#ifdef AMP8_HAS_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace amp8

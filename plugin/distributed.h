@@ -51,4 +51,8 @@ c10::intrusive_ptr<c10d::Store> rendezvous(const DistributedEnvironment& env,
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(
     const DistributedEnvironment& env, std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
+/// Whether init_process_group can make a ProcessGroupNCCL: amp8 built with its CUDA kernels
+/// against a LibTorch with NCCL (c10d's USE_C10D_NCCL, which both builds take from LibTorch).
+bool nccl_available();
+
 }  // namespace amp8

@@ -12,6 +12,7 @@
 
 #include "ops/quantize.h"
 #include "plugin/fp8_linear.h"
+#include "plugin/grad_clip.h"
 
 namespace amp8 {
 namespace {
@@ -390,25 +391,11 @@ std::vector<torch::Tensor> DistributedOptimizer::reduce_gradients() {
 }
 
 double DistributedOptimizer::clip_grad_norm(double max_norm) {
-  TORCH_CHECK(max_norm > 0, "clip_gradients: max_norm must be positive, got ", max_norm);
-  torch::NoGradGuard no_grad;
-  const auto device = buffers_.front().grads.device();
-  auto sum_sq = torch::zeros({1}, torch::TensorOptions().dtype(at::kFloat).device(device));
+  std::vector<torch::Tensor> grads;
   for (const auto& piece : pieces_) {
-    const auto& grad = piece.master.grad();
-    if (grad.defined()) sum_sq += grad.pow(2).sum();
+    if (piece.master.grad().defined()) grads.push_back(piece.master.grad());
   }
-  std::vector<torch::Tensor> tensors{sum_sq};
-  group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::SUM})->wait();
-  const double norm = std::sqrt(sum_sq.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (const auto& piece : pieces_) {
-      const auto& grad = piece.master.grad();
-      if (grad.defined()) grad.mul_(coef);
-    }
-  }
-  return norm;
+  return clip_grad_norm_(grads, max_norm, group_.get(), buffers_.front().grads.device());
 }
 
 void DistributedOptimizer::relink_params() {

@@ -79,8 +79,8 @@ class DistributedOptimizer {
   /// Finishes the gradient reduction (launches what the backward pass has not, waits for all)
   /// and sets each master shard's gradient (float32). Returns those gradients.
   std::vector<torch::Tensor> reduce_gradients();
-  /// Global L2 norm of the master gradients (all-reduced over the group); scales them by
-  /// max_norm / norm when above. Returns the norm before clipping.
+  /// clip_grad_norm_ (plugin/grad_clip.h) over this rank's master-gradient shards, the norm
+  /// all-reduced over the group. Returns the norm before clipping.
   double clip_grad_norm(double max_norm);
   /// After the optimizer stepped: writes the master shards into the parameter buffer (FP8
   /// weights quantized with an all-reduced amax) and all-gathers it.

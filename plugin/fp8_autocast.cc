@@ -4,11 +4,13 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <exception>
 #include <map>
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "plugin/detail/fp8_state.h"
@@ -21,6 +23,8 @@ struct Fp8Autocast::Region {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::vector<DelayedScalingGroup> forward_groups;
   std::unordered_set<const void*> owners;
+  int uncaught_exceptions_at_open;  // more at destruction: an exception is unwinding
+  bool closed;
 };
 
 namespace {
@@ -67,18 +71,48 @@ void run_backward_updates(int graph_task) {
 
 }  // namespace
 
+namespace {
+// A scale update that failed in a destructor (which may not throw), rethrown by the next region
+// this thread opens.
+thread_local std::exception_ptr deferred_close_error;
+}  // namespace
+
 Fp8Autocast::Fp8Autocast(const Fp8RecipeOptions& recipe, bool enabled,
-                         c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group)
-    : region_(std::make_unique<Region>(
-          Region{enabled, recipe, std::move(amax_reduction_group), {}, {}})) {
+                         c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group) {
+  if (deferred_close_error) std::rethrow_exception(std::exchange(deferred_close_error, nullptr));
   if (enabled) recipe.validate();
+  region_ = std::make_unique<Region>(Region{enabled, recipe, std::move(amax_reduction_group), {}, {},
+                                            std::uncaught_exceptions(), false});
   region_stack.push_back(region_.get());
 }
 
 Fp8Autocast::~Fp8Autocast() {
+  if (region_->closed) return;
+  if (std::uncaught_exceptions() > region_->uncaught_exceptions_at_open) {
+    // Unwinding: leave the region without a collective the other ranks may never enter.
+    pop_region();
+    return;
+  }
+  try {
+    close();
+  } catch (const std::exception& e) {
+    TORCH_WARN("Fp8Autocast: the forward-scale update at the end of the region failed; the next "
+               "Fp8Autocast on this thread rethrows it (call close() to get it at once): ",
+               e.what());
+    deferred_close_error = std::current_exception();
+  }
+}
+
+void Fp8Autocast::pop_region() {
   TORCH_INTERNAL_ASSERT(!region_stack.empty() && region_stack.back() == region_.get(),
                         "Fp8Autocast regions must close in reverse order of opening");
   region_stack.pop_back();
+  region_->closed = true;
+}
+
+void Fp8Autocast::close() {
+  if (region_->closed) return;
+  pop_region();
   if (!region_->enabled || region_->forward_groups.empty() || !region_->recipe.delayed()) return;
   const auto& r = region_->recipe;
   if (region_->group) detail::reduce_amaxes(region_->forward_groups, *region_->group);

@@ -24,13 +24,24 @@ namespace amp8 {
 ///   {
 ///     amp8::Fp8Autocast fp8(amp8::Fp8RecipeOptions().fp8("hybrid"));
 ///     loss = criterion(model->forward(x), y);
+///     fp8.close();   // the forward-scale update (and its all-reduce); errors surface here
 ///   }
 ///   loss.backward();
+///
+/// Closing: close() ends the region and runs the update; it may throw (a failed collective).
+/// The destructor closes a region that is still open, but never throws: while an exception
+/// unwinds through it, it runs no collective and no update (the peers may never join it; the
+/// recorded amaxes stay in row 0 of their histories); at a normal scope exit, an update that
+/// fails is reported as a warning and rethrown by the next Fp8Autocast opened on this thread.
 class Fp8Autocast {
  public:
   explicit Fp8Autocast(const Fp8RecipeOptions& recipe = {}, bool enabled = true,
                        c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group = {});
   ~Fp8Autocast();
+  /// Ends the region: pops it, then (delayed scaling, FP8 on) all-reduces the forward amaxes
+  /// over the group and updates the forward scales. Throws what they throw; the region is
+  /// closed either way. Idempotent. Regions must close in reverse order of opening.
+  void close();
   Fp8Autocast(const Fp8Autocast&) = delete;
   Fp8Autocast& operator=(const Fp8Autocast&) = delete;
 
@@ -44,6 +55,7 @@ class Fp8Autocast {
   struct Region;
 
  private:
+  void pop_region();
   std::unique_ptr<Region> region_;
 };
 

@@ -77,8 +77,8 @@ struct Fp8LayerNormLinearOptions {
   TORCH_ARG(bool, bias) = true;
   /// As Fp8LinearOptions::fp8_amax_history_len. Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
-  /// As Fp8LinearOptions::fp8_min_gemm_size. Default: 2^36.
-  TORCH_ARG(int64_t, fp8_min_gemm_size) = int64_t{1} << 36;
+  /// As Fp8LinearOptions::fp8_min_gemm_size. Default: kDefaultFp8MinGemmSize (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
   /// As Fp8LinearOptions::cache_fp8_weight. Default: false.
   TORCH_ARG(bool, cache_fp8_weight) = false;
   /// As Fp8LinearOptions::fp8_params (set by constructing under Fp8ModelInit). Default: false.

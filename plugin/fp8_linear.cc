@@ -412,7 +412,8 @@ void Fp8LinearImpl::pretty_print(std::ostream& stream) const {
   stream << "amp8::Fp8Linear(in_features=" << options.in_features()
          << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
          << options.bias() << ", fp8_eligible=" << fp8_eligible()
-         << (options.fp8_params() ? ", fp8_params=true" : "") << ")";
+         << (options.fp8_params() ? ", fp8_params=true" : "")
+         << (options.keep_in_high_precision() ? ", keep_in_high_precision=true" : "") << ")";
 }
 
 bool Fp8LinearImpl::fp8_eligible() const {
@@ -498,7 +499,9 @@ namespace detail {
 std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
                                                          const at::Tensor& input) {
   const auto& options = linear.options;
-  if (!Fp8Autocast::is_enabled() || input.numel() == 0) return std::nullopt;
+  if (!Fp8Autocast::is_enabled() || options.keep_in_high_precision() || input.numel() == 0) {
+    return std::nullopt;
+  }
   if (!linear.fp8_eligible()) {
     TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
                     "): FP8 GEMMs need both dimensions divisible by 16; this layer runs in high "

@@ -37,8 +37,12 @@ struct Fp8LinearOptions {
   /// in high precision, where the fixed cost of quantizing (and the host's per-call work)
   /// outweighs the faster GEMMs. Measured on an H200 (bench/results/fp8_linear_bench.jsonl):
   /// forward+backward 0.60× of bf16 at 2048³, 1.34× at 4096³ = 2^36. Set 0 to always use
-  /// FP8. Default: 2^36.
-  TORCH_ARG(int64_t, fp8_min_gemm_size) = int64_t{1} << 36;
+  /// FP8. Default: kDefaultFp8MinGemmSize (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
+  /// Compute in high precision even inside an FP8 region: a layer that
+  /// num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 keep out of FP8 (convert_to_fp8
+  /// sets it). Default: false.
+  TORCH_ARG(bool, keep_in_high_precision) = false;
   /// Reuse the FP8 copy of the weight (and its transpose) while the weight tensor is unchanged
   /// (same version counter): the micro-batches of one optimizer step quantize it once. An
   /// explicit flag, never tied to gradient accumulation. Default: false.

@@ -44,6 +44,15 @@ LossScaler::LossScaler(const LossScalerOptions& options)
 }
 
 torch::Tensor LossScaler::unscale_(const std::vector<torch::Tensor>& grads) const {
+  return check_and_multiply(grads, 1.0 / scale_);
+}
+
+torch::Tensor LossScaler::find_non_finite(const std::vector<torch::Tensor>& grads) const {
+  return check_and_multiply(grads, 1.0);  // × 1: the values stay exactly as they are
+}
+
+torch::Tensor LossScaler::check_and_multiply(const std::vector<torch::Tensor>& grads,
+                                             double multiplier) const {
   // The ATen kernel takes tensors of one device; group by device, OR the flags together.
   std::map<std::string, std::vector<torch::Tensor>> by_device;
   c10::optional<c10::Device> first_device;
@@ -60,7 +69,7 @@ torch::Tensor LossScaler::unscale_(const std::vector<torch::Tensor>& grads) cons
   for (auto& [device, tensors] : by_device) {
     const auto device_options = flag_options.device(tensors.front().device());
     auto device_found = torch::zeros({1}, device_options);
-    const auto inv_scale = torch::full({1}, 1.0 / scale_, device_options);
+    const auto inv_scale = torch::full({1}, multiplier, device_options);
     at::_amp_foreach_non_finite_check_and_unscale_(tensors, device_found, inv_scale);
     found_inf = torch::maximum(found_inf, device_found.to(found_inf.device()));
   }

@@ -54,6 +54,9 @@ class LossScaler {
   /// grouped by device) and returns a float32 tensor [1] on the first gradient's device that is
   /// 1 when any of them holds an inf or NaN, else 0. Undefined tensors are ignored.
   torch::Tensor unscale_(const std::vector<torch::Tensor>& grads) const;
+  /// The same flag without unscaling: the gradients are left as they are (for a fused optimizer
+  /// step that unscales as it reads them, e.g. fp16 gradients that 1/scale would underflow).
+  torch::Tensor find_non_finite(const std::vector<torch::Tensor>& grads) const;
   /// Advances the state machine after a step; `found_inf` says whether its gradients overflowed.
   void update(bool found_inf);
 
@@ -66,6 +69,7 @@ class LossScaler {
   void load(torch::serialize::InputArchive& archive);
 
  private:
+  torch::Tensor check_and_multiply(const std::vector<torch::Tensor>& grads, double multiplier) const;
   LossScalerOptions options_;
   double scale_;
   int64_t growth_tracker_ = 0;

@@ -7,6 +7,8 @@
 #include "plugin/fp8_autocast.h"
 #include "plugin/fp8_layer_norm.h"
 #include "plugin/fp8_linear.h"
+#include "plugin/fused_optimizer.h"
+#include "plugin/grad_clip.h"
 
 namespace amp8 {
 namespace {
@@ -196,6 +198,7 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
       masters_.push_back(std::move(entry));
     }
   }
+  for (size_t i = 0; i < masters_.size(); ++i) master_index_[key(masters_[i].master)] = i;
   master_seeds_.clear();
   // The swapped-out parameters (the old modules' float32 weights) were kept only to map this
   // optimizer onto the new ones; nothing else holds them now, so they are freed here.
@@ -237,7 +240,8 @@ ForwardContext MixedPrecisionPlugin::forward_context() {
     context.push(std::make_shared<AutocastGuard>(dtype));
   }
   if (options_.fp8_enabled()) {
-    context.push(std::make_shared<Fp8Autocast>(fp8_recipe_, /*enabled=*/true, group_));
+    auto region = std::make_shared<Fp8Autocast>(fp8_recipe_, /*enabled=*/true, group_);
+    context.push(region, [raw = region.get()] { raw->close(); });
   }
   return context;
 }
@@ -274,6 +278,12 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
   TORCH_CHECK(model_ != nullptr && (!masters_.empty() || distributed_ || optimizer.param_groups().empty()),
               "MixedPrecisionPlugin: connect(model, optimizer) before stepping");
   torch::NoGradGuard no_grad;
+  fused_step_ = use_fused_step(optimizer);
+  if (fused_step_) {
+    prepare_fused_gradients();
+    gradients_ready_ = true;
+    return;
+  }
   std::vector<torch::Tensor> grads;
   if (distributed_) grads = distributed_->reduce_gradients();
   grads.reserve(masters_.size());
@@ -305,6 +315,16 @@ double MixedPrecisionPlugin::clip_gradients(torch::optim::Optimizer& optimizer, 
   unscale_gradients(optimizer);
   if (found_inf_) return std::numeric_limits<double>::infinity();  // the step will be skipped
   if (distributed_) return distributed_->clip_grad_norm(max_norm);
+  if (fused_step_) {
+    // The raw gradients' norm times the multiplier so far; clipping folds into the multiplier.
+    std::vector<torch::Tensor> grads;
+    for (const auto& grad : fused_grads_) {
+      if (grad.defined()) grads.push_back(grad);
+    }
+    const double norm = global_grad_norm(grads) * grad_multiplier_;
+    grad_multiplier_ *= clip_coefficient(norm, max_norm);
+    return norm;
+  }
   // The optimizer holds the masters, whose gradients unscale_gradients has just set.
   return PrecisionPlugin::clip_gradients(optimizer, max_norm);
 }
@@ -314,8 +334,10 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
   check_swapped_modules_ran();
   if (scaler_) scaler_->update(found_inf_);
   const bool step = !found_inf_;
-  if (step) {
-    optimizer.step();
+  if (step && fused_step_) {
+    fused_step(optimizer);
+  } else if (step) {
+    step_optimizer(optimizer);
     torch::NoGradGuard no_grad;
     if (distributed_) distributed_->gather_params();
     for (auto& entry : masters_) {
@@ -332,6 +354,69 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
   return step;
 }
 
+bool MixedPrecisionPlugin::use_fused_step(const torch::optim::Optimizer& optimizer) const {
+  if (!options_.fused_optimizer() || distributed_ || masters_.empty() || !is_fusable(optimizer)) {
+    return false;
+  }
+  for (const auto& entry : masters_) {
+    if (!entry.master.is_cuda()) return false;
+  }
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& param : group.params()) {
+      if (master_index_.count(key(param)) == 0) return false;  // added after connect
+    }
+  }
+  return true;
+}
+
+void MixedPrecisionPlugin::prepare_fused_gradients() {
+  fused_grads_.assign(masters_.size(), torch::Tensor());
+  std::vector<torch::Tensor> defined;
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    const auto& entry = masters_[i];
+    if (entry.fp8_owner) {
+      fused_grads_[i] = entry.fp8_owner->main_grad();
+    } else if (entry.master.is_same(entry.model)) {
+      fused_grads_[i] = entry.master.grad();
+    } else {
+      fused_grads_[i] = entry.model.grad();
+    }
+    if (fused_grads_[i].defined()) defined.push_back(fused_grads_[i]);
+  }
+  found_inf_ = false;
+  grad_multiplier_ = 1.0;
+  if (scaler_) {
+    found_inf_ = scaler_->find_non_finite(defined).item<float>() > 0.0f;
+    grad_multiplier_ = 1.0 / scaler_->scale();
+  }
+}
+
+void MixedPrecisionPlugin::fused_step(torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard no_grad;
+  fused_optimizer_step(
+      optimizer, grad_multiplier_,
+      [&](const torch::Tensor& master) { return fused_grads_[master_index_.at(key(master))]; },
+      [&](const torch::Tensor& master) {
+        const auto& entry = masters_[master_index_.at(key(master))];
+        const bool half_copy = !entry.fp8_owner && !entry.master.is_same(entry.model);
+        return half_copy ? entry.model : torch::Tensor();
+      });
+  for (auto& entry : masters_) {
+    if (entry.fp8_owner) entry.fp8_owner->update_fp8_weight(entry.master);
+  }
+}
+
+void MixedPrecisionPlugin::step_optimizer(torch::optim::Optimizer& optimizer) {
+  // The distributed optimizer's shards (float32 masters with float32 gradients) take the
+  // multi-tensor kernels too; the half copies are written by gather_params.
+  if (distributed_ && options_.fused_optimizer() && is_fusable(optimizer) &&
+      !distributed_->master_shards().empty() && distributed_->master_shards().front().is_cuda()) {
+    fused_optimizer_step(optimizer, 1.0, [](const torch::Tensor& p) { return p.grad(); });
+    return;
+  }
+  optimizer.step();
+}
+
 void MixedPrecisionPlugin::discard_gradients(torch::optim::Optimizer& optimizer) {
   clear_gradients();
   ++skipped_steps_;
@@ -344,6 +429,9 @@ void MixedPrecisionPlugin::clear_gradients() {
     if (entry.model.defined()) entry.model.mutable_grad().reset();
     entry.master.mutable_grad().reset();
   }
+  fused_grads_.clear();
+  grad_multiplier_ = 1.0;
+  fused_step_ = false;
   gradients_ready_ = false;
   found_inf_ = false;
 }

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
@@ -40,6 +41,13 @@ struct MixedPrecisionOptions {
   /// Reduce gradients across data-parallel ranks in float32 (used by the distributed
   /// optimizer). Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
   TORCH_ARG(bool, grad_reduce_in_fp32) = true;
+  /// Step a torch::optim::Adam / AdamW (without amsgrad) whose masters are on a GPU with amp8's
+  /// multi-tensor kernels (fused_optimizer_step, TE's FusedAdam with master weights): one pass
+  /// per element reads the model's half gradient where it is (no FP32 gradient copy), unscales
+  /// and clips it on the fly, updates the FP32 master and the moments and writes the model's
+  /// half parameter (no copy-back). The masters' .grad() then stays undefined. Other
+  /// optimizers, the CPU, or false: the optimizer's own step(). Default: true.
+  TORCH_ARG(bool, fused_optimizer) = true;
 
   // ---- FP8 (Transformer Engine's DelayedScaling; see Fp8RecipeOptions) ----
   /// "none", "hybrid" or "e4m3". Default: "none".
@@ -55,10 +63,12 @@ struct MixedPrecisionOptions {
   /// Keep linear weights only in FP8 (TE's fp8_model_init); the masters are seeded from the
   /// high-precision values. Default: false (the FP8 presets set true, as NeMo's).
   TORCH_ARG(bool, fp8_params) = false;
-  /// As Fp8LinearOptions::fp8_min_gemm_size, for the layers convert_module swaps in.
-  /// Default: 2^36.
-  TORCH_ARG(int64_t, fp8_min_gemm_size) = int64_t{1} << 36;
-  /// Layers at the start / end of the model kept out of FP8. Default: 0.
+  /// As Fp8LinearOptions::fp8_min_gemm_size, for every Fp8Linear of the model (those
+  /// convert_module swaps in and those the model already has). Default: kDefaultFp8MinGemmSize
+  /// (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
+  /// Layers at the start / end of the model kept out of FP8 (their Fp8Linear modules, swapped
+  /// in or already there, compute in high precision). Default: 0.
   TORCH_ARG(int64_t, num_layers_at_start_in_bf16) = 0;
   /// Default: 0.
   TORCH_ARG(int64_t, num_layers_at_end_in_bf16) = 0;
@@ -161,6 +171,10 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   };
   void clear_gradients();
   void check_swapped_modules_ran();
+  bool use_fused_step(const torch::optim::Optimizer& optimizer) const;
+  void prepare_fused_gradients();
+  void fused_step(torch::optim::Optimizer& optimizer);
+  void step_optimizer(torch::optim::Optimizer& optimizer);
 
   MixedPrecisionOptions options_;
   std::optional<LossScaler> scaler_;
@@ -172,6 +186,12 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   Fp8Conversion conversion_;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> master_seeds_;  // (param, float32 value)
   std::vector<Master> masters_;
+  std::unordered_map<const void*, size_t> master_index_;  // master's TensorImpl → masters_ index
+  // The fused step (use_fused_step): per masters_ entry, the gradient its kernel reads, and
+  // what every gradient is multiplied by (1/loss scale × the clipping coefficient).
+  bool fused_step_ = false;
+  std::vector<torch::Tensor> fused_grads_;
+  double grad_multiplier_ = 1.0;
   bool gradients_ready_ = false;
   bool found_inf_ = false;
   bool swapped_modules_checked_ = false;

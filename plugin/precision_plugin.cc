@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "plugin/grad_clip.h"
+
 namespace amp8 {
 namespace {
 
@@ -24,16 +26,7 @@ double PrecisionPlugin::clip_gradients(torch::optim::Optimizer& optimizer, doubl
   for (const auto& param : optimizer_params(optimizer)) {
     if (param.grad().defined()) grads.push_back(param.grad());
   }
-  if (grads.empty()) return 0.0;
-  torch::NoGradGuard no_grad;
-  // The global L2 norm in float32 (one multi-tensor pass), then a scaling pass only when the
-  // norm is above max_norm: an infinite max_norm (the Trainer's gradient check) only measures.
-  auto norms = at::_foreach_norm(grads, 2);
-  for (auto& n : norms) n = n.to(at::kFloat).reshape({1}).to(norms.front().device());
-  const double norm = at::cat(norms).norm().item<double>();
-  const double coef = max_norm / (norm + 1e-6);
-  if (std::isfinite(norm) && coef < 1.0) at::_foreach_mul_(grads, coef);
-  return norm;
+  return clip_grad_norm_(grads, max_norm);
 }
 
 bool PrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {

@@ -6,6 +6,8 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,30 +15,53 @@
 namespace amp8 {
 
 /// What PrecisionPlugin::forward_context() returns: a move-only RAII handle. While it lives,
-/// the regions the plugin opened (at::autocast, the FP8 region) are active; destroying it
-/// closes them in reverse order of opening.
+/// the regions the plugin opened (at::autocast, the FP8 region) are active. close() ends them
+/// in reverse order of opening and reports what failed there (the FP8 region's amax all-reduce
+/// and scale update); the destructor ends whatever is still open without throwing (see
+/// Fp8Autocast for what happens to a failure then, and while an exception unwinds).
 class ForwardContext {
  public:
   ForwardContext() = default;
   ForwardContext(ForwardContext&&) = default;
   ForwardContext& operator=(ForwardContext&& other) {
-    close();
+    release();
     guards_ = std::move(other.guards_);
     return *this;
   }
   ForwardContext(const ForwardContext&) = delete;
   ForwardContext& operator=(const ForwardContext&) = delete;
-  ~ForwardContext() { close(); }
+  ~ForwardContext() { release(); }
 
-  /// Adds a guard; it is destroyed before every guard added earlier.
-  void push(std::shared_ptr<void> guard) { guards_.push_back(std::move(guard)); }
-  /// Closes the regions now (the destructor then does nothing).
+  /// Adds a guard; it ends before every guard added earlier. `close`, when given, is how
+  /// close() ends it (it may throw); otherwise, or from the destructor, the guard is destroyed.
+  void push(std::shared_ptr<void> guard, std::function<void()> close = {}) {
+    guards_.push_back({std::move(guard), std::move(close)});
+  }
+  /// Ends every region now, innermost first; rethrows the first failure once all are ended.
   void close() {
-    while (!guards_.empty()) guards_.pop_back();
+    std::exception_ptr error;
+    while (!guards_.empty()) {
+      auto guard = std::move(guards_.back());
+      guards_.pop_back();
+      if (!guard.close || error) continue;
+      try {
+        guard.close();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
   }
 
  private:
-  std::vector<std::shared_ptr<void>> guards_;
+  struct Guard {
+    std::shared_ptr<void> guard;
+    std::function<void()> close;
+  };
+  void release() noexcept {
+    while (!guards_.empty()) guards_.pop_back();
+  }
+  std::vector<Guard> guards_;
 };
 
 /// The hooks a precision adds to a training loop: Lightning's Precision plugin, in C++. The

@@ -197,6 +197,7 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
       {
         auto context = precision.forward_context();
         loss = training_step(TrainStepInput{step, micro, precision});
+        context.close();  // the FP8 scale update's errors surface here, not in a destructor
       }
       TORCH_CHECK(loss.defined() && loss.numel() == 1,
                   "Trainer: the training step must return a loss with one element, got ",

@@ -3,6 +3,7 @@
 // same global batch, 1/N of the optimizer state per rank, what the collectives carry, sharded
 // checkpoints, and a rank that dies.
 
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -15,6 +16,7 @@
 #include <filesystem>
 #include <memory>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "plugin/distributed.h"
@@ -29,6 +31,7 @@
 namespace amp8 {
 namespace {
 
+using testing::BytesEqual;
 using testing::InProcessWorld;
 
 constexpr int64_t kGlobalRows = 48;  // divisible by 1, 2, 3 and 4 ranks
@@ -567,6 +570,46 @@ TEST(DistributedOptimizerTest, AnOverflowOnOneRankSkipsTheStepOnEveryRank) {
   }
 }
 
+// An infinite gradient on one rank: the clipping all-reduces an infinite norm and must leave
+// every gradient as it is (the step is then stopped or skipped), as the single-rank path does.
+// The distributed path once scaled by max_norm / inf = 0, zeroing every finite gradient.
+TEST(DistributedOptimizerTest, AnInfiniteNormLeavesTheGradientsUnclipped) {
+  const auto options = recipes::bf16_mixed();
+  data();
+  std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options)};
+  std::vector<double> norms(2);
+  const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto& model = models[rank];
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    MixedPrecisionPlugin plugin(options);
+    plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+    plugin.connect(*model, optimizer);
+    auto [x, y] = data().batch(0);
+    x = x.narrow(0, rank * 24, 24), y = y.narrow(0, rank * 24, 24);
+    auto loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+    if (rank == 1) {  // d(bias · inf)/d bias = inf: one parameter's gradient is infinite
+      loss = loss + (model->parameters().back().to(at::kFloat) * std::numeric_limits<float>::infinity()).sum();
+    }
+    plugin.backward(loss);
+    plugin.unscale_gradients(optimizer);
+    std::vector<torch::Tensor> before;
+    for (const auto& master : plugin.master_params()) {
+      if (master.grad().defined()) before.push_back(master.grad().clone());
+    }
+    norms[rank] = plugin.clip_gradients(optimizer, 1.0);
+    size_t i = 0;
+    int64_t finite_nonzero = 0;
+    for (const auto& master : plugin.master_params()) {
+      if (!master.grad().defined()) continue;
+      EXPECT_TRUE(BytesEqual(master.grad(), before[i++])) << "rank " << rank << ": a gradient was clipped";
+      finite_nonzero += (master.grad().isfinite() & master.grad().ne(0)).sum().item<int64_t>();
+    }
+    EXPECT_GT(finite_nonzero, 0) << "rank " << rank << " holds finite, non-zero gradients";
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  EXPECT_TRUE(std::isinf(norms[0]) && std::isinf(norms[1])) << norms[0] << ", " << norms[1];
+}
+
 TEST(DistributedOptimizerTest, ARankThatDiesMakesTheOthersFailWithinTheTimeout) {
   const auto options = recipes::bf16_mixed();
   std::vector<torch::nn::Sequential> models;
@@ -687,6 +730,20 @@ TEST(DistributedNcclTest, MatchesSingleRankTrainingOverProcessGroupNccl_CUDA) {
     }
   }
   group->shutdown();
+}
+
+// The Bazel build once compiled distributed.cc without LibTorch's USE_C10D_NCCL (CMake takes it
+// from torch's targets), so its gpt_pretrain had no NCCL under torchrun. NCCL must be there
+// whenever amp8 has CUDA and the LibTorch it runs on ships NCCL (libnccl loaded with
+// libtorch_cuda).
+TEST(DistributedEnvironmentTest, NcclIsAvailableWheneverLibTorchHasIt) {
+#ifdef AMP8_WITH_CUDA
+  const bool libtorch_has_nccl = dlsym(RTLD_DEFAULT, "ncclGetVersion") != nullptr;
+#else
+  const bool libtorch_has_nccl = false;  // amp8 without its CUDA kernels has no NCCL path
+#endif
+  EXPECT_EQ(nccl_available(), libtorch_has_nccl)
+      << "amp8 and LibTorch disagree on NCCL: the build lost LibTorch's USE_C10D_NCCL";
 }
 
 TEST(DistributedEnvironmentTest, ReadsTorchrunVariablesAndNamesABadOne) {

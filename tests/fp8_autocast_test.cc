@@ -88,5 +88,83 @@ TEST(Fp8AutocastTest, AmaxesAreReducedOverTheGroupInOneCallPerUpdate) {
   EXPECT_GT(alone->fp8_fwd_scale[0].item<float>(), 10.0f);
 }
 
+// A group whose peers are gone: every all-reduce fails, as NCCL's would after its timeout.
+class FailingBackend : public c10d::Backend {
+ public:
+  FailingBackend() : c10d::Backend(0, 2) {}
+  const std::string getBackendName() const override { return "amp8_test_failing"; }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& options) override {
+    ++calls;
+    TORCH_CHECK(false, "all-reduce failed: rank 1 is gone");
+  }
+  int calls = 0;
+};
+
+template <typename Backend>
+c10::intrusive_ptr<c10d::ProcessGroup> group_of(const c10::intrusive_ptr<Backend>& backend) {
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(0, 2);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+  group->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  return group;
+}
+
+Fp8Linear small_fp8_linear() {
+  return Fp8Linear(Fp8LinearOptions(32, 32).fp8_amax_history_len(4).fp8_min_gemm_size(0));
+}
+
+TEST(Fp8AutocastTest, CloseRunsTheUpdateAndReportsAFailedReduction) {
+  auto layer = small_fp8_linear();
+  auto backend = c10::make_intrusive<FailingBackend>();
+  const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4);
+  Fp8Autocast region(recipe, true, group_of(backend));
+  layer->forward(torch::randn({16, 32}));
+  testing::ExpectErrorContaining([&] { region.close(); }, "rank 1 is gone");
+  EXPECT_FALSE(Fp8Autocast::is_enabled()) << "closed even though the update failed";
+  region.close();
+  EXPECT_EQ(backend->calls, 1) << "closing twice runs one update";
+
+  // A working close updates the scales before returning.
+  auto peers = c10::make_intrusive<PeerMaxBackend>(1000.0f);
+  Fp8Autocast ok(recipe, true, group_of(peers));
+  layer->forward(torch::randn({16, 32}));
+  ok.close();
+  EXPECT_EQ(peers->calls, 1);
+  EXPECT_EQ(layer->fp8_fwd_scale[0].item<float>(), 448.0f / 1000.0f);
+}
+
+// A rank unwinding from an exception must not enter a collective its peers may never join
+// (the destructor used to all-reduce and update on the way out).
+TEST(Fp8AutocastTest, NoCollectiveWhileAnExceptionUnwinds) {
+  auto layer = small_fp8_linear();
+  auto peers = c10::make_intrusive<PeerMaxBackend>(1000.0f);
+  const auto scale_before = layer->fp8_fwd_scale.clone();
+  try {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4), true, group_of(peers));
+    layer->forward(torch::randn({16, 32}));
+    throw std::runtime_error("the training step failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(peers->calls, 0);
+  EXPECT_TRUE(layer->fp8_fwd_scale.equal(scale_before)) << "no scale update while unwinding";
+  EXPECT_FALSE(Fp8Autocast::is_enabled());
+}
+
+// A failure at a normal scope exit cannot leave a destructor (std::terminate): it is warned
+// about and rethrown by the next region opened on the thread.
+TEST(Fp8AutocastTest, AFailureAtScopeExitIsRethrownByTheNextRegion) {
+  auto layer = small_fp8_linear();
+  auto backend = c10::make_intrusive<FailingBackend>();
+  {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4), true, group_of(backend));
+    layer->forward(torch::randn({16, 32}));
+  }
+  EXPECT_EQ(backend->calls, 1);
+  EXPECT_FALSE(Fp8Autocast::is_enabled());
+  testing::ExpectErrorContaining([] { Fp8Autocast next; }, "rank 1 is gone");
+  Fp8Autocast after;  // reported once
+  EXPECT_TRUE(Fp8Autocast::is_enabled());
+}
+
 }  // namespace
 }  // namespace amp8

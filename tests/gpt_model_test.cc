@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "plugin/convert_module.h"
 #include "plugin/fp8_autocast.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
@@ -41,6 +42,9 @@ TEST_F(GptModelTest, HeadIsTiedAndTheModelRunsInFp8) {
   // LN 2·64 + fc1 64·256+256 + fc2 256·64+64), final LN 2·64.
   const int64_t block = 128 + 64 * 192 + 192 + 64 * 64 + 64 + 128 + 64 * 256 + 256 + 256 * 64 + 64;
   EXPECT_EQ(model->parameter_count(), 2 * 256 * 64 + 2 * block + 128);
+  // The tiny model's GEMMs are below the default fp8_min_gemm_size; the precision's knob
+  // (here through convert_to_fp8, as MixedPrecisionPlugin applies it) reaches its modules.
+  convert_to_fp8(*model, Fp8ConversionOptions().fp8_min_gemm_size(0));
   auto tokens = torch::randint(256, {2, 32}, torch::kLong);
   torch::Tensor fp8_logits;
   {

@@ -218,6 +218,32 @@ TEST_F(ConvertModuleTest, SwapsLinearAndLayerNormKeepingValuesAndBf16Layers) {
   EXPECT_EQ(model->blocks[1]->as<testing::TinyBlockImpl>()->qkv->ptr(0)->as<Fp8LinearImpl>()->forward_calls(), 1);
 }
 
+// A model built from amp8's own modules: the precision's fp8_min_gemm_size and the layers it
+// keeps in bf16 reach them as they reach swapped-in ones (GptModel's modules once kept their
+// own default and ignored both).
+TEST_F(ConvertModuleTest, KnobsReachTheModelsOwnFp8Modules) {
+  auto model = torch::nn::Sequential(Fp8Linear(32, 32), torch::nn::ReLU(), Fp8Linear(32, 32),
+                                     torch::nn::ReLU(), Fp8Linear(32, 16));
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_min_gemm_size(0)
+                                    .num_layers_at_start_in_bf16(1);
+  plugin.connect(*model, optimizer);
+  const std::vector<Fp8LinearImpl*> layers = {model->ptr(0)->as<Fp8LinearImpl>(),
+                                              model->ptr(2)->as<Fp8LinearImpl>(),
+                                              model->ptr(4)->as<Fp8LinearImpl>()};
+  for (auto* layer : layers) EXPECT_EQ(layer->options.fp8_min_gemm_size(), 0);
+  EXPECT_TRUE(layers[0]->options.keep_in_high_precision());
+  EXPECT_FALSE(layers[1]->options.keep_in_high_precision());
+  ASSERT_EQ(plugin.conversion().kept_in_high_precision.size(), 1u);
+  EXPECT_EQ(plugin.conversion().kept_in_high_precision[0], "0 (bf16 layer)");
+
+  // 16 × 32 × 32 GEMMs: FP8 runs (records amaxes) in layers 1 and 2 only.
+  { auto context = plugin.forward_context(); model->forward(plugin.convert_input(torch::randn({16, 32}))); }
+  EXPECT_EQ(layers[0]->fp8_fwd_amax_history.abs().sum().item<float>(), 0.0f) << "kept in bf16";
+  EXPECT_GT(layers[1]->fp8_fwd_amax_history.abs().sum().item<float>(), 0.0f) << "ran in FP8";
+  EXPECT_GT(layers[2]->fp8_fwd_amax_history.abs().sum().item<float>(), 0.0f) << "ran in FP8";
+}
+
 // The modules convert_module swaps out held float32 parameters (4 bytes per parameter); once
 // the optimizer is pointed at the masters nothing may keep them alive.
 TEST_F(ConvertModuleTest, ConnectReleasesTheSwappedOutParameters) {

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <vector>
 
 #include "ops/cuda/kernels.h"
@@ -136,6 +137,44 @@ void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(in.device());
   AMP8_CUDA_CHECK(cuda::launch_byte_transpose(in.const_data_ptr(), out.mutable_data_ptr(),
                                               in.size(0), in.size(1), current_stream()));
+}
+
+void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& o,
+                          double grad_multiplier) {
+  const c10::cuda::CUDAGuard guard(tensors.front().param.device());
+  cuda::AdamScalars scalars{};
+  scalars.param_decay = o.decoupled_weight_decay && o.weight_decay != 0
+                            ? static_cast<float>(1 - o.lr * o.weight_decay)
+                            : 1.0f;
+  scalars.weight_decay_l2 = o.decoupled_weight_decay ? 0.0f : static_cast<float>(o.weight_decay);
+  scalars.beta1 = static_cast<float>(o.beta1);
+  scalars.one_minus_beta1 = static_cast<float>(1 - o.beta1);
+  scalars.beta2 = static_cast<float>(o.beta2);
+  scalars.one_minus_beta2 = static_cast<float>(1 - o.beta2);
+  scalars.eps = static_cast<float>(o.eps);
+  scalars.grad_multiplier = static_cast<float>(grad_multiplier);
+  // One launch sequence per (grad dtype, copy dtype).
+  auto copy_type = [](const at::Tensor& copy) {
+    if (!copy.defined()) return cuda::CopyType::kNone;
+    return copy.scalar_type() == at::kBFloat16 ? cuda::CopyType::kBFloat16 : cuda::CopyType::kHalf;
+  };
+  std::vector<std::vector<cuda::AdamTensorPointers>> batches(9);
+  for (const auto& t : tensors) {
+    const int key = static_cast<int>(input_type(t.grad)) * 3 + static_cast<int>(copy_type(t.model_copy));
+    batches[key].push_back({t.param.mutable_data_ptr<float>(), t.exp_avg.mutable_data_ptr<float>(),
+                            t.exp_avg_sq.mutable_data_ptr<float>(), t.grad.const_data_ptr(),
+                            t.model_copy.defined() ? t.model_copy.mutable_data_ptr() : nullptr,
+                            t.param.numel(),
+                            static_cast<float>(o.lr / (1 - std::pow(o.beta1, t.step))),
+                            static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t.step)))});
+  }
+  for (int key = 0; key < 9; ++key) {
+    if (batches[key].empty()) continue;
+    AMP8_CUDA_CHECK(cuda::launch_fused_adam(batches[key].data(), static_cast<int>(batches[key].size()),
+                                            static_cast<cuda::InputType>(key / 3),
+                                            static_cast<cuda::CopyType>(key % 3), scalars,
+                                            current_stream()));
+  }
 }
 
 }  // namespace amp8::detail

@@ -40,7 +40,7 @@ struct ScalingGroupPointers {
   int64_t slots;
 };
 
-// One launch per 256 groups.
+// One launch per 960 groups (their pointers travel as kernel parameters).
 int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_groups,
                                   int64_t history_len, bool most_recent, float fp8_max,
                                   float margin_divisor, Stream stream);
@@ -79,5 +79,28 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
 
 // out [cols, rows] = in [rows, cols]ᵀ, bytes.
 int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream);
+
+// ---- Fused Adam / AdamW with FP32 master weights (fused_adam_kernels.cu) ----
+struct AdamTensorPointers {
+  float* param;          // FP32 master, updated in place
+  float* exp_avg;        // FP32, in place
+  float* exp_avg_sq;     // FP32, in place
+  const void* grad;      // the launch's grad type
+  void* model_copy;      // the launch's copy type, or null
+  int64_t numel;
+  float step_size;              // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+};
+struct AdamScalars {
+  float param_decay;      // AdamW: 1 - lr·weight_decay (1 = none)
+  float weight_decay_l2;  // Adam: grad += weight_decay_l2·param (0 = none)
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float grad_multiplier;  // every gradient is multiplied by it first
+};
+enum class CopyType { kNone, kBFloat16, kHalf };
+// One launch per 128 tensors; every tensor of the call has grads of `grad_type` and copies of
+// `copy_type`.
+int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, InputType grad_type,
+                      CopyType copy_type, const AdamScalars& scalars, Stream stream);
 
 }  // namespace amp8::cuda

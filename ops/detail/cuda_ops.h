@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ops/fp8_format.h"
+#include "ops/fused_adam.h"
 #include "ops/fp8_gemm.h"
 #include "ops/fp8_tensor.h"
 #include "ops/scaling.h"
@@ -41,6 +42,10 @@ bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& gamma_f, const at::Tensor& grad_input,
                               const at::Tensor& grad_gamma_f, const at::Tensor& grad_beta_f);
 void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out);
+
+// Multi-tensor Adam / AdamW (fused_adam_kernels.cu); arguments checked by fused_adam_step.
+void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& options,
+                          double grad_multiplier);
 
 // cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
 at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,

@@ -137,7 +137,6 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
 
     if (compare.empty()) {
       recipe.precision = precision_for(precision, fp8);
-      recipe.model.fp8_amax_history_len(history);
       const auto result = run_pretraining(recipe, out);
       if (result.rank != 0) return 0;  // rank 0 reports for the data-parallel job
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s

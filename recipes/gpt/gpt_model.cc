@@ -37,16 +37,9 @@ void GptConfig::validate() const {
 GptBlockImpl::GptBlockImpl(const GptConfig& config) : config_(config) {
   const int64_t h = config.hidden(), mlp = config.mlp_ratio() * h;
   auto ln_linear = [&](int64_t out) {
-    return Fp8LayerNormLinear(Fp8LayerNormLinearOptions(h, out)
-                                  .eps(config.eps())
-                                  .fp8_min_gemm_size(config.fp8_min_gemm_size())
-                                  .fp8_amax_history_len(config.fp8_amax_history_len()));
+    return Fp8LayerNormLinear(Fp8LayerNormLinearOptions(h, out).eps(config.eps()));
   };
-  auto linear = [&](int64_t in, int64_t out) {
-    return Fp8Linear(Fp8LinearOptions(in, out)
-                         .fp8_min_gemm_size(config.fp8_min_gemm_size())
-                         .fp8_amax_history_len(config.fp8_amax_history_len()));
-  };
+  auto linear = [&](int64_t in, int64_t out) { return Fp8Linear(Fp8LinearOptions(in, out)); };
   ln_qkv = register_module("ln_qkv", ln_linear(3 * h));
   proj = register_module("proj", linear(h, h));
   ln_fc1 = register_module("ln_fc1", ln_linear(mlp));

@@ -35,11 +35,6 @@ struct GptConfig {
   TORCH_ARG(double, dropout) = 0.0;
   /// LayerNorm eps. Default: 1e-5.
   TORCH_ARG(double, eps) = 1e-5;
-  /// As Fp8LinearOptions::fp8_min_gemm_size. Default: 0 (every GEMM in FP8 inside an FP8
-  /// region, as Transformer Engine does).
-  TORCH_ARG(int64_t, fp8_min_gemm_size) = 0;
-  /// Rows of amax history of the FP8 layers. Default: 1024.
-  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
 
  public:
   /// tiny (~0.1 M parameters, CPU), small (~3 M), 125m (GPT-2 small shape, seq 1024),
@@ -70,7 +65,9 @@ TORCH_MODULE(GptBlock);
 
 /// Decoder-only GPT: token + position embeddings, `layers` blocks, a final Fp8LayerNorm, and an
 /// output head tied to the token embedding. Built under Fp8ModelInit, its linear weights are
-/// kept in FP8 (fp8_params).
+/// kept in FP8 (fp8_params). The FP8 knobs (fp8_min_gemm_size, the layers kept in bf16, the
+/// amax history) are the precision's: MixedPrecisionPlugin (or convert_to_fp8) sets them on
+/// every FP8 module of the model; the modules are built with their defaults.
 class GptModelImpl : public torch::nn::Module {
  public:
   explicit GptModelImpl(const GptConfig& config);

@@ -19,7 +19,7 @@ namespace amp8::recipes {
 struct PretrainRecipe {
   std::string config_name = "tiny";
   GptConfig model = GptConfig::named("tiny");
-  /// "auto" in precision_name picks bf16-mixed on a GPU and "32" on the CPU.
+  /// Default: "32". gpt_pretrain's --precision auto (its default) picks bf16-mixed on a GPU.
   MixedPrecisionOptions precision = MixedPrecisionOptions("32");
   TrainerOptions trainer = TrainerOptions().max_steps(300).log_every_n_steps(25).gradient_clip_val(1.0);
   int64_t micro_batch = 16;

@@ -7,7 +7,8 @@ cc_library(
     name = "torch",
     hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.cuh"], allow_empty = True),
     includes = ["include", "include/torch/csrc/api/include"],
-    defines = ["_GLIBCXX_USE_CXX11_ABI=%{abi}"],
+    # What LibTorch's CMake targets give their users (torch_configure.bzl reads them).
+    defines = %{defines},
     # Linked from their real location, not through Bazel's _solib symlinks: the wheel's
     # libraries find their own dependencies (nvshmem, the nvidia-* wheels) through RUNPATHs
     # relative to where they really are ($ORIGIN).

@@ -1,0 +1,97 @@
+#include "ops/fused_adam.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <string>
+
+#include "ops/detail/cuda_ops.h"
+
+namespace amp8 {
+namespace {
+
+constexpr const char* kOp = "fused_adam_step";
+
+void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device) {
+  const std::string where = std::string(kOp) + ": tensors[" + std::to_string(index) + "].";
+  auto check = [&](const at::Tensor& x, const char* field, bool float32_only) {
+    TORCH_CHECK(x.defined(), where, field, " must be a defined tensor");
+    TORCH_CHECK(x.device() == device, where, field, " must be on ", device, " (the first param's "
+                "device), got ", x.device());
+    TORCH_CHECK(x.is_contiguous(), where, field, " must be contiguous");
+    TORCH_CHECK(x.sizes() == t.param.sizes(), where, field, " must have the param's shape ",
+                t.param.sizes(), ", got ", x.sizes());
+    const auto dtype = x.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || (!float32_only && (dtype == at::kBFloat16 || dtype == at::kHalf)),
+                where, field, float32_only ? " must be float32" : " must be float32, bfloat16 or float16",
+                ", got ", dtype);
+  };
+  check(t.param, "param", true);
+  check(t.grad, "grad", false);
+  check(t.exp_avg, "exp_avg", true);
+  check(t.exp_avg_sq, "exp_avg_sq", true);
+  if (t.model_copy.defined()) {
+    check(t.model_copy, "model_copy", false);
+    TORCH_CHECK(t.model_copy.scalar_type() != at::kFloat, where,
+                "model_copy must be bfloat16 or float16 (a float32 param is its own master), got float32");
+  }
+  TORCH_CHECK(t.step >= 1, where, "step must be >= 1 (the count including this step), got ", t.step);
+}
+
+// torch::optim::Adam / AdamW (torch/csrc/api/src/optim/adam*.cpp), operation for operation.
+void fused_adam_step_cpu(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& o,
+                         double grad_multiplier) {
+  for (const auto& t : tensors) {
+    at::Tensor grad = t.grad.scalar_type() == at::kFloat ? t.grad : t.grad.to(at::kFloat);
+    if (grad_multiplier != 1.0) grad = grad.mul(grad_multiplier);
+    auto& p = t.param;
+    if (o.decoupled_weight_decay) {
+      if (o.weight_decay != 0) p.mul_(1 - o.lr * o.weight_decay);
+    } else if (o.weight_decay != 0) {
+      grad = grad.add(p, o.weight_decay);
+    }
+    const double bias_correction1 = 1 - std::pow(o.beta1, t.step);
+    const double bias_correction2 = 1 - std::pow(o.beta2, t.step);
+    t.exp_avg.mul_(o.beta1).add_(grad, 1 - o.beta1);
+    t.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
+    const auto denom = (t.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
+    p.addcdiv_(t.exp_avg, denom, -(o.lr / bias_correction1));
+    if (t.model_copy.defined()) t.model_copy.copy_(p);
+  }
+}
+
+}  // namespace
+
+void fused_adam_step(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& options,
+                     double grad_multiplier) {
+  if (tensors.empty()) return;
+  TORCH_CHECK(options.lr >= 0, kOp, ": lr must be >= 0, got ", options.lr);
+  TORCH_CHECK(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
+              kOp, ": betas must be in [0, 1), got (", options.beta1, ", ", options.beta2, ")");
+  TORCH_CHECK(options.eps >= 0, kOp, ": eps must be >= 0, got ", options.eps);
+  TORCH_CHECK(std::isfinite(grad_multiplier), kOp, ": grad_multiplier must be finite, got ",
+              grad_multiplier);
+  TORCH_CHECK(tensors.front().param.defined(), kOp, ": tensors[0].param must be a defined tensor");
+  const auto device = tensors.front().param.device();
+  for (size_t i = 0; i < tensors.size(); ++i) check_entry(tensors[i], i, device);
+  at::NoGradGuard no_grad;
+  if (device.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::fused_adam_step_cuda(tensors, options, grad_multiplier);
+    // Written through raw pointers: bump the version counters as in-place ATen ops would (an
+    // Fp8Linear weight cache, for one, keys on them).
+    for (const auto& t : tensors) {
+      for (const auto* written : {&t.param, &t.exp_avg, &t.exp_avg_sq, &t.model_copy}) {
+        if (written->defined()) written->unsafeGetTensorImpl()->bump_version();
+      }
+    }
+#else
+    TORCH_CHECK(false, kOp, ": got CUDA tensors but amp8 was built without CUDA");
+#endif
+    return;
+  }
+  fused_adam_step_cpu(tensors, options, grad_multiplier);
+}
+
+}  // namespace amp8

@@ -1,0 +1,50 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace amp8 {
+
+/// The hyper-parameters of one Adam / AdamW step: torch::optim::AdamOptions / AdamWOptions.
+struct AdamStepOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  /// true: AdamW's decoupled decay (param *= 1 - lr·weight_decay before the update);
+  /// false: Adam's L2 term (grad += weight_decay·param).
+  bool decoupled_weight_decay = true;
+};
+
+/// One tensor's share of a fused step.
+struct AdamStepTensor {
+  at::Tensor param;       ///< float32 (the FP32 master), updated in place
+  at::Tensor grad;        ///< param's shape; float32, bfloat16 or float16; only read
+  at::Tensor exp_avg;     ///< float32, param's shape, updated in place
+  at::Tensor exp_avg_sq;  ///< float32, param's shape, updated in place
+  int64_t step = 1;       ///< the step count including this step (1 for the first)
+  /// Optional: a bfloat16 / float16 tensor of param's shape (the model's half parameter) that
+  /// receives the updated param, rounded to nearest even.
+  at::Tensor model_copy;
+};
+
+/// torch::optim::Adam / AdamW's update for many tensors at once, each gradient first multiplied
+/// by `grad_multiplier` (the loss scale's inverse times the clipping coefficient; 1: none),
+/// each updated param also written into its model_copy:
+///   g = grad·grad_multiplier (+ weight_decay·param for Adam); param *= 1 − lr·weight_decay
+///   (AdamW); m = β1·m + (1 − β1)·g; v = β2·v + (1 − β2)·g²;
+///   param −= lr / (1 − β1^step) · m / (√v / √(1 − β2^step) + eps).
+///
+/// CUDA: multi-tensor kernels, one launch per 128 tensors of one (grad dtype, copy dtype):
+/// every element's param, moments and gradient read once, param, moments and copy written
+/// once. CPU: the reference — torch::optim's own sequence of ATen operations, so bit for bit
+/// what torch::optim::Adam / AdamW computes.
+///
+/// Every tensor must be contiguous and on one device; throws naming the entry and field.
+void fused_adam_step(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& options,
+                     double grad_multiplier = 1.0);
+
+}  // namespace amp8

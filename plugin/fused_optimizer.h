@@ -1,0 +1,47 @@
+#pragma once
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <vector>
+
+namespace amp8 {
+
+/// Whether fused_optimizer_step can step `optimizer`: a torch::optim::Adam or AdamW (FusedAdam
+/// and FusedAdamW included) without amsgrad.
+bool is_fusable(const torch::optim::Optimizer& optimizer);
+
+/// Steps a fusable `optimizer` through fused_adam_step (ops/fused_adam.h): multi-tensor kernels
+/// on CUDA, torch::optim's own operations on the CPU. Each parameter's state is torch::optim's
+/// (AdamParamState / AdamWParamState: step, exp_avg, exp_avg_sq, created as torch::optim creates
+/// them), so checkpoints of the fused and the unfused optimizer load into each other.
+///
+/// `grad_of(param)`: the gradient to read (any float dtype: e.g. the model's bf16 gradient of a
+/// master param, read in place); an undefined tensor skips the param, as torch::optim skips
+/// params without a gradient. `copy_of(param)`: a bf16 / fp16 tensor that receives the updated
+/// param (the model's half copy), or undefined. Every gradient is multiplied by
+/// `grad_multiplier` first (1/loss scale × the clipping coefficient).
+void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
+                          const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
+                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_of = {});
+
+/// torch::optim::AdamW stepped by the multi-tensor CUDA kernels (TE's FusedAdam, Apex's
+/// multi_tensor_adam): same options, state, results (within float rounding on CUDA; bit for bit
+/// on the CPU) and checkpoints. MixedPrecisionPlugin steps a plain torch::optim::AdamW the same
+/// way by itself; this class is for loops without the plugin.
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// torch::optim::Adam stepped by the multi-tensor CUDA kernels; see FusedAdamW.
+class FusedAdam : public torch::optim::Adam {
+ public:
+  using torch::optim::Adam::Adam;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+}  // namespace amp8

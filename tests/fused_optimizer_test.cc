@@ -1,0 +1,339 @@
+// Fused Adam / AdamW (ops/fused_adam.h, plugin/fused_optimizer.h): the CPU reference against
+// torch::optim bit for bit, the CUDA kernels against the reference, checkpoints across the
+// two, bad input, and the MixedPrecisionPlugin's fused master-weight step.
+#include "plugin/fused_optimizer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <tuple>
+#include <vector>
+
+#include "ops/fused_adam.h"
+#include "plugin/distributed_optimizer.h"
+#include "plugin/fp8_linear.h"
+#include "plugin/mixed_precision_plugin.h"
+#include "recipes/precision.h"
+#include "tests/in_process_group.h"
+#include "tests/test_models.h"
+#include "tests/test_util.h"
+
+namespace amp8 {
+namespace {
+
+using testing::BytesEqual;
+using testing::ExpectErrorContaining;
+
+class FusedOptimizerTest : public testing::SeededTest {};
+
+// Awkward shapes (primes, a single row or column) and a few ordinary ones.
+std::vector<std::vector<int64_t>> shapes() {
+  return {{1, 3221}, {1481, 677}, {2333, 1}, {64, 32}, {7}, {16, 16, 3}};
+}
+
+std::vector<torch::Tensor> random_params(torch::Device device = torch::kCPU) {
+  std::vector<torch::Tensor> params;
+  for (const auto& shape : shapes()) params.push_back(torch::randn(shape).to(device).requires_grad_(true));
+  return params;
+}
+
+std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const auto& t : tensors) out.push_back(t.detach().clone().requires_grad_(true));
+  return out;
+}
+
+// Gives every param a fresh random, non-zero gradient (the same for both optimizers' params).
+void set_grads(std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b, int step) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto g = torch::randn(a[i].sizes()).mul_(0.1 * (step + 1)).to(a[i].device());
+    a[i].mutable_grad() = g.clone();
+    b[i].mutable_grad() = g.clone();
+  }
+}
+
+template <typename Fused, typename Reference, typename Options>
+void expect_bit_exact_steps(const Options& options) {
+  auto fused_params = random_params();
+  auto reference_params = clones(fused_params);
+  Fused fused(fused_params, options);
+  Reference reference(reference_params, options);
+  for (int step = 0; step < 5; ++step) {
+    set_grads(fused_params, reference_params, step);
+    fused.step();
+    reference.step();
+  }
+  for (size_t i = 0; i < fused_params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(fused_params[i].detach(), reference_params[i].detach())) << "param " << i;
+  }
+}
+
+TEST_F(FusedOptimizerTest, AdamWOnTheCpuIsTorchOptimBitForBit) {
+  expect_bit_exact_steps<FusedAdamW, torch::optim::AdamW>(
+      torch::optim::AdamWOptions(3e-2).betas({0.9, 0.95}).weight_decay(0.1).eps(1e-6));
+  expect_bit_exact_steps<FusedAdamW, torch::optim::AdamW>(torch::optim::AdamWOptions(1e-3).weight_decay(0));
+}
+
+TEST_F(FusedOptimizerTest, AdamOnTheCpuIsTorchOptimBitForBit) {
+  expect_bit_exact_steps<FusedAdam, torch::optim::Adam>(
+      torch::optim::AdamOptions(3e-2).betas({0.8, 0.99}).weight_decay(0.05));
+  expect_bit_exact_steps<FusedAdam, torch::optim::Adam>(torch::optim::AdamOptions(1e-3));
+}
+
+// The step reads half gradients as they are, multiplies them first (1/loss scale × clipping)
+// and writes the half copy: the same as torch::optim on the multiplied float32 gradients,
+// followed by a copy.
+TEST_F(FusedOptimizerTest, MultiplierHalfGradientsAndCopiesMatchTheUnfusedSequence) {
+  for (const auto grad_dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(grad_dtype));
+    auto params = random_params();
+    auto reference_params = clones(params);
+    torch::optim::AdamW reference(reference_params, torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+    std::vector<torch::Tensor> exp_avg, exp_avg_sq, copies;
+    for (const auto& p : params) {
+      exp_avg.push_back(torch::zeros_like(p));
+      exp_avg_sq.push_back(torch::zeros_like(p));
+      copies.push_back(torch::empty_like(p, at::kBFloat16));
+    }
+    const double multiplier = 1.0 / 1024 * 0.37;
+    for (int step = 1; step <= 3; ++step) {
+      std::vector<AdamStepTensor> tensors;
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto grad = torch::randn(params[i].sizes()).mul_(1024).to(grad_dtype);
+        reference_params[i].mutable_grad() = grad.to(at::kFloat).mul(multiplier);
+        tensors.push_back({params[i].detach(), grad, exp_avg[i], exp_avg_sq[i], step, copies[i]});
+      }
+      fused_adam_step(tensors, AdamStepOptions{1e-2, 0.9, 0.999, 1e-8, 0.01, true}, multiplier);
+      reference.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(BytesEqual(params[i].detach(), reference_params[i].detach())) << "param " << i;
+      EXPECT_TRUE(BytesEqual(copies[i], params[i].detach().to(at::kBFloat16))) << "copy " << i;
+    }
+  }
+}
+
+// State names and layout are torch::optim's: a checkpoint of either continues in the other.
+TEST_F(FusedOptimizerTest, CheckpointsLoadAcrossFusedAndTorchOptim) {
+  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  auto fused_params = random_params();
+  auto reference_params = clones(fused_params);
+  FusedAdamW fused(fused_params, options);
+  torch::optim::AdamW reference(reference_params, options);
+  for (int step = 0; step < 3; ++step) {
+    set_grads(fused_params, reference_params, step);
+    fused.step();
+    reference.step();
+  }
+  std::stringstream fused_saved, reference_saved;
+  torch::save(fused, fused_saved);
+  torch::save(reference, reference_saved);
+  // Swap: torch::optim continues from the fused state and the fused from torch::optim's.
+  auto a_params = clones(fused_params), b_params = clones(reference_params);
+  torch::optim::AdamW a(a_params, options);
+  FusedAdamW b(b_params, options);
+  torch::load(a, fused_saved);
+  torch::load(b, reference_saved);
+  for (int step = 3; step < 6; ++step) {
+    set_grads(a_params, b_params, step);
+    a.step();
+    b.step();
+  }
+  for (size_t i = 0; i < a_params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(a_params[i].detach(), b_params[i].detach())) << "param " << i;
+  }
+  const auto& state = static_cast<torch::optim::AdamWParamState&>(*b.state().at(b_params[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(state.step(), 6);
+}
+
+TEST_F(FusedOptimizerTest, BadInputNamesTheEntryAndField) {
+  auto p = torch::randn({8, 8});
+  auto m = torch::zeros({8, 8}), v = torch::zeros({8, 8});
+  const AdamStepOptions options;
+  ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}).t(), m, v, 1, {}}}, options); },
+                        "fused_adam_step: tensors[0].grad must be contiguous");
+  ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, {}},
+                                               {p, torch::ones({8, 8}, at::kInt), m, v, 1, {}}}, options); },
+                        "tensors[1].grad must be float32, bfloat16 or float16, got Int");
+  ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 7}), m, v, 1, {}}}, options); },
+                        "tensors[0].grad must have the param's shape");
+  ExpectErrorContaining([&] { fused_adam_step({{p.to(at::kBFloat16), torch::randn({8, 8}), m, v, 1, {}}}, options); },
+                        "tensors[0].param must be float32, got BFloat16");
+  ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, torch::empty({8, 8})}}, options); },
+                        "tensors[0].model_copy must be bfloat16 or float16");
+  ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 0, {}}}, options); },
+                        "tensors[0].step must be >= 1");
+  auto sgd_param = torch::randn({4}).requires_grad_(true);
+  torch::optim::SGD sgd({sgd_param}, 0.1);
+  EXPECT_FALSE(is_fusable(sgd));
+  ExpectErrorContaining([&] { fused_optimizer_step(sgd, 1.0, [](const torch::Tensor& t) { return t.grad(); }); },
+                        "expected a torch::optim::Adam or AdamW without amsgrad");
+  torch::optim::AdamW amsgrad({sgd_param}, torch::optim::AdamWOptions(1e-3).amsgrad(true));
+  EXPECT_FALSE(is_fusable(amsgrad));
+}
+
+// FusedAdamW as the user's optimizer under the distributed optimizer: each rank steps its
+// shards of the masters; the result is torch::optim::AdamW's, bit for bit, for 1–4 ranks.
+TEST_F(FusedOptimizerTest, StepsTheDistributedOptimizersShardsLikeTorchOptim) {
+  const auto options = MixedPrecisionOptions("32");
+  testing::MlpData data(3);
+  auto train = [&](int world, bool fused) {
+    std::vector<torch::nn::Sequential> models;
+    for (int r = 0; r < world; ++r) {
+      torch::manual_seed(11);
+      models.push_back(testing::make_mlp());
+    }
+    const auto errors = testing::run_ranks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+      auto& model = models[rank];
+      const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      std::unique_ptr<torch::optim::Optimizer> optimizer;
+      if (fused) {
+        optimizer = std::make_unique<FusedAdamW>(model->parameters(), adamw);
+      } else {
+        optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
+      }
+      MixedPrecisionPlugin plugin(options);
+      plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(1000));
+      plugin.connect(*model, *optimizer);
+      for (int step = 0; step < 4; ++step) {
+        auto [x, y] = data.batch(step, 0, 48);
+        const int64_t rows = 48 / world;
+        x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
+        plugin.backward(torch::mse_loss(model->forward(x), y));
+        plugin.optimizer_step(*optimizer);
+      }
+    });
+    for (const auto& e : errors) EXPECT_EQ(e, "");
+    return models[0];
+  };
+  for (int world : {1, 2, 4}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    auto fused = train(world, true)->parameters();
+    auto reference = train(world, false)->parameters();
+    for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(BytesEqual(fused[i].detach(), reference[i].detach()));
+  }
+}
+
+// ---- CUDA ----
+
+// The kernels against the CPU reference. Bound: the kernel evaluates the same formula in
+// float32 but may contract a·b + c into one FMA and orders no operation differently, so each
+// step's update differs from the reference's by a few float32 roundings: 2e-6 relative to the
+// value (16 ulps) plus 1e-7 absolute (values near zero), over 5 steps.
+TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  for (const auto grad_dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const bool decoupled : {true, false}) {
+      SCOPED_TRACE(std::string(c10::toString(grad_dtype)) + (decoupled ? " AdamW" : " Adam"));
+      // 130 tensors: more than one launch's table (128).
+      std::vector<torch::Tensor> cpu_p, cpu_m, cpu_v, cpu_copy, gpu_p, gpu_m, gpu_v, gpu_copy;
+      for (int i = 0; i < 130; ++i) {
+        const auto& shape = shapes()[i % shapes().size()];
+        cpu_p.push_back(torch::randn(shape));
+        cpu_m.push_back(torch::zeros(shape));
+        cpu_v.push_back(torch::zeros(shape));
+        cpu_copy.push_back(torch::empty(shape, i % 2 ? at::kBFloat16 : at::kHalf));
+        gpu_p.push_back(cpu_p.back().cuda());
+        gpu_m.push_back(cpu_m.back().cuda());
+        gpu_v.push_back(cpu_v.back().cuda());
+        gpu_copy.push_back(cpu_copy.back().cuda());
+      }
+      const AdamStepOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1, decoupled};
+      for (int step = 1; step <= 5; ++step) {
+        std::vector<AdamStepTensor> cpu, gpu;
+        for (size_t i = 0; i < cpu_p.size(); ++i) {
+          auto grad = torch::randn(cpu_p[i].sizes()).mul_(64).to(grad_dtype);
+          auto copy = i % 3 == 0 ? torch::Tensor() : cpu_copy[i];  // some without a copy
+          cpu.push_back({cpu_p[i], grad, cpu_m[i], cpu_v[i], step, copy});
+          gpu.push_back({gpu_p[i], grad.cuda(), gpu_m[i], gpu_v[i], step, copy.defined() ? gpu_copy[i] : torch::Tensor()});
+        }
+        fused_adam_step(cpu, options, 1.0 / 64);
+        fused_adam_step(gpu, options, 1.0 / 64);
+      }
+      for (size_t i = 0; i < cpu_p.size(); ++i) {
+        for (auto [a, b, name] : {std::tuple{gpu_p[i], cpu_p[i], "param"}, std::tuple{gpu_m[i], cpu_m[i], "exp_avg"},
+                                  std::tuple{gpu_v[i], cpu_v[i], "exp_avg_sq"}}) {
+          const auto diff = (a.cpu() - b).abs();
+          const auto bound = b.abs() * 2e-6 + 1e-7;
+          EXPECT_TRUE(diff.le(bound).all().item<bool>())
+              << name << " " << i << ": max difference " << diff.max().item<float>();
+        }
+        if (i % 3 != 0) {
+          // The copy is the kernel's own param rounded to nearest even.
+          EXPECT_TRUE(BytesEqual(gpu_copy[i], gpu_p[i].to(gpu_copy[i].scalar_type()))) << "copy " << i;
+        }
+      }
+    }
+  }
+}
+
+// The plugin steps torch::optim::AdamW through the kernels on CUDA (fused_optimizer default)
+// and through AdamW::step with it off: the same training within float32 rounding, the model's
+// half parameters exactly the masters rounded.
+TEST_F(FusedOptimizerTest, PluginFusedStepMatchesTheUnfusedStep_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  struct Case {
+    const char* name;
+    MixedPrecisionOptions options;
+    double clip;
+    // Half precisions: both paths see the same half weights and gradients; the masters differ
+    // by float32 roundings (the multiplier folded into one product), ~1e-7 per step, far
+    // below the bound. FP8: a last-bit master difference can flip an E4M3 rounding of a weight
+    // (2^-4 relative), which moves later gradients at that level: 6 steps × lr (3e-3) × 2^-3.
+    float bound;
+  };
+  const std::vector<Case> cases = {
+      {"bf16-mixed", recipes::bf16_mixed(), 0.0, 1e-5f},
+      {"bf16-mixed clipped", recipes::bf16_mixed(), 0.05, 1e-5f},
+      {"16-mixed clipped", recipes::fp16_mixed(), 0.05, 1e-5f},
+      {"bf16 + fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 0.05, 6 * 3e-3f / 8},
+  };
+  testing::MlpData data(5);
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::vector<torch::Tensor>> masters(2);
+    std::vector<torch::nn::Sequential> models;
+    for (const bool fused : {true, false}) {
+      torch::manual_seed(17);
+      std::optional<Fp8ModelInit> init;
+      if (c.options.fp8_params()) init.emplace();
+      auto model = testing::make_mlp();
+      init.reset();
+      model->to(torch::kCUDA);
+      torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
+      MixedPrecisionPlugin plugin(MixedPrecisionOptions(c.options).fused_optimizer(fused));
+      plugin.connect(*model, optimizer);
+      for (int step = 0; step < 6; ++step) {
+        auto [x, y] = data.batch(step, 0);
+        torch::Tensor loss;
+        {
+          auto context = plugin.forward_context();
+          loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x.cuda()))), y.cuda());
+          context.close();
+        }
+        plugin.backward(loss);
+        if (c.clip > 0) plugin.clip_gradients(optimizer, c.clip);
+        EXPECT_TRUE(plugin.optimizer_step(optimizer));
+      }
+      for (const auto& m : plugin.master_params()) masters[fused ? 0 : 1].push_back(m.detach().cpu());
+      models.push_back(model);
+    }
+    for (size_t i = 0; i < masters[0].size(); ++i) {
+      const auto diff = (masters[0][i] - masters[1][i]).abs().max().item<float>();
+      EXPECT_LE(diff, c.bound) << "master " << i;
+    }
+    // The half parameters are the fused masters rounded (no separate copy-back).
+    if (!c.options.fp8_params()) {
+      auto params = models[0]->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(BytesEqual(params[i].detach().cpu(), masters[0][i].to(params[i].scalar_type()))) << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace amp8

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Checks that the Bazel and CMake builds are the same build: the same C++ sources compiled, the
+same test executables, and the same preprocessor macros on every amp8 source.
+
+Usage: check_build_parity.py CMAKE_BUILD_DIR   (configured with CMAKE_EXPORT_COMPILE_COMMANDS=ON,
+       run from the repository root after `./bazelw build //...`)
+
+Both builds once differed silently: Bazel compiled plugin/distributed.cc without LibTorch's
+USE_C10D_NCCL (CMake takes it from torch's targets), so a Bazel-built gpt_pretrain had no NCCL.
+Exits 1, naming each difference.
+"""
+import json
+import pathlib
+import shlex
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Build-type and toolchain macros that legitimately differ: CMake's Release adds NDEBUG; Bazel's
+# toolchain redacts __DATE__ / __TIME__ / __TIMESTAMP__ for reproducible builds.
+IGNORED_MACROS = {"NDEBUG"}
+# Built by CMake only: the find_package consumer and the clang-built fuzzers have their own
+# projects; the GPU benchmarks are CMake-only where Bazel has no CUDA (AMP8_CPU_ONLY).
+CMAKE_ONLY_PREFIXES = ("examples/consumer/", "fuzz/")
+
+
+def macros(arguments):
+    found = set()
+    args = list(arguments)
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "-D" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("-D"):
+            value = arg[2:]
+        if value is None or value.startswith("__") or value.split("=")[0] in IGNORED_MACROS:
+            continue
+        found.add(value)
+    return found
+
+
+def source_of(arguments, directory):
+    for arg in arguments:
+        if arg.endswith(".cc") and not arg.startswith("-"):
+            path = pathlib.Path(arg)
+            if not path.is_absolute():
+                path = pathlib.Path(directory) / path
+            try:
+                return str(path.resolve().relative_to(ROOT))
+            except ValueError:
+                return None
+    return None
+
+
+def bazel(*args):
+    out = subprocess.run([str(ROOT / "bazelw"), *args], cwd=ROOT, check=True, capture_output=True, text=True)
+    return out.stdout
+
+
+def bazel_compiles():
+    """{source: macros} for every C++ compile of amp8's own sources in the Bazel build."""
+    text = bazel("aquery", 'mnemonic("CppCompile", //...)', "--output=jsonproto")
+    compiles = {}
+    for action in json.loads(text).get("actions", []):
+        args = action.get("arguments", [])
+        src = None
+        for i, arg in enumerate(args):
+            if arg == "-c" and i + 1 < len(args):
+                src = args[i + 1]
+        if src and not src.startswith("external/") and src.endswith(".cc"):
+            compiles[src] = macros(args)
+    return compiles
+
+
+def cmake_compiles(build):
+    compiles = {}
+    for entry in json.loads((build / "compile_commands.json").read_text()):
+        args = entry.get("arguments") or shlex.split(entry["command"])
+        src = source_of([entry["file"]], entry["directory"])
+        if src and src.endswith(".cc") and not src.startswith(CMAKE_ONLY_PREFIXES):
+            compiles[src] = macros(args)
+    return compiles
+
+
+def main() -> int:
+    build = pathlib.Path(sys.argv[1]).resolve()
+    problems = []
+    bz, cm = bazel_compiles(), cmake_compiles(build)
+    for src in sorted(set(bz) - set(cm)):
+        problems.append(f"{src}: compiled by Bazel, not by CMake")
+    for src in sorted(set(cm) - set(bz)):
+        problems.append(f"{src}: compiled by CMake, not by Bazel")
+    for src in sorted(set(bz) & set(cm)):
+        if bz[src] != cm[src]:
+            problems.append(f"{src}: macros only in Bazel {sorted(bz[src] - cm[src])}, "
+                            f"only in CMake {sorted(cm[src] - bz[src])}")
+
+    bazel_tests = {line.split(":")[-1] for line in bazel("query", "kind(cc_test, //...)").split()}
+    ctest = json.loads(subprocess.run(["ctest", "--test-dir", str(build), "--show-only=json-v1"],
+                                      check=True, capture_output=True, text=True).stdout)
+    cmake_tests = {pathlib.Path(t["command"][0]).name for t in ctest.get("tests", []) if t.get("command")}
+    for name in sorted(bazel_tests - cmake_tests):
+        problems.append(f"test {name}: in Bazel, not in CMake")
+    for name in sorted(cmake_tests - bazel_tests):
+        problems.append(f"test {name}: in CMake, not in Bazel")
+
+    for p in problems:
+        print("build parity:", p)
+    print(f"build parity: {len(bz)} sources and {len(bazel_tests)} test executables compared, "
+          f"{len(problems)} difference(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
