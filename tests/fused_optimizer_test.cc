@@ -288,7 +288,7 @@ TEST_F(FusedOptimizerTest, PluginFusedStepMatchesTheUnfusedStep_CUDA) {
   const std::vector<Case> cases = {
       {"bf16-mixed", recipes::bf16_mixed(), 0.0, 1e-5f},
       {"bf16-mixed clipped", recipes::bf16_mixed(), 0.05, 1e-5f},
-      {"16-mixed clipped", recipes::fp16_mixed(), 0.05, 1e-5f},
+      {"16-mixed clipped", recipes::fp16_mixed().fp16_initial_loss_scale(1024), 0.05, 1e-5f},
       {"bf16 + fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 0.05, 6 * 3e-3f / 8},
   };
   testing::MlpData data(5);

@@ -327,15 +327,17 @@ class MasterParamsTest : public testing::SeededTest,
 
 // The optimizer steps FP32 masters with the half gradients cast to float32: exactly what the
 // same optimizer does to float32 copies given those gradients. The model then holds the
-// masters rounded to bf16.
-void steps_like_fp32_on_the_half_gradients(OptimizerKind kind, torch::Device device) {
+// masters rounded to bf16. On CUDA, Adam and AdamW take the fused kernels by default
+// (fused_optimizer), which round every operation as ATen's CUDA kernels do: bit for bit too.
+void steps_like_fp32_on_the_half_gradients(OptimizerKind kind, torch::Device device,
+                                           bool fused_optimizer = true) {
   auto model = testing::make_mlp();
   model->to(device);
   std::vector<torch::Tensor> reference_params;
   for (const auto& p : model->parameters()) reference_params.push_back(p.detach().clone().requires_grad_(true));
   auto optimizer = make_optimizer(kind, model->parameters());
   auto reference = make_optimizer(kind, reference_params);
-  MixedPrecisionPlugin plugin = recipes::bf16_mixed();
+  MixedPrecisionPlugin plugin = recipes::bf16_mixed().fused_optimizer(fused_optimizer);
   plugin.connect(*model, *optimizer);
   MlpData data(5);
   for (int step = 0; step < 4; ++step) {
@@ -365,6 +367,11 @@ TEST_P(MasterParamsTest, StepsLikeFp32OnTheHalfGradients) {
 TEST_P(MasterParamsTest, StepsLikeFp32OnTheHalfGradients_CUDA) {
   AMP8_REQUIRE_CUDA();
   steps_like_fp32_on_the_half_gradients(GetParam(), torch::kCUDA);
+}
+
+TEST_P(MasterParamsTest, UnfusedStepsLikeFp32OnTheHalfGradients_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  steps_like_fp32_on_the_half_gradients(GetParam(), torch::kCUDA, /*fused_optimizer=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, MasterParamsTest,

@@ -66,21 +66,26 @@ __global__ void __launch_bounds__(kThreads)
   float* exp_avg_sq = table.exp_avg_sq[t];
   const Grad* grad = static_cast<const Grad*>(table.grad[t]);
   void* copy = table.model_copy[t];
-  const float step_size = table.step_size[t];
-  const float bias_correction2_sqrt = table.bias_correction2_sqrt[t];
+  const float neg_step_size = -table.step_size[t];
+  const float inv_bias_correction2_sqrt = 1.0f / table.bias_correction2_sqrt[t];
 
 #pragma unroll
   for (int k = 0; k < kItemsPerThread; ++k) {
     const int64_t i = begin + int64_t{k} * kThreads + threadIdx.x;
     if (i >= end) break;
-    // The operations of torch::optim::Adam / AdamW, in their order.
-    float g = to_float(grad[i]) * s.grad_multiplier;
-    float p = param[i] * s.param_decay;
-    if (s.weight_decay_l2 != 0.0f) g = g + s.weight_decay_l2 * p;
-    const float m = exp_avg[i] * s.beta1 + s.one_minus_beta1 * g;
-    const float v = exp_avg_sq[i] * s.beta2 + s.one_minus_beta2 * g * g;
-    const float denom = sqrtf(v) / bias_correction2_sqrt + s.eps;
-    p = p + (-step_size) * (m / denom);
+    // torch::optim::Adam / AdamW's operations in their order, each rounded as ATen's CUDA
+    // kernels round it (explicit intrinsics: no contraction left to the compiler):
+    // x.mul_(s) one product; x.add_(y, a) fma(a, y, x); x.addcmul_(y, y, a) fma(a·y, y, x);
+    // x / scalar a product with the scalar's float reciprocal; x.addcdiv_(y, z, a) fma(a, y/z, x).
+    float g = to_float(grad[i]);
+    if (s.grad_multiplier != 1.0f) g = __fmul_rn(g, s.grad_multiplier);
+    float p = param[i];
+    if (s.param_decay != 1.0f) p = __fmul_rn(p, s.param_decay);
+    if (s.weight_decay_l2 != 0.0f) g = __fmaf_rn(s.weight_decay_l2, p, g);
+    const float m = __fmaf_rn(s.one_minus_beta1, g, __fmul_rn(exp_avg[i], s.beta1));
+    const float v = __fmaf_rn(__fmul_rn(s.one_minus_beta2, g), g, __fmul_rn(exp_avg_sq[i], s.beta2));
+    const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_bias_correction2_sqrt), s.eps);
+    p = __fmaf_rn(neg_step_size, __fdiv_rn(m, denom), p);
     param[i] = p;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
