@@ -328,7 +328,11 @@ class MasterParamsTest : public testing::SeededTest,
 // The optimizer steps FP32 masters with the half gradients cast to float32: exactly what the
 // same optimizer does to float32 copies given those gradients. The model then holds the
 // masters rounded to bf16. On CUDA, Adam and AdamW take the fused kernels by default
-// (fused_optimizer), which round every operation as ATen's CUDA kernels do: bit for bit too.
+// (fused_optimizer): the same operations in the same order, but ATen's CUDA kernels do not
+// round each one as the kernel's explicit FMAs do (measured on an H200: 1 ulp apart in ~3% of
+// the elements after a step), so the fused step is held to 16 ulps (2e-6 relative) plus 1e-7;
+// both paths see the same gradients every step, so nothing compounds. The unfused step
+// (fused_optimizer false, and any optimizer on the CPU) is bit for bit.
 void steps_like_fp32_on_the_half_gradients(OptimizerKind kind, torch::Device device,
                                            bool fused_optimizer = true) {
   auto model = testing::make_mlp();
@@ -351,8 +355,16 @@ void steps_like_fp32_on_the_half_gradients(OptimizerKind kind, torch::Device dev
     EXPECT_TRUE(plugin.optimizer_step(*optimizer));
     reference->step();
     const auto masters = plugin.master_params();
+    const bool fused = fused_optimizer && device.is_cuda() && kind != OptimizerKind::kSgd;
     for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_TRUE(BytesEqual(masters[i], reference_params[i])) << "param " << i << " step " << step;
+      if (fused) {
+        const auto expected = reference_params[i].detach();
+        const auto diff = (masters[i].detach() - expected).abs();
+        EXPECT_TRUE(diff.le(expected.abs() * 2e-6 + 1e-7).all().item<bool>())
+            << "param " << i << " step " << step << ": max difference " << diff.max().item<float>();
+      } else {
+        EXPECT_TRUE(BytesEqual(masters[i], reference_params[i])) << "param " << i << " step " << step;
+      }
       EXPECT_TRUE(BytesEqual(params[i], masters[i].to(at::kBFloat16)));
       EXPECT_FALSE(params[i].grad().defined()) << "optimizer_step consumes the gradients";
     }
