@@ -1,7 +1,6 @@
 #include "plugin/distributed_optimizer.h"
 
 #include <c10/core/Event.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include <cmath>
 
 #include "ops/quantize.h"
+#include "plugin/detail/torch_internals.h"
 #include "plugin/fp8_linear.h"
 #include "plugin/grad_clip.h"
 
@@ -73,17 +73,6 @@ struct DistributedOptimizer::Piece {
   torch::Tensor master;       // float32 [numel], what the optimizer steps
 };
 
-// Runs after autograd has accumulated a parameter's gradient.
-class DistributedOptimizer::GradHook : public torch::autograd::PostAccumulateGradHook {
- public:
-  GradHook(DistributedOptimizer* owner, size_t index) : owner_(owner), index_(index) {}
-  void operator()(const torch::autograd::Variable& tensor) override { owner_->on_grad_ready(index_, tensor); }
-
- private:
-  DistributedOptimizer* owner_;
-  size_t index_;
-};
-
 DistributedOptimizer::DistributedOptimizer(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                            DistributedOptimizerOptions options, bool grad_reduce_in_fp32)
     : group_(std::move(group)), options_(options), grad_reduce_in_fp32_(grad_reduce_in_fp32) {
@@ -103,7 +92,7 @@ DistributedOptimizer::~DistributedOptimizer() {
         param.fp8_owner->set_main_grad_buffer({});
       }
     } else if (param.model.defined()) {
-      torch::autograd::impl::set_post_acc_grad_hooks(param.model, nullptr);
+      detail::set_post_accumulate_grad_hook(param.model, nullptr);
     }
   }
 }
@@ -233,7 +222,8 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
     } else {
       TORCH_CHECK(param.model.requires_grad(), "DistributedOptimizer: parameter ", n,
                   " of the optimizer does not require grad");
-      torch::autograd::impl::set_post_acc_grad_hooks(param.model, std::make_unique<GradHook>(this, n));
+      detail::set_post_accumulate_grad_hook(
+          param.model, [this, n](const torch::Tensor& grad_holder) { on_grad_ready(n, grad_holder); });
     }
   }
   // Every rank starts from rank 0's parameters (as DDP does), whatever each one initialized:
@@ -467,7 +457,7 @@ void DistributedOptimizer::record_event(size_t which) {
   if (device.type() != c10::DeviceType::CUDA) return;
   auto& slot = step_events_.back()->events[which];
   slot.emplace(device.type(), c10::EventFlag::BACKEND_DEFAULT);  // BACKEND_DEFAULT: timed
-  slot->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  slot->record(detail::current_stream(device));
 }
 
 std::vector<DistributedOptimizer::StepCommunication> DistributedOptimizer::take_communication_times() {

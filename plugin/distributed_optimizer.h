@@ -115,8 +115,6 @@ class DistributedOptimizer {
   struct Bucket;
   struct Buffer;
   struct Piece;
-  class GradHook;
-  friend class GradHook;
 
   void on_grad_ready(size_t index, const torch::Tensor& param);
   void on_main_grad_ready(size_t index);

@@ -1,8 +1,6 @@
 #include "plugin/fp8_autocast.h"
 
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/graph_task.h>
 
 #include <exception>
 #include <map>
@@ -14,6 +12,7 @@
 #include <vector>
 
 #include "plugin/detail/fp8_state.h"
+#include "plugin/detail/torch_internals.h"
 
 namespace amp8 {
 
@@ -159,7 +158,7 @@ void register_forward_group(const void* owner, const DelayedScalingGroup& group)
 void register_backward_group(const void* owner, const DelayedScalingGroup& group,
                              const Fp8RecipeOptions& recipe,
                              const c10::intrusive_ptr<c10d::ProcessGroup>& process_group) {
-  const int graph_task = torch::autograd::get_current_graph_task_id();
+  const int graph_task = current_backward_pass();
   bool queue = false;
   {
     auto& all = pending_backwards();
@@ -175,8 +174,7 @@ void register_backward_group(const void* owner, const DelayedScalingGroup& group
     queue = first;
   }
   if (queue) {
-    torch::autograd::Engine::get_default_engine().queue_callback(
-        [graph_task] { run_backward_updates(graph_task); });
+    at_end_of_backward_pass([graph_task] { run_backward_updates(graph_task); });
   }
 }
 

@@ -51,14 +51,7 @@ template <typename Grad, typename Copy>
 __global__ void __launch_bounds__(kThreads)
     fused_adam_kernel(const __grid_constant__ AdamTable table, const AdamScalars s) {
   const int chunk = blockIdx.x;
-  int t = 0;  // the last tensor whose first chunk is <= chunk
-  for (int hi = table.num_tensors - 1; t < hi;) {
-    const int mid = (t + hi + 1) / 2;
-    if (table.first_chunk[mid] <= chunk)
-      t = mid;
-    else
-      hi = mid - 1;
-  }
+  const int t = entry_of(table.first_chunk, table.num_tensors, chunk);
   const int64_t begin = int64_t{chunk - table.first_chunk[t]} * kChunk;
   const int64_t end = min(begin + kChunk, table.numel[t]);
   float* param = table.param[t];

@@ -1,5 +1,6 @@
 #pragma once
-// Host-side helpers shared by the kernel launchers (ops/cuda/*.cu).
+// Helpers shared by the kernel files (ops/cuda/*.cu): launch-side queries and dispatch, and the
+// device-side lookup of multi-tensor launches.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +38,21 @@ int dispatch_input(InputType type, F&& f) {
       return f(__half{});
   }
   return static_cast<int>(cudaErrorInvalidValue);
+}
+
+// Multi-tensor launches pass a table of entries (tensors, scaling groups) with the prefix sums
+// `first[0..count]` of their sizes in blocks or slots: the entry that flattened index `index`
+// falls in is the last i with first[i] <= index (binary search; `count` >= 1).
+__device__ __forceinline__ int entry_of(const int* first, int count, int index) {
+  int entry = 0;
+  for (int hi = count - 1; entry < hi;) {
+    const int mid = (entry + hi + 1) / 2;
+    if (first[mid] <= index)
+      entry = mid;
+    else
+      hi = mid - 1;
+  }
+  return entry;
 }
 
 }  // namespace amp8::cuda

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/detail/scale_formula.h"
 
 namespace amp8::cuda {
@@ -47,14 +48,7 @@ __global__ void __launch_bounds__(kSlotsPerBlock* kRowThreads)
   const int global_slot = blockIdx.x * kSlotsPerBlock + lane;
   const bool active = global_slot < p.first_slot[p.num_groups];
 
-  int group = 0;  // the last group whose first slot is <= global_slot
-  for (int hi = p.num_groups - 1; group < hi;) {
-    const int mid = (group + hi + 1) / 2;
-    if (p.first_slot[mid] <= global_slot)
-      group = mid;
-    else
-      hi = mid - 1;
-  }
+  const int group = entry_of(p.first_slot, p.num_groups, global_slot);
   float* history = p.amax_history[group];
   const int slots = p.slots[group];
   const int slot = global_slot - p.first_slot[group];
