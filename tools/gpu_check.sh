@@ -4,7 +4,8 @@
 # OUTDIR:
 #   OUTDIR/gpu_check.log            build + test + benchmark log (also on stdout)
 #   OUTDIR/ctest.xml                JUnit report of ctest
-#   OUTDIR/<benchmark>.jsonl        one JSON object per benchmark case
+#   OUTDIR/<benchmark>.jsonl        one JSON object per benchmark case (with gpt_stack_bench,
+#                                   OUTDIR/pytorch_gpt_stack.jsonl: the PyTorch baseline)
 # AMP8_BENCHMARKS="gpt_stack_bench ..." limits the benchmarks run (default: all of them);
 # AMP8_SKIP_TESTS=1 skips ctest; AMP8_TEST_REGEX limits it (ctest -R, e.g. _CUDA).
 # AMP8_GPT_COMPARE="--config 125m --steps 1000 --compare 32,bf16-mixed" also runs gpt_pretrain
@@ -69,6 +70,11 @@ for bench in $BENCHMARKS; do
     "$BUILD/$bench" | tee "$OUT/$bench.jsonl" || status=1
   else
     echo "missing $BUILD/$bench" | tee -a "$LOG"; status=1
+  fi
+  # The Python user's baseline of the stack, in the same run (PyTorch eager, autocast bf16,
+  # AdamW(fused=True)).
+  if [[ "$bench" == gpt_stack_bench ]]; then
+    python3 bench/pytorch_gpt_stack.py | tee "$OUT/pytorch_gpt_stack.jsonl" || status=1
   fi
 done
 if [[ -n "${AMP8_GPT_COMPARE:-}" ]]; then
