@@ -59,9 +59,6 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
   }
 }
 
-}  // namespace
-
-namespace {
 template <typename Options>
 bool no_group_uses_amsgrad(const torch::optim::Optimizer& optimizer) {
   for (const auto& group : optimizer.param_groups()) {
@@ -69,6 +66,15 @@ bool no_group_uses_amsgrad(const torch::optim::Optimizer& optimizer) {
   }
   return true;
 }
+
+torch::Tensor closure_loss(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+torch::Tensor own_grad(const torch::Tensor& param) { return param.grad(); }
+
 }  // namespace
 
 bool is_fusable(const torch::optim::Optimizer& optimizer) {
@@ -95,15 +101,6 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
         optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of);
   }
 }
-
-namespace {
-torch::Tensor closure_loss(const torch::optim::Optimizer::LossClosure& closure) {
-  if (closure == nullptr) return {};
-  at::AutoGradMode enable_grad(true);
-  return closure();
-}
-torch::Tensor own_grad(const torch::Tensor& param) { return param.grad(); }
-}  // namespace
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   auto loss = closure_loss(closure);

@@ -7,12 +7,6 @@
 #include "plugin/mixed_precision_plugin.h"
 
 namespace amp8 {
-namespace {
-
-std::string dtype_name(c10::ScalarType dtype) { return c10::toString(dtype); }
-
-}  // namespace
-
 std::string MixedPrecisionOptions::canonical_precision() const {
   if (precision_ == "32" || precision_ == "32-true") return "32";
   if (precision_ == "16-mixed" || precision_ == "fp16-mixed") return "16-mixed";
@@ -48,7 +42,7 @@ void MixedPrecisionOptions::validate() const {
   if (params_dtype_) {
     const auto dtype = *params_dtype_;
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                "params_dtype must be float32, float16 or bfloat16, got ", dtype_name(dtype));
+                "params_dtype must be float32, float16 or bfloat16, got ", c10::toString(dtype));
   }
   TORCH_CHECK(fp8_ == "none" || fp8_ == "hybrid" || fp8_ == "e4m3",
               "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"", fp8_, "\"");

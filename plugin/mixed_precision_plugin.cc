@@ -19,7 +19,6 @@ bool is_fp8_dtype(c10::ScalarType dtype) {
   return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
 }
 
-std::string dtype_name(c10::ScalarType dtype) { return c10::toString(dtype); }
 
 }  // namespace
 
@@ -120,7 +119,7 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
       } else {
         TORCH_CHECK(entry.model.is_floating_point() && !is_fp8_dtype(entry.model.scalar_type()),
                     "MixedPrecisionPlugin: the optimizer holds a parameter of dtype ",
-                    dtype_name(entry.model.scalar_type()),
+                    c10::toString(entry.model.scalar_type()),
                     " that is not an FP8 module's weight; expected floating-point parameters");
         auto seed = seeds.find(key(entry.model));
         entry.master = (seed != seeds.end() ? seed->second : entry.model.detach().to(at::kFloat))
@@ -461,7 +460,7 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
                 "MixedPrecisionPlugin::load: the checkpoint lacks ", name);
     TORCH_CHECK(values[i].sizes() == master.sizes() && values[i].scalar_type() == at::kFloat,
                 "MixedPrecisionPlugin::load: ", name, " must be float32 of shape ", master.sizes(),
-                ", got ", dtype_name(values[i].scalar_type()), " of shape ", values[i].sizes());
+                ", got ", c10::toString(values[i].scalar_type()), " of shape ", values[i].sizes());
   }
   std::optional<LossScaler> scaler = scaler_;
   if (scaler) {
