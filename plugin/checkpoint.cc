@@ -1,6 +1,7 @@
 #include "plugin/checkpoint.h"
 
 #include <c10/util/Exception.h>
+#include <signal.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <fcntl.h>
@@ -12,6 +13,8 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <limits>
+#include <regex>
 #include <unordered_map>
 #include <vector>
 
@@ -19,6 +22,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+
+#include "plugin/files.h"
 
 namespace amp8 {
 namespace {
@@ -90,15 +95,17 @@ std::string make_trailer(uint64_t length, uint64_t checksum) {
   return trailer;
 }
 
-void write_all(int fd, const void* data, size_t size, const std::string& path) {
+// Writes all of `data`; returns "" or the system error.
+std::string write_all(int fd, const void* data, size_t size) {
   const auto* p = static_cast<const char*>(data);
   while (size > 0) {
     const ssize_t n = ::write(fd, p, size);
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "save_atomically: writing ", path, " failed: ", system_error());
+    if (n <= 0) return n == 0 ? std::string("write returned 0") : system_error();
     p += n;
     size -= static_cast<size_t>(n);
   }
+  return "";
 }
 
 void fsync_path(const std::string& path, bool directory) {
@@ -333,23 +340,34 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "save_atomically: cannot create ", temporary, ": ", system_error());
-  try {
-    Checksum checksum;
-    uint64_t length = 0;
-    archive.save_to([&](const void* data, size_t size) -> size_t {
-      write_all(fd, data, size, temporary);
-      checksum.update(static_cast<const uint8_t*>(data), size);
-      length += size;
-      return size;
-    });
-    const std::string trailer = make_trailer(length, checksum.finish());
-    write_all(fd, trailer.data(), trailer.size(), temporary);
-    TORCH_CHECK(::fsync(fd) == 0, "save_atomically: fsync of ", temporary, " failed: ", system_error());
-    TORCH_CHECK(::close(fd) == 0, "save_atomically: closing ", temporary, " failed: ", system_error());
-  } catch (...) {
-    ::close(fd);
+  // LibTorch's zip writer calls this writer from inside miniz: an exception thrown through it
+  // aborts the process (a full disk once ended in std::terminate). The first failure is kept,
+  // the rest of the archive is only counted (so the message can say how much was needed), and
+  // the error is thrown once save_to has returned.
+  std::string write_error;
+  uint64_t length = 0, written = 0;
+  Checksum checksum;
+  archive.save_to([&](const void* data, size_t size) -> size_t {
+    if (write_error.empty()) {
+      write_error = write_all(fd, data, size);
+      if (write_error.empty()) written += size;
+    }
+    checksum.update(static_cast<const uint8_t*>(data), size);
+    length += size;
+    return size;
+  });
+  const std::string trailer = make_trailer(length, checksum.finish());
+  if (write_error.empty()) write_error = write_all(fd, trailer.data(), trailer.size());
+  if (write_error.empty() && ::fsync(fd) != 0) write_error = "fsync failed: " + system_error();
+  if (::close(fd) != 0 && write_error.empty()) write_error = "close failed: " + system_error();
+  if (!write_error.empty()) {
     std::remove(temporary.c_str());
-    throw;
+    const auto space = fs::space(folder, error);
+    TORCH_CHECK(false, "save_atomically: writing ", path, " failed (", write_error, "): the checkpoint needs ",
+                length + trailer.size(), " bytes, ", written, " were written before the failure",
+                error ? std::string() : ", the folder " + folder.string() + " has " +
+                                            std::to_string(space.available) + " bytes free",
+                "; the temporary file was removed and ", path, " is unchanged");
   }
   if (std::rename(temporary.c_str(), path.c_str()) != 0) {
     const std::string message = system_error();
@@ -359,12 +377,41 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
   fsync_path(folder.string(), /*directory=*/true);
 }
 
-void load_archive(torch::serialize::InputArchive& archive, const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+std::vector<std::string> remove_stale_temporaries(const std::string& folder) {
+  namespace fs = std::filesystem;
+  static const std::regex pattern(R"(.+\.tmp\.(\d+))");
+  std::vector<std::string> removed;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(folder, error)) {
+    std::smatch match;
+    const auto name = entry.path().filename().string();
+    if (!entry.is_regular_file(error) || !std::regex_match(name, match, pattern)) continue;
+    const auto pid = std::strtoll(match[1].str().c_str(), nullptr, 10);
+    const bool alive = pid > 0 && pid <= std::numeric_limits<pid_t>::max() &&
+                       (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    if (!alive && fs::remove(entry.path(), error)) removed.push_back(entry.path().string());
+  }
+  return removed;
+}
+
+namespace {
+
+// A checkpoint file mapped read-only, its trailer and checksum checked.
+struct VerifiedCheckpoint {
+  std::unique_ptr<void, std::function<void(void*)>> mapping;
+  const uint8_t* bytes = nullptr;
+  size_t length = 0;  // of the archive, without the trailer
+};
+
+VerifiedCheckpoint map_and_verify(const std::string& path) {
+  const auto problem = regular_file_problem(path, "checkpoint");
+  TORCH_CHECK(problem.empty(), problem);
   struct stat st {};
+  // O_NONBLOCK: a FIFO swapped in after the stat must not block the open.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0 || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     if (fd >= 0) ::close(fd);
-    TORCH_CHECK(false, "checkpoint ", path, " does not exist or is not a file");
+    TORCH_CHECK(false, "checkpoint ", path, " does not exist or is not a regular file");
   }
   const auto size = static_cast<size_t>(st.st_size);
   if (size < kTrailerBytes) {
@@ -375,7 +422,8 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
   void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   TORCH_CHECK(mapped != MAP_FAILED, "checkpoint ", path, " cannot be mapped: ", system_error());
-  std::unique_ptr<void, std::function<void(void*)>> unmap(mapped, [size](void* p) { ::munmap(p, size); });
+  VerifiedCheckpoint file;
+  file.mapping = std::unique_ptr<void, std::function<void(void*)>>(mapped, [size](void* p) { ::munmap(p, size); });
   const auto* bytes = static_cast<const uint8_t*>(mapped);
   const uint8_t* trailer = bytes + size - kTrailerBytes;
   TORCH_CHECK(std::memcmp(trailer, kMagic, sizeof(kMagic)) == 0, "checkpoint ", path,
@@ -390,6 +438,26 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
   checksum.update(bytes, length);
   TORCH_CHECK(checksum.finish() == stored, "checkpoint ", path,
               " is corrupt: checksum mismatch (the file's bytes changed after it was written)");
+  file.bytes = bytes;
+  file.length = length;
+  return file;
+}
+
+}  // namespace
+
+std::string checkpoint_file_problem(const std::string& path) {
+  try {
+    map_and_verify(path);
+    return "";
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+}
+
+void load_archive(torch::serialize::InputArchive& archive, const std::string& path) {
+  const auto file = map_and_verify(path);
+  const uint8_t* bytes = file.bytes;
+  const size_t length = file.length;
   try {
     auto adapter = std::make_shared<MemoryReadAdapter>(bytes, length);
     {

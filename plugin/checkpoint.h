@@ -6,6 +6,7 @@
 #include <functional>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace amp8 {
 
@@ -19,9 +20,21 @@ constexpr uint32_t kCheckpointFormatVersion = 1;
 /// complete new one, never a torn file: the archive (streamed, with its checksum computed on the
 /// way) and the trailer go to a temporary file in the same folder (`<path>.tmp.<pid>`), which is
 /// flushed to the disk (fsync) and renamed over `path`; the folder is then synced so the rename
-/// survives a crash. Throws c10::Error naming the path and the system error when any of it
-/// fails (the temporary file is removed).
+/// survives a crash. When any of it fails (a full disk, a file-size limit, an I/O error) it throws
+/// c10::Error naming the path, the system error, the bytes the checkpoint needs and the bytes
+/// free in the folder; the temporary file is removed and `path` keeps its previous content. The
+/// archive is left as it was, so the caller's state is intact and a later save can succeed.
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
+
+/// What is wrong with the checkpoint file at `path`, or "" when it is complete: a missing or
+/// non-regular file, no trailer, a truncated file, another format version or a checksum
+/// mismatch, in load_archive's words. Reads the file; deserializes nothing.
+std::string checkpoint_file_problem(const std::string& path);
+
+/// Removes the temporary files (`<name>.tmp.<pid>`) that save_atomically left in `folder` in
+/// processes that are gone (killed during a save); those of running processes stay. Returns the
+/// paths removed.
+std::vector<std::string> remove_stale_temporaries(const std::string& folder);
 
 /// The trailer save_atomically writes after an archive of `length` bytes at `archive`: for tools
 /// and tests that assemble a checkpoint file from an archive's bytes.

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <ostream>
 
 namespace amp8 {
@@ -11,6 +12,14 @@ void Fp8RecipeOptions::validate() const {
               fp8_, "\"");
   TORCH_CHECK(fp8_margin_ >= 0 && fp8_margin_ <= 126, "fp8_margin must be in [0, 126], got ",
               fp8_margin_);
+  // scale = fp8_max / amax / 2^margin maps the largest value to fp8_max / 2^margin. Below half
+  // of E4M3's smallest subnormal (2^-9) even that rounds to zero: every forward input would be
+  // zero and the run would learn nothing.
+  const double largest = static_cast<double>(fp8_max(Fp8Format::kE4M3)) / std::ldexp(1.0, fp8_margin_);
+  TORCH_CHECK(fp8_margin_ <= kMaxFp8Margin, "fp8_margin ", fp8_margin_,
+              " would scale every tensor's largest value to 448 / 2^", fp8_margin_, " = ", largest,
+              ", below half of E4M3's smallest subnormal (2^-9), so every FP8 forward input would be "
+              "zero; use a margin in [0, ", kMaxFp8Margin, "] (NeMo's presets: 0)");
   TORCH_CHECK(fp8_amax_history_len_ >= 1 && fp8_amax_history_len_ <= (1 << 20),
               "fp8_amax_history_len must be in [1, 1048576], got ", fp8_amax_history_len_);
   amax_compute_algo();

@@ -15,6 +15,9 @@ namespace amp8 {
 /// faster in FP8 than in bf16 on an H200 (forward+backward 1.34× at 4096³, 0.60× at 2048³;
 /// bench/results/fp8_linear_bench.jsonl).
 inline constexpr int64_t kDefaultFp8MinGemmSize = int64_t{1} << 36;
+/// The largest useful fp8_margin: E4M3's largest value 448 / 2^18 = 0.0017 still rounds to its
+/// smallest subnormal 2^-9; with 2^19 every value rounds to zero.
+inline constexpr int kMaxFp8Margin = 18;
 
 /// The FP8 recipe: Transformer Engine's DelayedScaling knobs under NeMo's names. Defaults are
 /// TE's and NeMo's FP8 presets; Megatron's MixedPrecisionPlugin defaults (history 1,
@@ -25,7 +28,8 @@ struct Fp8RecipeOptions {
   /// "hybrid": E4M3 for activations and weights (forward), E5M2 for gradients (backward);
   /// "e4m3": E4M3 everywhere. Default: "hybrid".
   TORCH_ARG(std::string, fp8) = "hybrid";
-  /// scale = (fp8_max / amax) / 2^fp8_margin; a margin leaves headroom. Default: 0.
+  /// scale = (fp8_max / amax) / 2^fp8_margin; a margin leaves headroom. In [0, kMaxFp8Margin]:
+  /// a larger one scales every value below E4M3's smallest subnormal. Default: 0.
   TORCH_ARG(int, fp8_margin) = 0;
   /// Steps of amax history per tensor. Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;

@@ -4,9 +4,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
 #include <torch/serialize.h>
+#include <signal.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <functional>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -20,6 +25,8 @@ namespace amp8 {
 namespace {
 
 constexpr int64_t kCheckpointVersion = 1;
+// Trainer::run_settings in the trainer archive: "setting.<name>" -> the value as a string.
+const std::string kSettingPrefix = "setting.";
 
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "--:--";
@@ -162,6 +169,11 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     std::filesystem::create_directories(options.checkpoint_dir(), error);
     TORCH_CHECK(std::filesystem::is_directory(options.checkpoint_dir()), "checkpoint_dir ",
                 options.checkpoint_dir(), " is not a folder and cannot be created");
+    const auto removed = remove_stale_temporaries(options.checkpoint_dir());
+    if (!removed.empty()) {
+      *log << "Trainer: removed " << removed.size() << " temporary file(s) of interrupted saves in "
+           << options.checkpoint_dir() << std::endl;
+    }
   }
   TORCH_CHECK(static_cast<bool>(training_step), "Trainer::fit: training_step must be callable");
   TORCH_CHECK(options.nonfinite_loss() == "error" || options.nonfinite_loss() == "skip",
@@ -171,14 +183,31 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
   if (!ckpt_path.empty()) {
     std::string path = ckpt_path;
     if (std::filesystem::is_directory(ckpt_path)) {
-      path = latest_checkpoint(ckpt_path, plugins->data_parallel_rank(), plugins->data_parallel_size());
-      TORCH_CHECK(!path.empty(), "Trainer::fit: no ",
+      std::vector<std::string> skipped;
+      path = latest_checkpoint(ckpt_path, plugins->data_parallel_rank(), plugins->data_parallel_size(), &skipped);
+      for (const auto& line : skipped) *log << "Trainer: skipping checkpoint " << line << std::endl;
+      TORCH_CHECK(!path.empty(), "Trainer::fit: no complete ",
                   checkpoint_name(0, plugins->data_parallel_rank(), plugins->data_parallel_size())
                       .replace(5, 8, "<N>"),
                   " checkpoint in ", ckpt_path);
+      if (!skipped.empty()) *log << "Trainer: resuming from the previous complete checkpoint " << path << std::endl;
     }
     load_checkpoint(path, model, optimizer);
+    if (plugins->data_parallel_size() > 1) {
+      // Every rank continues from the same step (one whose newest shard was incomplete would
+      // otherwise fall back alone): the steps are all equal iff mean(s^2) == mean(s)^2.
+      const auto parameters = model.parameters();
+      const auto device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
+      const auto s = static_cast<double>(global_step_);
+      const auto mean = plugins->data_parallel_mean(torch::tensor({s, s * s}, torch::dtype(torch::kDouble).device(device))).cpu();
+      TORCH_CHECK(mean[1].item<double>() == mean[0].item<double>() * mean[0].item<double>(),
+                  "Trainer::fit: the data-parallel ranks resumed from different steps (rank ",
+                  plugins->data_parallel_rank(), ": step ", global_step_, ", from ", path,
+                  "); give every rank the checkpoints of one step");
+    }
   }
+  stopped_ = false;
+  last_checkpoint_.clear();
   model.train();
   for (auto& callback : callbacks) callback->on_train_start(*this);
 
@@ -188,7 +217,14 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
   start_step_ = global_step_;
   auto interval_start = start_;
   int64_t interval_steps = 0;
+  const bool data_parallel = precision.data_parallel_size() > 1;
+  bool stop = false;
   while (global_step_ < options.max_steps()) {
+    // One process stops between steps at once; data-parallel ranks agree at the loss reduction.
+    if (!data_parallel && stop_requested_.load()) {
+      stop = true;
+      break;
+    }
     const int64_t step = global_step_;
     for (auto& callback : callbacks) callback->on_train_batch_start(*this, step);
     torch::Tensor loss_sum;
@@ -212,13 +248,25 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     // One host sync per step (the loss is read for the metrics anyway), before the optimizer
     // runs, so a non-finite loss never reaches the weights.
     // Data-parallel: the mean over the ranks, so all of them see one loss and decide alike.
-    const double loss_value =
-        precision.data_parallel_mean(loss_sum).item<double>() / static_cast<double>(micro_batches);
+    double loss_value = 0;
+    if (data_parallel) {
+      // The stop request rides along: a rank that was asked makes the mean non-zero everywhere.
+      const auto flag = torch::full({}, stop_requested_.load() ? 1.0f : 0.0f, loss_sum.options());
+      const auto reduced = precision.data_parallel_mean(torch::stack({loss_sum, flag})).cpu();
+      loss_value = reduced[0].item<double>() / static_cast<double>(micro_batches);
+      stop = reduced[1].item<double>() > 0;
+    } else {
+      loss_value = loss_sum.item<double>() / static_cast<double>(micro_batches);
+      stop = stop_requested_.load();
+    }
     if (!std::isfinite(loss_value)) {
-      TORCH_CHECK(options.nonfinite_loss() == "skip", "Trainer: non-finite loss (", loss_value,
-                  ") at step ", step + 1,
-                  "; the weights are those after the previous step (nonfinite_loss = \"error\"; "
-                  "\"skip\" drops such steps instead)");
+      if (options.nonfinite_loss() != "skip") {
+        precision.discard_gradients(optimizer);
+        const std::string saved = save_last_good_state(model, optimizer);
+        TORCH_CHECK(false, "Trainer: non-finite loss (", loss_value, ") at step ", step + 1,
+                    "; the weights are those after the previous step", saved,
+                    " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
+      }
       precision.discard_gradients(optimizer);
       metrics.stepped = false;
     } else {
@@ -230,10 +278,14 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
       }
       const bool checked = options.gradient_clip_val() > 0 || options.check_for_nan_in_grad();
       if (checked && !std::isfinite(metrics.grad_norm) && !precision.skips_nonfinite_gradients()) {
-        TORCH_CHECK(options.nonfinite_loss() == "skip", "Trainer: non-finite gradient norm (",
-                    metrics.grad_norm, ") at step ", step + 1, " with a finite loss (", loss_value,
-                    "); the weights are those after the previous step (nonfinite_loss = \"error\"; "
-                    "\"skip\" drops such steps instead)");
+        if (options.nonfinite_loss() != "skip") {
+          precision.discard_gradients(optimizer);
+          const std::string saved = save_last_good_state(model, optimizer);
+          TORCH_CHECK(false, "Trainer: non-finite gradient norm (", metrics.grad_norm, ") at step ",
+                      step + 1, " with a finite loss (", loss_value,
+                      "); the weights are those after the previous step", saved,
+                      " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
+        }
         precision.discard_gradients(optimizer);
         metrics.stepped = false;
       } else {
@@ -257,14 +309,51 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
       interval_steps = 0;
     }
     for (auto& callback : callbacks) callback->on_train_batch_end(*this, metrics);
-    if (options.every_n_train_steps() > 0 && global_step_ % options.every_n_train_steps() == 0) {
-      const auto name = checkpoint_name(global_step_, precision.data_parallel_rank(), precision.data_parallel_size());
-      const auto path = (std::filesystem::path(options.checkpoint_dir()) / name).string();
-      save_checkpoint(path, model, optimizer);
-      for (auto& callback : callbacks) callback->on_save_checkpoint(*this, path);
+    const int64_t save_every = options.every_n_train_steps();
+    if (save_every > 0 && (global_step_ % save_every == 0 || global_step_ == options.max_steps() || stop)) {
+      save_step_checkpoint(model, optimizer);
+    }
+    if (stop) break;
+  }
+  if (stop) {
+    stopped_ = true;
+    // Stopped before a step ran: the state is that of global_step_, saved unless it already is.
+    if (options.every_n_train_steps() > 0 && !std::filesystem::exists(step_checkpoint_path())) {
+      save_step_checkpoint(model, optimizer);
     }
   }
   for (auto& callback : callbacks) callback->on_train_end(*this);
+}
+
+std::string Trainer::step_checkpoint_path() const {
+  const auto name = checkpoint_name(global_step_, plugins->data_parallel_rank(), plugins->data_parallel_size());
+  return (std::filesystem::path(options.checkpoint_dir()) / name).string();
+}
+
+void Trainer::save_step_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  const auto path = step_checkpoint_path();
+  try {
+    save_checkpoint(path, model, optimizer);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "Trainer: the checkpoint of step ", global_step_, " could not be saved; the "
+                "training state is intact in memory and the earlier checkpoints are untouched",
+                last_checkpoint_.empty() ? std::string() : " (newest: " + last_checkpoint_ + ")", ": ",
+                e.what_without_backtrace());
+  }
+  last_checkpoint_ = path;
+  for (auto& callback : callbacks) callback->on_save_checkpoint(*this, path);
+}
+
+std::string Trainer::save_last_good_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  if (options.checkpoint_dir().empty() || options.every_n_train_steps() == 0) return "";
+  const auto path = step_checkpoint_path();
+  if (std::filesystem::exists(path)) return " (saved in " + path + ")";
+  try {
+    save_step_checkpoint(model, optimizer);
+  } catch (const c10::Error& e) {
+    return " (saving them failed: " + std::string(e.what_without_backtrace()) + ")";
+  }
+  return " (saved in " + path + ")";
 }
 
 void Trainer::print_progress(const StepMetrics& metrics, double interval_s, int64_t interval_steps) {
@@ -305,6 +394,9 @@ torch::serialize::OutputArchive Trainer::checkpoint_archive(torch::nn::Module& m
   plugins->save(plugin_archive);
   trainer_archive.write("global_step", torch::tensor({global_step_}));
   trainer_archive.write("precision", c10::IValue(plugins->name()));
+  for (const auto& [name, value] : run_settings) {
+    trainer_archive.write(kSettingPrefix + name, c10::IValue(value));
+  }
   save_rng_states(trainer_archive);
   archive.write("model", model_archive);
   archive.write("optimizer", optimizer_archive);
@@ -344,6 +436,17 @@ void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
   TORCH_CHECK(precision.toStringRef() == plugins->name(), "checkpoint ", path,
               ": the checkpoint was written with precision \"", precision.toStringRef(),
               "\", this plugin is \"", plugins->name(), "\"");
+  std::string differences;
+  for (const auto& [name, value] : run_settings) {
+    c10::IValue stored;
+    if (!trainer_archive.try_read(kSettingPrefix + name, stored) || !stored.isString()) continue;
+    if (stored.toStringRef() == value || changeable_settings.count(name) > 0) continue;
+    differences += (differences.empty() ? "" : ", ") + name + " " + stored.toStringRef() +
+                   " (this run: " + value + ")";
+  }
+  TORCH_CHECK(differences.empty(), "checkpoint ", path, " was written with other settings: ",
+              differences, "; an exact resume needs the same ones (to resume anyway, allow them by "
+              "name: ", changeable_settings_hint, ")");
   check_module_archive(model, model_archive, path, "");
   // Everything or nothing: the state before the load is kept (in memory) until the load is
   // through, and put back if any part of it throws.
@@ -375,25 +478,68 @@ std::string Trainer::checkpoint_name(int64_t step, int rank, int world_size) {
   return name;
 }
 
-std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size) {
+std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size,
+                                       std::vector<std::string>* skipped) {
   const std::regex pattern(world_size <= 1 ? std::string(R"(step_(\d+)\.ckpt)")
                                            : R"(step_(\d+)-rank)" + std::to_string(rank) + "-of-" +
                                                  std::to_string(world_size) + R"(\.ckpt)");
-  std::string best;
-  long long best_step = -1;
+  std::vector<std::pair<long long, std::string>> candidates;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
     std::smatch match;
     const auto name = entry.path().filename().string();
-    if (entry.is_regular_file() && std::regex_match(name, match, pattern)) {
-      const long long step = std::stoll(match[1].str());
-      if (step > best_step) {
-        best_step = step;
-        best = entry.path().string();
-      }
+    if (entry.is_regular_file(error) && std::regex_match(name, match, pattern)) {
+      candidates.emplace_back(std::stoll(match[1].str()), entry.path().string());
     }
   }
-  return best;
+  std::sort(candidates.begin(), candidates.end(), std::greater<>());
+  for (const auto& [step, path] : candidates) {
+    const auto problem = checkpoint_file_problem(path);
+    if (problem.empty()) return path;
+    if (skipped != nullptr) skipped->push_back(problem);
+  }
+  return "";
 }
+
+namespace {
+
+std::atomic<Trainer*> g_stop_target{nullptr};
+volatile std::sig_atomic_t g_stop_signal = 0;
+struct sigaction g_previous_term, g_previous_int;
+
+extern "C" void on_stop_signal(int signal) {
+  if (g_stop_signal == signal) {  // asked twice: the default action from now on
+    std::signal(signal, SIG_DFL);
+    std::raise(signal);
+    return;
+  }
+  g_stop_signal = signal;
+  if (Trainer* trainer = g_stop_target.load()) trainer->request_stop();
+}
+
+}  // namespace
+
+StopOnSignal::StopOnSignal(Trainer& trainer) {
+  static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<Trainer*>::is_always_lock_free,
+                "the signal handler needs lock-free atomics");
+  Trainer* expected = nullptr;
+  TORCH_CHECK(g_stop_target.compare_exchange_strong(expected, &trainer),
+              "StopOnSignal: another StopOnSignal is active in this process");
+  g_stop_signal = 0;
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(SIGTERM, &action, &g_previous_term);
+  ::sigaction(SIGINT, &action, &g_previous_int);
+}
+
+StopOnSignal::~StopOnSignal() {
+  ::sigaction(SIGTERM, &g_previous_term, nullptr);
+  ::sigaction(SIGINT, &g_previous_int, nullptr);
+  g_stop_target.store(nullptr);
+}
+
+int StopOnSignal::received() const { return static_cast<int>(g_stop_signal); }
 
 }  // namespace amp8

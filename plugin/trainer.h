@@ -5,11 +5,14 @@
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -29,15 +32,17 @@ struct TrainerOptions {
   TORCH_ARG(int64_t, log_every_n_steps) = 10;
   /// Clip gradients to this global L2 norm (float32, after unscaling); 0 = off. Default: 0.
   TORCH_ARG(double, gradient_clip_val) = 0.0;
-  /// Save a checkpoint into checkpoint_dir every this many steps; 0 = never. Default: 0.
+  /// Save a checkpoint into checkpoint_dir every this many steps and after the last step
+  /// (max_steps, or a stop: request_stop); 0 = never. Default: 0.
   TORCH_ARG(int64_t, every_n_train_steps) = 0;
   /// Folder of the checkpoints (step_<N>.ckpt). Default: "" (none).
   TORCH_ARG(std::string, checkpoint_dir) = "";
   /// Tokens in one micro-batch, for the tokens/s figure; 0 = not shown. Default: 0.
   TORCH_ARG(int64_t, tokens_per_micro_batch) = 0;
   /// What a non-finite (inf/NaN) loss does, checked before the optimizer step so the weights
-  /// never take it: "error" stops the run with an error naming the step; "skip" drops the step's
-  /// gradients, counts it as skipped and goes on. Default: "error".
+  /// never take it: "error" stops the run with an error naming the step (with a checkpoint_dir,
+  /// the weights after the previous step are saved first, and the error names the file);
+  /// "skip" drops the step's gradients, counts it as skipped and goes on. Default: "error".
   TORCH_ARG(std::string, nonfinite_loss) = "error";
   /// Also check the gradients when the loss is finite (Megatron's check_for_nan_in_grad): a
   /// non-finite global gradient norm is handled as nonfinite_loss says, except where the
@@ -119,8 +124,14 @@ struct TrainStepInput {
 /// checkpoints. A checkpoint holds the model (parameters and buffers: FP8 metadata included), the
 /// optimizer state, the plugin (master params, loss scaler), the step and the RNG states, and is
 /// written atomically. fit(..., ckpt_path) resumes from a checkpoint (a file, or a folder: its
-/// latest step_<N>.ckpt) and continues exactly as the uninterrupted run would have, provided the
-/// training step draws its data from (step, micro_batch).
+/// newest complete step_<N>.ckpt) and continues exactly as the uninterrupted run would have,
+/// provided the training step draws its data from (step, micro_batch).
+///
+/// A long run stops cleanly: request_stop() (e.g. from StopOnSignal, on SIGTERM or SIGINT)
+/// finishes the current step, saves a checkpoint (with a checkpoint_dir) and returns from fit
+/// with stopped() true. Data-parallel ranks agree on the stop at the step's loss reduction, so
+/// all of them stop after the same step. A failed save (a full disk) throws with the state
+/// intact in memory and the previous checkpoints untouched.
 class Trainer {
  public:
   using TrainingStep = std::function<torch::Tensor(const TrainStepInput&)>;
@@ -140,10 +151,21 @@ class Trainer {
   /// Restores the state saved by save_checkpoint; connects the plugin first when needed.
   void load_checkpoint(const std::string& path, torch::nn::Module& model,
                        torch::optim::Optimizer& optimizer);
-  /// The newest step_<N>.ckpt in `folder`, or "" when there is none.
-  static std::string latest_checkpoint(const std::string& folder, int rank = 0, int world_size = 1);
+  /// The newest complete step_<N>.ckpt in `folder` (see checkpoint_file_problem), or "" when
+  /// there is none. Newer ones that are incomplete or corrupt are skipped; `skipped`, when given,
+  /// receives a line for each ("<path>: <what is wrong>").
+  static std::string latest_checkpoint(const std::string& folder, int rank = 0, int world_size = 1,
+                                       std::vector<std::string>* skipped = nullptr);
   /// step_<N>.ckpt; data-parallel (sharded optimizer state): step_<N>-rank<r>-of-<W>.ckpt.
   static std::string checkpoint_name(int64_t step, int rank = 0, int world_size = 1);
+
+  /// Asks fit to stop after the step that is running (or before the first one); safe to call
+  /// from another thread. Not from a signal handler: StopOnSignal does that part.
+  void request_stop() { stop_requested_.store(true); }
+  /// Whether the last fit ended on request_stop before max_steps.
+  bool stopped() const { return stopped_; }
+  /// The checkpoint the last fit wrote last ("" when none).
+  const std::string& last_checkpoint() const { return last_checkpoint_; }
 
   int64_t global_step() const { return global_step_; }
   /// One entry per step run by this Trainer object (a resumed run starts after the checkpoint).
@@ -154,16 +176,50 @@ class Trainer {
   std::vector<std::shared_ptr<Callback>> callbacks;
   /// Where progress lines go. Default: std::cout.
   std::ostream* log;
+  /// What an exact resume needs besides the state (name -> value, e.g. the seed, the data's
+  /// identity, the batch shape, the LR schedule): written into every checkpoint and compared on
+  /// load. A value that differs from the checkpoint's is an error naming each difference,
+  /// unless its name is in changeable_settings. Settings the checkpoint lacks are not compared.
+  std::map<std::string, std::string> run_settings;
+  std::set<std::string> changeable_settings;
+  /// How the error for differing settings tells the user to allow them (gpt_pretrain: its
+  /// --allow-changes flag).
+  std::string changeable_settings_hint = "Trainer::changeable_settings";
 
  private:
   void connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   void print_progress(const StepMetrics& metrics, double interval_s, int64_t interval_steps);
 
+  std::string step_checkpoint_path() const;
+  void save_step_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  // After a non-finite step: saves the weights of global_step_ (when checkpoints are on) and
+  // returns " (saved in <path>)" for the error message, or "".
+  std::string save_last_good_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+
   int64_t global_step_ = 0;
+  std::atomic<bool> stop_requested_{false};
+  bool stopped_ = false;
+  std::string last_checkpoint_;
   std::vector<StepMetrics> history_;
   const torch::nn::Module* connected_model_ = nullptr;
   std::chrono::steady_clock::time_point start_;
   int64_t start_step_ = 0;
+};
+
+/// Stops a Trainer cleanly on SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C), as
+/// Megatron's exit-signal handler does: while it lives, those signals call
+/// trainer.request_stop() (an atomic store, safe in a signal handler), so fit finishes the step,
+/// saves a checkpoint and returns with stopped() true. A second signal of the same kind restores
+/// the default action (a second Ctrl-C ends the process). The previous handlers come back when
+/// it is destroyed. One at a time per process.
+class StopOnSignal {
+ public:
+  explicit StopOnSignal(Trainer& trainer);
+  ~StopOnSignal();
+  StopOnSignal(const StopOnSignal&) = delete;
+  StopOnSignal& operator=(const StopOnSignal&) = delete;
+  /// The signal received (SIGTERM or SIGINT), or 0.
+  int received() const;
 };
 
 }  // namespace amp8

@@ -89,12 +89,9 @@ TEST(GptPretrainTest, ResumeContinuesExactlyWhereTheRunStopped) {
     auto first = gpt_pretrain(with(common, {"--steps", "20", "--save-every", "10", "--save-dir",
                                             split.string()}));
     ASSERT_EQ(first.code, 0) << first.err;
+    // As after a crash between the two saves: metrics of 20 steps, a checkpoint of step 10. The
+    // resume cuts the metrics back to step 10, so no step is listed twice.
     fs::remove(split / "checkpoints" / "step_00000020.ckpt");
-    {
-      auto lines = metrics(split);
-      std::ofstream out(split / "metrics.jsonl", std::ios::trunc);
-      for (int i = 0; i < 10; ++i) out << lines[i].dump() << "\n";
-    }
     auto resumed = gpt_pretrain(with(common, {"--steps", "20", "--save-dir", split.string(),
                                               "--resume", split.string()}));
     ASSERT_EQ(resumed.code, 0) << resumed.err;
@@ -138,9 +135,9 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--fp8", "e5m2"}, "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"e5m2\""},
       {{"--precision", "32", "--fp8", "hybrid"}, "precision \"32\" takes only fp8 = \"none\""},
       {{"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-amax-compute-algo", "mean"}, "fp8_amax_compute_algo"},
-      {{"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-margin", "-1"}, "fp8_margin"},
+      {{"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-margin", "-1"}, "--fp8-margin: must be in [0, 126], got -1"},
       {{"--config", "2b"}, "config must be one of"},
-      {{"--data", (dir / "missing.txt").string()}, "missing.txt cannot be opened"},
+      {{"--data", (dir / "missing.txt").string()}, "missing.txt does not exist"},
       {{"--data", (dir / "empty.txt").string()}, "empty.txt is empty"},
       {{"--save-dir", file.string()}, "exists and is not a folder"},
       {{"--device", "tpu"}, "device must be"},

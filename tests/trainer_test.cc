@@ -467,7 +467,7 @@ TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
   torch::optim::Adam optimizer(model->parameters(), 1e-3);
   Trainer trainer(TrainerOptions().log_every_n_steps(0), recipes::bf16_mixed());
   ExpectErrorContaining([&] { trainer.load_checkpoint((dir / "missing.ckpt").string(), *model, optimizer); },
-                        "missing.ckpt does not exist or is not a file");
+                        "missing.ckpt does not exist");
   {
     std::ofstream junk(dir / "junk.ckpt");
     junk << "not an archive";

@@ -6,6 +6,13 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -29,6 +36,85 @@ std::vector<std::string> split(const std::string& list) {
   return items;
 }
 
+// Flag values, checked by CLI11 before anything runs; the errors come out as "--flag: ...".
+
+// A whole number in [min, max] written as digits (a minus sign for negatives): "1e23", "0x10",
+// "1.5", "" and values out of range are errors instead of being clamped, wrapped or truncated.
+CLI::Validator whole_number(int64_t min, int64_t max) {
+  return CLI::Validator(
+      [min, max](std::string& value) -> std::string {
+        int64_t number = 0;
+        const char* end = value.data() + value.size();
+        const auto [stop, error] = std::from_chars(value.data(), end, number);
+        if (value.empty() || error == std::errc::invalid_argument || stop != end) {
+          return "expected a whole number in [" + std::to_string(min) + ", " + std::to_string(max) +
+                 "], got \"" + value + "\"";
+        }
+        if (error == std::errc::result_out_of_range || number < min || number > max) {
+          return "must be in [" + std::to_string(min) + ", " + std::to_string(max) + "], got " + value;
+        }
+        return "";
+      },
+      "INT in [" + std::to_string(min) + ", " + std::to_string(max) + "]");
+}
+
+// A finite real number in (0, max].
+CLI::Validator positive_number(double max) {
+  return CLI::Validator(
+      [max](std::string& value) -> std::string {
+        char* end = nullptr;
+        const double number = value.empty() ? NAN : std::strtod(value.c_str(), &end);
+        if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(number)) {
+          return "expected a number, got \"" + value + "\"";
+        }
+        if (!(number > 0 && number <= max)) return "must be in (0, " + c10::str(max) + "], got " + value;
+        return "";
+      },
+      "");
+}
+
+// true or false (also 1/0, yes/no, on/off, any case); nothing else, not even "".
+CLI::Validator boolean() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        std::string lower = value;
+        std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+        for (const char* word : {"true", "1", "yes", "on", "false", "0", "no", "off"}) {
+          if (lower == word) {
+            value = lower;
+            return "";
+          }
+        }
+        return "expected true or false, got \"" + value + "\"";
+      },
+      "BOOL");
+}
+
+// Names (configs, precisions, formats, devices) are matched without regard to case, all alike.
+CLI::Validator lower_case() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+        return "";
+      },
+      "");
+}
+
+// Control characters in a message (an invisible byte in a path or a value) shown as \xNN.
+std::string escape_control_characters(const std::string& text) {
+  std::string escaped;
+  for (const unsigned char c : text) {
+    if ((c < 0x20 && c != '\n') || c == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "\\x%02x", c);
+      escaped += hex;
+    } else {
+      escaped += static_cast<char>(c);
+    }
+  }
+  return escaped;
+}
+
 std::string folder_name(std::string name) {
   for (char& c : name) {
     if (c == '+' || c == '=' || c == ' ') c = '_';
@@ -44,71 +130,91 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   // A flag given twice takes its last value (so a command can be extended by appending flags).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string config = "tiny", precision = "auto", fp8 = "none", algo = "max", data, device = "auto",
-              save_dir, resume, compare;
+              save_dir, resume, compare, allow_changes;
   int fp8_margin = 0;
+  // -1: "the config's" (the flag itself only takes values in its range).
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
-  bool fp8_params = true, overlap_grad_reduce = true;
+  bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
   double lr = -1;
-  uint64_t seed = 1234;
-  app.add_option("--config", config, "model config: tiny, small, 125m, 128m, 350m, 1b")->capture_default_str();
+  int64_t seed = 1234;
+  constexpr int64_t kMaxCount = int64_t{1} << 40;  // steps, intervals, elements
+  constexpr int64_t kMaxBatch = int64_t{1} << 20;  // sequences, micro-batches, tokens
+  app.add_option("--config", config, "model config: tiny, small, 125m, 128m, 350m, 1b")
+      ->capture_default_str()->transform(lower_case());
   app.add_option("--precision", precision, "32, bf16-mixed, 16-mixed (fp16-mixed), or auto (bf16-mixed on a GPU, 32 on the CPU)")
-      ->capture_default_str();
-  app.add_option("--fp8", fp8, "none, hybrid (E4M3 forward, E5M2 gradients) or e4m3")->capture_default_str();
-  app.add_option("--fp8-margin", fp8_margin, "scale = (fp8_max / amax) / 2^margin")->capture_default_str();
-  app.add_option("--fp8-amax-history-len", history, "steps of amax history per FP8 tensor")->capture_default_str();
-  app.add_option("--fp8-amax-compute-algo", algo, "max or most_recent")->capture_default_str();
-  app.add_option("--fp8-params", fp8_params, "with FP8: keep linear weights only in FP8 (NeMo's FP8 presets: true)")
-      ->capture_default_str();
-  app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
-                 "with FP8: GEMMs smaller than this (rows x in x out) run in high precision; 0 = all in FP8")
-      ->capture_default_str();
-  app.add_option("--steps", steps, "optimizer steps (default: the config's; tiny: 1000)");
-  app.add_option("--micro-batch", micro_batch, "sequences per micro-batch (default: the config's)");
-  app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")->capture_default_str();
-  app.add_option("--seq", seq, "tokens (bytes) per sequence (default: the config's)");
-  app.add_option("--lr", lr, "peak learning rate (default: the config's)");
+      ->capture_default_str()->transform(lower_case());
+  app.add_option("--fp8", fp8, "none, hybrid (E4M3 forward, E5M2 gradients) or e4m3")
+      ->capture_default_str()->transform(lower_case());
+  // The FP8 settings below need --fp8 (or a --compare run with +fp8).
+  std::vector<CLI::Option*> fp8_flags;
+  fp8_flags.push_back(app.add_option("--fp8-margin", fp8_margin, "with FP8: scale = (fp8_max / amax) / 2^margin")
+                          ->capture_default_str()->check(whole_number(0, 126)));  // validate() explains > kMaxFp8Margin
+  fp8_flags.push_back(app.add_option("--fp8-amax-history-len", history, "with FP8: steps of amax history per FP8 tensor")
+                          ->capture_default_str()->check(whole_number(1, 1 << 20)));
+  fp8_flags.push_back(app.add_option("--fp8-amax-compute-algo", algo, "with FP8: max or most_recent")
+                          ->capture_default_str()->transform(lower_case()));
+  fp8_flags.push_back(app.add_option("--fp8-params", fp8_params, "with FP8: keep linear weights only in FP8 (NeMo's FP8 presets: true)")
+                          ->capture_default_str()->transform(boolean()));
+  fp8_flags.push_back(app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
+                                     "with FP8: GEMMs smaller than this (rows x in x out) run in high precision; 0 = all in FP8")
+                          ->capture_default_str()->check(whole_number(0, std::numeric_limits<int64_t>::max())));
+  app.add_option("--steps", steps, "optimizer steps (default: the config's; tiny: 1000)")->check(whole_number(1, kMaxCount));
+  app.add_option("--micro-batch", micro_batch, "sequences per micro-batch (default: the config's)")
+      ->check(whole_number(1, kMaxBatch));
+  app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")->capture_default_str()
+      ->check(whole_number(1, kMaxBatch));
+  app.add_option("--seq", seq, "tokens (bytes) per sequence (default: the config's)")->check(whole_number(1, kMaxBatch));
+  app.add_option("--lr", lr, "peak learning rate, in (0, 10] (default: the config's)")->check(positive_number(10.0));
   app.add_option("--data", data, "a text file, read as bytes (default: the built-in corpus)");
-  app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str();
-  app.add_option("--save-dir", save_dir, "metrics.jsonl, loss.svg and checkpoints/ (default: runs/gpt_<config>)");
-  app.add_option("--save-every", save_every, "checkpoint every N steps (default: at the end)");
-  app.add_option("--resume", resume, "continue from a checkpoint file or a save-dir");
-  app.add_option("--seed", seed, "seed of the initial weights and of the data order")->capture_default_str();
-  app.add_option("--log-every", log_every, "a progress line every N steps, 0 = none (default: the config's; tiny: 100)");
+  app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str()->transform(lower_case());
+  app.add_option("--save-dir", save_dir, "metrics.jsonl, loss.svg and checkpoints/ (default: runs/gpt_<config>); "
+                 "one run at a time, and a folder that holds a run is only continued (--resume)");
+  app.add_option("--save-every", save_every, "checkpoint every N steps, and always after the last one (0: only after the last one)")
+      ->check(whole_number(0, kMaxCount));
+  app.add_option("--resume", resume, "continue from a checkpoint file or a save-dir (its newest complete checkpoint)");
+  app.add_option("--resume-if-exists", resume_if_exists,
+                 "continue from --save-dir's newest checkpoint when it has one, else start there (NeMo's AutoResume)")
+      ->capture_default_str()->transform(boolean());
+  app.add_option("--allow-changes", allow_changes,
+                 "resume although these settings differ from the checkpoint's, e.g. steps,lr (an exact resume needs them equal)");
+  app.add_option("--seed", seed, "seed of the initial weights and of the data order")->capture_default_str()
+      ->check(whole_number(0, std::numeric_limits<int64_t>::max()));
+  app.add_option("--log-every", log_every, "a progress line every N steps, 0 = none (default: the config's; tiny: 100)")
+      ->check(whole_number(0, kMaxCount));
   app.add_option("--overlap-grad-reduce", overlap_grad_reduce,
                  "under torchrun: reduce-scatter gradient buckets during the backward pass")
-      ->capture_default_str();
+      ->capture_default_str()->transform(boolean());
   app.add_option("--bucket-size", bucket_size, "under torchrun: elements per gradient bucket")
-      ->capture_default_str();
+      ->capture_default_str()->check(whole_number(1, kMaxCount));
   auto* grad_reduce_flag = app.add_option(
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
       "reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
-      "true for bf16-mixed, false for 16-mixed)");
+      "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
                  "e.g. 32,bf16-mixed,bf16-mixed+fp8; per run +fp8=e4m3, +fp8-params or +bf16-params "
                  "override --fp8-params; writes compare.svg and compare.jsonl (final loss, tokens/s, "
-                 "peak memory, difference against the 32 and bf16-mixed runs)");
+                 "peak memory, difference against the 32 and bf16-mixed runs)")->transform(lower_case());
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e, out, err);
+    if (e.get_exit_code() == 0) return app.exit(e, out, err);  // --help
+    err << "gpt_pretrain: error: " << escape_control_characters(e.what()) << "\nRun with --help for the flags."
+        << std::endl;
+    return e.get_exit_code();
   }
 
+  std::string batch_shape = "?";  // micro-batch x seq, for an out-of-memory message
   try {
     auto recipe = gpt_pretrain_recipe(config);
     if (micro_batch > 0) recipe.micro_batch = micro_batch;
+    batch_shape = std::to_string(recipe.micro_batch) + " x " + std::to_string(seq > 0 ? seq : recipe.seq);
     if (seq > 0) recipe.seq = seq;
     if (lr > 0) recipe.lr = lr, recipe.min_lr = std::min(recipe.min_lr, lr);
-    TORCH_CHECK(micro_batch == -1 || micro_batch >= 1, "--micro-batch must be >= 1, got ", micro_batch);
-    TORCH_CHECK(seq == -1 || seq >= 1, "--seq must be >= 1, got ", seq);
-    TORCH_CHECK(lr == -1 || lr > 0, "--lr must be positive, got ", lr);
-    TORCH_CHECK(log_every >= -1, "--log-every must be >= 0, got ", log_every);
-    TORCH_CHECK(save_every >= 0, "--save-every must be >= 0, got ", save_every);
-    TORCH_CHECK(steps == -1 || steps >= 1, "--steps must be >= 1, got ", steps);
     if (steps > 0) recipe.trainer.max_steps(steps);
     recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every);
     if (log_every >= 0) recipe.trainer.log_every_n_steps(log_every);
@@ -116,8 +222,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.device = device;
     recipe.seed = seed;
     recipe.resume = resume;
+    recipe.resume_if_exists = resume_if_exists;
+    for (const auto& name : split(allow_changes)) recipe.allow_changes.insert(name);
     recipe.overlap_grad_reduce = overlap_grad_reduce;
-    TORCH_CHECK(bucket_size >= 1, "--bucket-size must be >= 1 element, got ", bucket_size);
     recipe.bucket_size = bucket_size;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
     // Only "auto" precision looks at the device: bf16-mixed on a GPU, 32 on the CPU.
@@ -135,10 +242,31 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       return options;
     };
 
+    // FP8 settings without FP8 would be silently ignored (or, stored in a checkpoint, block a
+    // later resume): they are an error instead.
+    const bool any_fp8 = fp8 != "none" || compare.find("+fp8") != std::string::npos;
+    for (const auto* flag : fp8_flags) {
+      TORCH_CHECK(any_fp8 || flag->count() == 0, flag->get_name(), " is an FP8 setting, but no run uses FP8 "
+                  "(--fp8 none); add --fp8 hybrid (or +fp8 to a --compare run) or drop ", flag->get_name());
+    }
+
     if (compare.empty()) {
       recipe.precision = precision_for(precision, fp8);
       const auto result = run_pretraining(recipe, out);
-      if (result.rank != 0) return 0;  // rank 0 reports for the data-parallel job
+      if (result.rank != 0) return result.stopped ? 128 + result.stop_signal : 0;  // rank 0 reports
+      if (result.nothing_to_do) {
+        out << "gpt_pretrain: nothing to do: the checkpoint is at step " << result.start_step
+            << ", at or past --steps " << recipe.trainer.max_steps()
+            << " (to train further, raise --steps and add --allow-changes steps)" << std::endl;
+        return 0;
+      }
+      if (result.stopped) {
+        err << "gpt_pretrain: stopped by " << (result.stop_signal == SIGINT ? "SIGINT" : "SIGTERM")
+            << " after step " << result.start_step + static_cast<int64_t>(result.history.size()) << " of "
+            << recipe.trainer.max_steps() << "; saved " << result.last_checkpoint << "; continue with --resume "
+            << recipe.save_dir << std::endl;
+        return 128 + (result.stop_signal > 0 ? result.stop_signal : SIGTERM);
+      }
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s
           << " tokens/s (steady state " << result.steady_tokens_per_s << "); metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
       return 0;
@@ -172,12 +300,27 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     TORCH_CHECK(!runs.empty(), "--compare needs at least one precision, got \"", compare, "\"");
     std::vector<LossCurve> curves;
     std::vector<nlohmann::json> summary;
+    std::vector<std::string> failures;
     const std::string base = recipe.save_dir;
     for (const auto& [name, options] : runs) {
       auto run = recipe;
       run.precision = options;
       run.save_dir = (fs::path(base) / folder_name(name)).string();
-      const auto result = run_pretraining(run, out);
+      PretrainResult result;
+      try {
+        result = run_pretraining(run, out);
+      } catch (const c10::Error& e) {
+        // The other runs still run, and the summary says which one failed and why.
+        failures.push_back("\"" + name + "\": " + e.what_without_backtrace());
+        summary.push_back({{"run", name}, {"error", e.what_without_backtrace()}});
+        err << "gpt_pretrain: --compare run \"" << name << "\" failed: " << escape_control_characters(e.what_without_backtrace()) << std::endl;
+        continue;
+      }
+      if (result.stopped) {
+        failures.push_back("\"" + name + "\": stopped by a signal");
+        summary.push_back({{"run", name}, {"error", "stopped by a signal"}});
+        break;
+      }
       LossCurve curve{name + " (final " + std::to_string(result.final_loss).substr(0, 6) + ")", {}};
       for (const auto& m : result.history) curve.points.emplace_back(static_cast<double>(m.step), m.loss);
       curves.push_back(std::move(curve));
@@ -198,11 +341,13 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     }
     // The final loss of every run relative to the 32 and bf16-mixed runs, when those ran.
     for (const char* reference : {"32", "bf16-mixed"}) {
-      const auto it = std::find_if(summary.begin(), summary.end(),
-                                   [&](const nlohmann::json& s) { return s["run"] == reference; });
+      const auto it = std::find_if(summary.begin(), summary.end(), [&](const nlohmann::json& s) {
+        return s["run"] == reference && s.contains("final_loss");
+      });
       if (it == summary.end()) continue;
       const double ref = (*it)["final_loss"].get<double>();
       for (auto& s : summary) {
+        if (!s.contains("final_loss")) continue;
         s[std::string("final_loss_rel_diff_vs_") + reference] = (s["final_loss"].get<double>() - ref) / ref;
       }
     }
@@ -214,12 +359,23 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     const auto picture = (fs::path(base) / "compare.svg").string();
     write_loss_svg(picture, curves, "GPT " + config + ": loss by precision (same seed and data)");
     out << "gpt_pretrain: comparison picture " << picture << std::endl;
+    if (!failures.empty()) {
+      std::string list;
+      for (const auto& failure : failures) list += (list.empty() ? "" : "; ") + failure;
+      TORCH_CHECK(false, "--compare: ", failures.size(), " of ", runs.size(), " runs failed (", list,
+                  "); the others are in ", (fs::path(base) / "compare.jsonl").string());
+    }
     return 0;
+  } catch (const c10::OutOfMemoryError& e) {
+    err << "gpt_pretrain: error: out of memory with micro-batches of " << batch_shape
+        << " tokens; lower --micro-batch (and raise --grad-accum for the same batch): "
+        << escape_control_characters(e.what_without_backtrace()) << std::endl;
+    return 2;
   } catch (const c10::Error& e) {
-    err << "gpt_pretrain: error: " << e.what_without_backtrace() << std::endl;
+    err << "gpt_pretrain: error: " << escape_control_characters(e.what_without_backtrace()) << std::endl;
     return 2;
   } catch (const std::exception& e) {
-    err << "gpt_pretrain: error: " << e.what() << std::endl;
+    err << "gpt_pretrain: error: " << escape_control_characters(e.what()) << std::endl;
     return 2;
   }
 }

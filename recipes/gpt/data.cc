@@ -3,14 +3,22 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <array>
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <random>
+
+#include "plugin/files.h"
 
 namespace amp8::recipes {
 namespace {
@@ -64,8 +72,54 @@ std::string make_corpus(int64_t bytes) {
 
 }  // namespace
 
+namespace detail {
+namespace {
+
+thread_local sigjmp_buf* t_bus_error_jump = nullptr;
+struct sigaction g_previous_bus_action;
+
+extern "C" void on_bus_error(int signal, siginfo_t* info, void* context) {
+  if (t_bus_error_jump != nullptr) siglongjmp(*t_bus_error_jump, 1);
+  // Not ours: whoever handled SIGBUS before, or the default action.
+  if (g_previous_bus_action.sa_flags & SA_SIGINFO) {
+    g_previous_bus_action.sa_sigaction(signal, info, context);
+  } else if (g_previous_bus_action.sa_handler != SIG_IGN && g_previous_bus_action.sa_handler != SIG_DFL) {
+    g_previous_bus_action.sa_handler(signal);
+  } else {
+    ::signal(signal, SIG_DFL);
+    ::raise(signal);
+  }
+}
+
+}  // namespace
+
+bool copy_mapped(const std::function<void()>& copy) {
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    struct sigaction action {};
+    action.sa_sigaction = on_bus_error;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_SIGINFO;
+    ::sigaction(SIGBUS, &action, &g_previous_bus_action);
+  });
+  sigjmp_buf jump;
+  if (sigsetjmp(jump, /*savemask=*/1) != 0) {
+    t_bus_error_jump = nullptr;
+    return false;
+  }
+  t_bus_error_jump = &jump;
+  copy();
+  t_bus_error_jump = nullptr;
+  return true;
+}
+
+}  // namespace detail
+
 ByteDataset ByteDataset::from_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
+  // stat before open: opening a FIFO would wait for a writer forever.
+  const auto problem = regular_file_problem(path, "data file");
+  TORCH_CHECK(problem.empty(), problem);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TORCH_CHECK(fd >= 0, "data file ", path, " cannot be opened: ", std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -79,7 +133,7 @@ ByteDataset ByteDataset::from_file(const std::string& path) {
   }
   void* mapped = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
   const int error = errno;
-  ::close(fd);
+  if (mapped == MAP_FAILED) ::close(fd);
   TORCH_CHECK(mapped != MAP_FAILED, "data file ", path, " cannot be memory-mapped: ",
               std::strerror(error));
   const auto size = static_cast<size_t>(st.st_size);
@@ -88,9 +142,27 @@ ByteDataset ByteDataset::from_file(const std::string& path) {
                                                   [size](const uint8_t* p) {
                                                     ::munmap(const_cast<uint8_t*>(p), size);
                                                   });
+  // Kept open to notice a change under the running job (see check_unchanged).
+  dataset.file_ = std::shared_ptr<const FileIdentity>(
+      new FileIdentity{fd, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec},
+      [](const FileIdentity* file) {
+        ::close(file->fd);
+        delete file;
+      });
   dataset.size_ = static_cast<int64_t>(size);
   dataset.source_ = path;
   return dataset;
+}
+
+void ByteDataset::check_unchanged() const {
+  if (!file_) return;
+  struct stat st {};
+  const bool same = ::fstat(file_->fd, &st) == 0 && st.st_size == file_->size &&
+                    st.st_mtim.tv_sec == file_->mtime_s && st.st_mtim.tv_nsec == file_->mtime_ns;
+  TORCH_CHECK(same, "data file ", source_, " changed while training (it was ", file_->size,
+              " bytes when the run opened it, now ", st.st_size,
+              " bytes, or it was rewritten): the run stops here; its checkpoints are intact, and "
+              "resuming needs the original data back");
 }
 
 ByteDataset ByteDataset::builtin(int64_t bytes) {
@@ -102,6 +174,25 @@ ByteDataset ByteDataset::builtin(int64_t bytes) {
   dataset.size_ = static_cast<int64_t>(text->size());
   dataset.source_ = "built-in corpus";
   return dataset;
+}
+
+std::string ByteDataset::fingerprint() const {
+  // FNV-1a over the first and the last MiB (the whole text when it is shorter than 2 MiB).
+  constexpr int64_t kPart = int64_t{1} << 20;
+  uint64_t hash = 0xcbf29ce484222325ULL;
+  auto mix = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) hash = (hash ^ bytes_.get()[i]) * 0x100000001b3ULL;
+  };
+  check_unchanged();
+  const bool copied = detail::copy_mapped([&] {
+    mix(0, std::min(size_, kPart));
+    mix(std::max(std::min(size_, kPart), size_ - kPart), size_);
+  });
+  TORCH_CHECK(copied, "data file ", source_, " could not be read (a bus error on its mapping)");
+  char text[64];
+  std::snprintf(text, sizeof(text), "%lld bytes, hash %016llx", static_cast<long long>(size_),
+                static_cast<unsigned long long>(hash));
+  return text;
 }
 
 std::pair<torch::Tensor, torch::Tensor> ByteDataset::batch(uint64_t seed, int64_t step,
@@ -120,10 +211,18 @@ std::pair<torch::Tensor, torch::Tensor> ByteDataset::batch(uint64_t seed, int64_
   auto* out = window.data_ptr<int64_t>();
   const auto* begin = starts.data_ptr<int64_t>();
   const uint8_t* text = bytes_.get();
-  for (int64_t b = 0; b < batch_size; ++b) {
-    const uint8_t* src = text + begin[b];
-    for (int64_t i = 0; i <= seq; ++i) out[b * (seq + 1) + i] = src[i];
-  }
+  check_unchanged();
+  // A file truncated under the mapping faults (SIGBUS) instead of reading: copy_mapped turns
+  // that into false, and the check above (or this one) into an error naming the file.
+  const bool copied = detail::copy_mapped([&] {
+    for (int64_t b = 0; b < batch_size; ++b) {
+      const uint8_t* src = text + begin[b];
+      for (int64_t i = 0; i <= seq; ++i) out[b * (seq + 1) + i] = src[i];
+    }
+  });
+  check_unchanged();
+  TORCH_CHECK(copied, "data file ", source_, " could not be read (a bus error on its mapping: it "
+              "was truncated or its storage failed while training); the run stops here");
   auto inputs = window.narrow(1, 0, seq).contiguous().to(device);
   auto targets = window.narrow(1, 1, seq).contiguous().to(device);
   return {inputs, targets};

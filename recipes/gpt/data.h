@@ -3,6 +3,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -16,8 +17,11 @@ namespace amp8::recipes {
 /// exactly the batches the uninterrupted run would have.
 class ByteDataset {
  public:
-  /// Memory-maps `path`. Throws naming the path when it cannot be opened or mapped, or when it
-  /// holds fewer than 2 bytes.
+  /// Memory-maps `path`. Throws naming the path when it is not a regular file (a FIFO, a
+  /// device: checked without opening it), cannot be opened or mapped, or holds fewer than 2
+  /// bytes. The file must not change while the dataset lives: batch() throws naming it when its
+  /// size or modification time differ from those it had when opened (or when reading the mapping
+  /// faults because it was truncated), instead of training on other data or dying of SIGBUS.
   static ByteDataset from_file(const std::string& path);
   /// The built-in corpus (`bytes` long, deterministic).
   static ByteDataset builtin(int64_t bytes = 1 << 20);
@@ -29,14 +33,35 @@ class ByteDataset {
                                                 int64_t batch_size, int64_t seq,
                                                 const torch::Device& device) const;
 
+  /// The data's identity for a resume check: its size and a hash of its first and last MiB
+  /// (not its path: a moved file is the same data).
+  std::string fingerprint() const;
+
   int64_t size() const { return size_; }
   const std::string& source() const { return source_; }
 
  private:
   ByteDataset() = default;
+  struct FileIdentity {
+    int fd;
+    int64_t size, mtime_s, mtime_ns;
+  };
+  void check_unchanged() const;
+
   std::shared_ptr<const uint8_t> bytes_;  // mapped file or owned corpus
+  std::shared_ptr<const FileIdentity> file_;  // the open file behind a mapping (none: built-in)
   int64_t size_ = 0;
   std::string source_;
 };
+
+namespace detail {
+
+/// Runs `copy`, which reads a memory-mapped file, and returns false instead of dying when a read
+/// faults with SIGBUS (the file was truncated under the mapping): the fault jumps back here
+/// (sigsetjmp/siglongjmp; `copy` must own nothing that needs destroying). A SIGBUS anywhere else
+/// goes to the handler installed before, or kills the process as usual.
+bool copy_mapped(const std::function<void()>& copy);
+
+}  // namespace detail
 
 }  // namespace amp8::recipes

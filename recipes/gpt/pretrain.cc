@@ -14,13 +14,16 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <ostream>
 
 #include "plugin/checkpoint.h"
 #include "plugin/distributed.h"
+#include "plugin/files.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
+#include "recipes/gpt/run_folder.h"
 #include "recipes/precision.h"
 
 namespace amp8::recipes {
@@ -131,14 +134,16 @@ class CommunicationTimer : public Callback {
   std::vector<DistributedOptimizer::StepCommunication> steps_;
 };
 
-// One JSON object per step into metrics.jsonl.
+// One JSON object per step into metrics.jsonl. On a resume the file is first cut back to the
+// checkpoint's step, so steps run again after a crash are not listed twice.
 class MetricsWriter : public Callback {
  public:
-  MetricsWriter(const std::string& path, bool append, const LearningRateSchedule& schedule,
-                int64_t tokens_per_step)
-      : out_(path, append ? std::ios::app : std::ios::trunc), schedule_(schedule),
-        tokens_per_step_(tokens_per_step) {
-    TORCH_CHECK(out_.good(), "cannot write the metrics file ", path);
+  MetricsWriter(std::string path, const LearningRateSchedule& schedule, int64_t tokens_per_step)
+      : path_(std::move(path)), schedule_(schedule), tokens_per_step_(tokens_per_step) {}
+  void on_train_start(Trainer& trainer) override {
+    trim_metrics(path_, trainer.global_step());
+    out_.open(path_, std::ios::app);
+    TORCH_CHECK(out_.good(), "cannot write the metrics file ", path_);
     last_ = std::chrono::steady_clock::now();
   }
   void on_train_batch_end(Trainer& trainer, const StepMetrics& m) override {
@@ -155,9 +160,11 @@ class MetricsWriter : public Callback {
     if (std::isfinite(m.grad_norm)) line["grad_norm"] = m.grad_norm;
     out_ << line.dump() << "\n";
     out_.flush();
+    TORCH_CHECK(out_.good(), "writing the metrics file ", path_, " failed (is the disk full?)");
   }
 
  private:
+  std::string path_;
   std::ofstream out_;
   const LearningRateSchedule& schedule_;
   double tokens_per_step_;
@@ -240,14 +247,34 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   std::error_code error;
   TORCH_CHECK(!fs::exists(recipe.save_dir, error) || fs::is_directory(recipe.save_dir, error),
               "save-dir ", recipe.save_dir, " exists and is not a folder");
+  if (!recipe.resume.empty() && !fs::is_directory(recipe.resume, error)) {
+    const auto problem = regular_file_problem(recipe.resume, "resume: checkpoint");
+    TORCH_CHECK(problem.empty(), problem);
+  }
+  TORCH_CHECK(recipe.resume.empty() || fs::exists(recipe.resume, error), "resume: ", recipe.resume,
+              " does not exist");
+  const int rank = data_parallel ? dist->rank : 0, world = data_parallel ? dist->world_size : 1;
+  // ---- from here on the save-dir is written ----
+  // One run per save-dir at a time (rank 0 holds it for a data-parallel job).
+  std::optional<FolderLock> lock;
+  if (rank == 0) lock.emplace(recipe.save_dir);
+  // A folder that holds a run is continued only when asked (NeMo's AutoResume), never
+  // overwritten: its metrics and checkpoints would mix with this run's.
+  const auto existing = inspect_run_folder(recipe.save_dir, rank, world);
+  TORCH_CHECK(!existing.holds_run() || !recipe.resume.empty() || recipe.resume_if_exists, "save-dir ",
+              recipe.save_dir, " already holds a run (", existing.describe(), "); continue it with "
+              "--resume ", recipe.save_dir, " (or --resume-if-exists), or start a new run in another "
+              "--save-dir (or remove the folder)");
   std::string resume = recipe.resume;
-  if (!resume.empty()) {
-    if (fs::is_directory(resume, error)) {
-      const auto checkpoints = fs::path(resume) / "checkpoints";
-      resume = Trainer::latest_checkpoint(fs::is_directory(checkpoints, error) ? checkpoints.string() : resume);
-      TORCH_CHECK(!resume.empty(), "resume: no step_<N>.ckpt checkpoint in ", recipe.resume);
-    }
-    TORCH_CHECK(fs::is_regular_file(resume, error), "resume: checkpoint ", resume, " does not exist");
+  if (resume.empty() && recipe.resume_if_exists && existing.checkpoints > 0) resume = recipe.save_dir;
+  std::vector<std::string> skipped_checkpoints;
+  if (!resume.empty() && fs::is_directory(resume, error)) {
+    const auto checkpoints = fs::path(resume) / "checkpoints";
+    const auto folder = fs::is_directory(checkpoints, error) ? checkpoints.string() : resume;
+    resume = Trainer::latest_checkpoint(folder, rank, world, &skipped_checkpoints);
+    TORCH_CHECK(!resume.empty(), "resume: no complete ", Trainer::checkpoint_name(0, rank, world).replace(5, 8, "<N>"),
+                " checkpoint in ", folder,
+                skipped_checkpoints.empty() ? std::string() : " (skipped: " + skipped_checkpoints.front() + ")");
   }
 
   // ---- build ----
@@ -255,7 +282,6 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   TORCH_CHECK(!error, "cannot create save-dir ", recipe.save_dir, ": ", error.message());
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   if (data_parallel) group = init_process_group(*dist);
-  const int rank = data_parallel ? dist->rank : 0, world = data_parallel ? dist->world_size : 1;
   // Every rank builds the same initial model from the seed; only rank 0 prints and writes the
   // metrics and the picture (each rank writes its own checkpoint shard).
   std::ostream null_stream(nullptr);
@@ -285,6 +311,35 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   }
   Trainer trainer(trainer_options, plugin);
   trainer.log = &out;
+  for (const auto& line : skipped_checkpoints) out << "gpt_pretrain: skipping checkpoint " << line << std::endl;
+  if (!skipped_checkpoints.empty()) out << "gpt_pretrain: resuming from the previous complete checkpoint " << resume << std::endl;
+  // What an exact resume needs besides the state (the precision is checked by the Trainer).
+  trainer.run_settings = {
+      {"config", recipe.config_name},
+      {"seed", std::to_string(recipe.seed)},
+      {"data", data.fingerprint()},
+      {"seq", std::to_string(recipe.seq)},
+      {"micro_batch", std::to_string(recipe.micro_batch)},
+      {"grad_accum", std::to_string(trainer_options.accumulate_grad_batches())},
+      {"data_parallel_size", std::to_string(world)},
+      {"steps", std::to_string(trainer_options.max_steps())},
+      {"lr", c10::str(recipe.lr)},
+      {"min_lr", c10::str(recipe.min_lr)},
+      {"warmup_steps", std::to_string(recipe.warmup_steps)},
+      {"weight_decay", c10::str(recipe.weight_decay)},
+      {"gradient_clip_val", c10::str(trainer_options.gradient_clip_val())},
+  };
+  for (const auto& name : recipe.allow_changes) {
+    TORCH_CHECK(trainer.run_settings.count(name) > 0, "allow-changes: unknown setting \"", name,
+                "\"; the settings a checkpoint records are ", [&] {
+                  std::string names;
+                  for (const auto& [key, value] : trainer.run_settings) names += (names.empty() ? "" : ", ") + key;
+                  return names;
+                }());
+  }
+  trainer.changeable_settings = recipe.allow_changes;
+  trainer.changeable_settings_hint = "--allow-changes with their names";
+  StopOnSignal stop_on_signal(trainer);
   auto schedule = std::make_shared<LearningRateSchedule>(optimizer, recipe);
   const auto metrics_path = (fs::path(recipe.save_dir) / "metrics.jsonl").string();
   trainer.callbacks.push_back(schedule);
@@ -297,8 +352,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   }
   if (rank == 0) {
     trainer.callbacks.push_back(std::make_shared<MetricsWriter>(
-        metrics_path, !resume.empty(), *schedule,
-        tokens_per_micro_batch * trainer_options.accumulate_grad_batches()));
+        metrics_path, *schedule, tokens_per_micro_batch * trainer_options.accumulate_grad_batches()));
   }
 
   out << "gpt_pretrain: config " << recipe.config_name << " (" << model->parameter_count() / 1e6
@@ -328,11 +382,17 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
 
   PretrainResult result;
   result.rank = rank;
+  result.stopped = trainer.stopped();
+  result.stop_signal = stop_on_signal.received();
+  result.last_checkpoint = trainer.last_checkpoint();
+  result.start_step = trainer.global_step() - static_cast<int64_t>(trainer.history().size());
+  result.nothing_to_do = trainer.history().empty() && !trainer.stopped();
   result.history = trainer.history();
   result.parameters = model->parameter_count();
   result.precision = trainer.plugins->name();
   result.metrics_path = metrics_path;
   const size_t tail = std::min<size_t>(10, result.history.size());
+  if (tail == 0) result.final_loss = std::numeric_limits<double>::quiet_NaN();
   for (size_t i = result.history.size() - tail; i < result.history.size(); ++i) {
     result.final_loss += result.history[i].loss / static_cast<double>(tail);
   }

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,8 +36,16 @@ struct PretrainRecipe {
   std::string device = "auto";
   /// metrics.jsonl, loss.svg and checkpoints/ go here.
   std::string save_dir = "runs/gpt";
-  /// A checkpoint file, or a folder whose newest step_<N>.ckpt is taken; "" = a fresh run.
+  /// A checkpoint file, or a folder whose newest complete step_<N>.ckpt is taken (a corrupt or
+  /// incomplete newer one is named and skipped); "" = a fresh run.
   std::string resume;
+  /// NeMo's AutoResume(resume_if_exists): with `resume` empty, continue from save_dir's newest
+  /// checkpoint when it has one (a save-dir with metrics but no checkpoint starts over).
+  /// Without it, a save_dir that holds a run is refused rather than overwritten.
+  bool resume_if_exists = false;
+  /// Run settings (PretrainRecipe fields by name: "seq", "steps", "lr", ...) that may differ
+  /// from the resumed checkpoint's; any other difference is an error (Trainer::run_settings).
+  std::set<std::string> allow_changes;
   uint64_t seed = 1234;
   /// Data-parallel (under torchrun): reduce-scatter gradient buckets during the backward pass.
   bool overlap_grad_reduce = true;
@@ -60,6 +69,13 @@ struct PretrainResult {
   int64_t parameters = 0;
   std::string precision;             ///< the plugin's name
   std::string metrics_path, picture_path;
+  /// The run ended early on SIGTERM / SIGINT (stop_signal) after saving last_checkpoint.
+  bool stopped = false;
+  int stop_signal = 0;
+  std::string last_checkpoint;
+  /// Resumed from a checkpoint at or past max_steps: no step ran.
+  bool nothing_to_do = false;
+  int64_t start_step = 0;  ///< the step the run started from (the checkpoint's, or 0)
   /// Data-parallel on CUDA: per step, the median over the second half of the run of the time the
   /// compute stream waited for the gradient reduce-scatter after the backward pass and for the
   /// parameter all-gather after the step (DistributedOptimizer::StepCommunication), and the
@@ -70,8 +86,18 @@ struct PretrainResult {
 
 /// Runs the recipe: checks every setting first (a bad one throws c10::Error naming it, before
 /// anything is written), then trains with a progress line, appends one JSON line per step to
-/// <save_dir>/metrics.jsonl, checkpoints into <save_dir>/checkpoints, and draws
-/// <save_dir>/loss.svg from all of metrics.jsonl (a resumed run continues its curve).
+/// <save_dir>/metrics.jsonl, checkpoints into <save_dir>/checkpoints (every
+/// trainer.every_n_train_steps and after the last step), and draws <save_dir>/loss.svg from all
+/// of metrics.jsonl (a resumed run continues its curve, its metrics cut back to the checkpoint's
+/// step first).
+///
+/// What a long job meets is handled: save_dir is locked for the run (a second run into it is
+/// refused, naming the process that holds it); a save_dir that already holds a run is refused
+/// unless the run resumes (resume / resume_if_exists); a checkpoint records the run's settings
+/// and a resume with others is refused (allow_changes); SIGTERM / SIGINT finish the step, save
+/// and return with `stopped`; a failed save (a full disk) throws with the earlier checkpoints
+/// intact; a data file that changes under the run throws naming it.
+
 PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log);
 
 /// The precision options for --precision / --fp8 and friends: "32", "16-mixed"/"fp16-mixed",

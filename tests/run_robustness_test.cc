@@ -1,0 +1,409 @@
+// What a long job meets from its operator, through gpt_pretrain's entry point and the Trainer:
+// full disks, reused and shared save-dirs, signals, data that changes, bad numbers.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/sgd.h>
+
+#include "plugin/checkpoint.h"
+#include "plugin/files.h"
+#include "plugin/trainer.h"
+#include "recipes/gpt/cli.h"
+#include "recipes/gpt/data.h"
+#include "tests/test_util.h"
+
+namespace amp8::recipes {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ExpectErrorContaining;
+
+struct Run {
+  int code;
+  std::string out, err;
+  std::string all() const { return out + err; }
+};
+
+Run gpt_pretrain(std::vector<std::string> args) {
+  args.insert(args.begin(), "gpt_pretrain");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int code = gpt_pretrain_main(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {code, out.str(), err.str()};
+}
+
+fs::path scratch(const std::string& name) { return testing::scratch_path("run_robustness", name); }
+
+std::vector<nlohmann::json> metrics(const fs::path& dir) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(dir / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+std::vector<std::string> tiny(const fs::path& dir, std::vector<std::string> more) {
+  std::vector<std::string> args = {"--config", "tiny", "--device", "cpu", "--seq", "32", "--micro-batch", "4",
+                                   "--log-every", "0", "--save-dir", dir.string()};
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+std::string ckpt(int step) { return Trainer::checkpoint_name(step); }
+
+// ---- save-dirs: reuse, sharing, the last step, leftovers ----
+
+TEST(RunRobustnessTest, ASecondRunIntoASaveDirThatHoldsARunIsRefusedUnlessItResumes) {
+  const auto dir = scratch("reuse");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "4"})).code, 0);
+  const auto before = metrics(dir);
+  ASSERT_EQ(before.size(), 4u);
+
+  const auto again = gpt_pretrain(tiny(dir, {"--steps", "4"}));
+  EXPECT_NE(again.code, 0);
+  EXPECT_NE(again.err.find("already holds a run (metrics of 4 steps"), std::string::npos) << again.err;
+  EXPECT_NE(again.err.find("--resume " + dir.string()), std::string::npos) << again.err;
+  EXPECT_EQ(metrics(dir), before) << "the first run's metrics are untouched";
+
+  // NeMo's AutoResume: continue where it is (the schedule's length changes, so it is allowed).
+  const auto resumed = gpt_pretrain(tiny(dir, {"--steps", "6", "--resume-if-exists", "true", "--allow-changes", "steps"}));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  const auto after = metrics(dir);
+  ASSERT_EQ(after.size(), 6u);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(after[i]["step"].get<int>(), i + 1);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(after[i], before[i]);
+}
+
+TEST(RunRobustnessTest, AFolderInUseByAnotherRunIsRefused) {
+  const auto dir = scratch("locked");
+  FolderLock other_run(dir.string());  // flock is per open file: this process counts as another run
+  const auto run = gpt_pretrain(tiny(dir, {"--steps", "2"}));
+  EXPECT_NE(run.code, 0);
+  EXPECT_NE(run.err.find("is in use by another run (process " + std::to_string(::getpid())), std::string::npos)
+      << run.err;
+  EXPECT_FALSE(fs::exists(dir / "metrics.jsonl"));
+}
+
+TEST(RunRobustnessTest, TheLastStepIsAlwaysSaved) {
+  const auto dir = scratch("last");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "7", "--save-every", "3"})).code, 0);
+  for (int step : {3, 6, 7}) EXPECT_TRUE(fs::exists(dir / "checkpoints" / ckpt(step))) << step;
+  EXPECT_FALSE(fs::exists(dir / "checkpoints" / ckpt(9)));
+  const auto larger = scratch("larger");
+  ASSERT_EQ(gpt_pretrain(tiny(larger, {"--steps", "4", "--save-every", "10"})).code, 0);
+  EXPECT_TRUE(fs::exists(larger / "checkpoints" / ckpt(4)));
+}
+
+TEST(RunRobustnessTest, TemporaryFilesOfKilledSavesAreRemovedForDeadProcessesOnly) {
+  const auto dir = scratch("leftovers");
+  fs::create_directories(dir / "checkpoints");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);  // now a pid of a process that is gone
+  const auto dead = dir / "checkpoints" / (ckpt(3) + ".tmp." + std::to_string(child));
+  const auto live = dir / "checkpoints" / (ckpt(3) + ".tmp." + std::to_string(::getpid()));
+  std::ofstream(dead) << "half a checkpoint";
+  std::ofstream(live) << "a save in progress";
+  EXPECT_EQ(remove_stale_temporaries((dir / "checkpoints").string()), std::vector<std::string>{dead.string()});
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(live));
+}
+
+// ---- files that are not what they seem ----
+
+TEST(RunRobustnessTest, NonRegularFilesAreClearErrorsNotHangs) {
+  const auto dir = scratch("fifo");
+  fs::create_directories(dir);
+  const auto fifo = dir / "data.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto data = gpt_pretrain(tiny(dir / "out", {"--steps", "2", "--data", fifo.string()}));
+  EXPECT_NE(data.code, 0);
+  EXPECT_NE(data.err.find("data file " + fifo.string() + " is a FIFO, not a regular file"), std::string::npos) << data.err;
+  const auto resume = gpt_pretrain(tiny(dir / "out", {"--steps", "2", "--resume", "/dev/null"}));
+  EXPECT_NE(resume.code, 0);
+  EXPECT_NE(resume.err.find("/dev/null is a character device, not a regular file"), std::string::npos) << resume.err;
+  const auto folder = gpt_pretrain(tiny(dir / "out", {"--steps", "2", "--data", dir.string()}));
+  EXPECT_NE(folder.err.find("is a folder, not a regular file"), std::string::npos) << folder.err;
+}
+
+TEST(RunRobustnessTest, DataThatChangesUnderTheRunIsAnErrorNamingIt) {
+  const auto dir = scratch("changing");
+  fs::create_directories(dir);
+  const auto path = dir / "text.txt";
+  std::ofstream(path) << std::string(4096, 'a');
+  auto data = ByteDataset::from_file(path.string());
+  EXPECT_NO_THROW(data.batch(1, 0, 0, 2, 16, torch::kCPU));
+  ASSERT_EQ(::truncate(path.c_str(), 100), 0);
+  ExpectErrorContaining([&] { data.batch(1, 1, 0, 2, 16, torch::kCPU); },
+                        "data file " + path.string() + " changed while training (it was 4096 bytes");
+}
+
+TEST(RunRobustnessTest, ABusErrorOnATruncatedMappingIsCaught) {
+  const auto dir = scratch("sigbus");
+  fs::create_directories(dir);
+  const auto path = dir / "mapped";
+  std::ofstream(path) << std::string(3 * 4096, 'b');
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  auto* mapped = static_cast<const volatile char*>(::mmap(nullptr, 3 * 4096, PROT_READ, MAP_SHARED, fd, 0));
+  ::close(fd);
+  ASSERT_NE(mapped, MAP_FAILED);
+  char sum = 0;
+  EXPECT_TRUE(detail::copy_mapped([&] { sum += mapped[2 * 4096]; }));
+  EXPECT_EQ(sum, 'b');
+  ASSERT_EQ(::truncate(path.c_str(), 10), 0);  // the last two pages are gone: reading them faults
+  EXPECT_FALSE(detail::copy_mapped([&] { sum += mapped[2 * 4096]; }));
+  EXPECT_TRUE(detail::copy_mapped([&] { sum += mapped[0]; })) << "the guard works again after a fault";
+  ::munmap(const_cast<char*>(mapped), 3 * 4096);
+}
+
+// ---- resuming ----
+
+TEST(RunRobustnessTest, ResumingAtOrPastTheLastStepSaysThereIsNothingToDo) {
+  const auto dir = scratch("done");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "3"})).code, 0);
+  const auto again = gpt_pretrain(tiny(dir, {"--steps", "3", "--resume", dir.string()}));
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("nothing to do: the checkpoint is at step 3, at or past --steps 3"), std::string::npos)
+      << again.out;
+  EXPECT_EQ(again.out.find("final loss"), std::string::npos) << again.out;
+}
+
+TEST(RunRobustnessTest, ACorruptNewestCheckpointIsNamedAndThePreviousOneResumes) {
+  const auto full = scratch("full"), dir = scratch("corrupt");
+  ASSERT_EQ(gpt_pretrain(tiny(full, {"--steps", "8"})).code, 0);
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "8", "--save-every", "4"})).code, 0);
+  const auto newest = dir / "checkpoints" / ckpt(8);
+  {
+    std::fstream file(newest, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(100);
+    file.put('\x7f');  // one byte of the archive: the checksum catches it
+  }
+  const auto resumed = gpt_pretrain(tiny(dir, {"--steps", "8", "--resume", dir.string()}));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("skipping checkpoint checkpoint " + newest.string() + " is corrupt: checksum mismatch"),
+            std::string::npos) << resumed.out;
+  EXPECT_NE(resumed.out.find("resuming from the previous complete checkpoint " + (dir / "checkpoints" / ckpt(4)).string()),
+            std::string::npos) << resumed.out;
+  // Steps 5..8 ran again: the metrics hold each step once, as the uninterrupted run's.
+  const auto a = metrics(full), b = metrics(dir);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(b[i]["step"].get<int>(), static_cast<int>(i) + 1);
+    EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+  }
+}
+
+TEST(RunRobustnessTest, AResumeWithOtherSettingsIsRefusedUnlessAllowed) {
+  const auto dir = scratch("settings");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "3"})).code, 0);
+  const auto other = gpt_pretrain(tiny(dir, {"--steps", "5", "--seed", "7", "--resume", dir.string()}));
+  EXPECT_NE(other.code, 0);
+  EXPECT_NE(other.err.find("was written with other settings: seed 1234 (this run: 7), steps 3 (this run: 5)"),
+            std::string::npos) << other.err;
+  EXPECT_NE(other.err.find("--allow-changes"), std::string::npos) << other.err;
+  const auto unknown = gpt_pretrain(tiny(dir, {"--steps", "5", "--resume", dir.string(), "--allow-changes", "colour"}));
+  EXPECT_NE(unknown.err.find("allow-changes: unknown setting \"colour\""), std::string::npos) << unknown.err;
+  const auto allowed = gpt_pretrain(tiny(dir, {"--steps", "5", "--seed", "7", "--resume", dir.string(),
+                                               "--allow-changes", "steps,seed"}));
+  EXPECT_EQ(allowed.code, 0) << allowed.err;
+  EXPECT_EQ(metrics(dir).size(), 5u);
+}
+
+// SIGTERM (a scheduler's preemption) mid-run: the step finishes, a checkpoint is saved, the exit
+// code says so, and resuming from it gives the uninterrupted run's losses bit for bit.
+TEST(RunRobustnessTest, SigtermFinishesTheStepSavesAndResumesExactly) {
+  const auto full = scratch("full_term"), dir = scratch("term");
+  ASSERT_EQ(gpt_pretrain(tiny(full, {"--steps", "40"})).code, 0);
+  std::atomic<bool> done{false};
+  std::thread preemption([&] {
+    // Once a few steps are in the metrics, the "scheduler" sends SIGTERM to the process.
+    while (!done.load()) {
+      std::ifstream in(dir / "metrics.jsonl");
+      const auto lines = std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
+      if (lines >= 3) {
+        ::kill(::getpid(), SIGTERM);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  const auto stopped = gpt_pretrain(tiny(dir, {"--steps", "40"}));
+  done = true;
+  preemption.join();
+  ASSERT_EQ(stopped.code, 128 + SIGTERM) << stopped.out << stopped.err;
+  const auto lines = metrics(dir);
+  ASSERT_GE(lines.size(), 3u);
+  ASSERT_LT(lines.size(), 40u) << "the run stopped early";
+  const int last = lines.back()["step"].get<int>();
+  EXPECT_NE(stopped.err.find("stopped by SIGTERM after step " + std::to_string(last) + " of 40"), std::string::npos)
+      << stopped.err;
+  EXPECT_TRUE(fs::exists(dir / "checkpoints" / ckpt(last)));
+  const auto resumed = gpt_pretrain(tiny(dir, {"--steps", "40", "--resume", dir.string()}));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  const auto a = metrics(full), b = metrics(dir);
+  ASSERT_EQ(b.size(), 40u);
+  for (size_t i = 0; i < 40; ++i) EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+}
+
+// ---- numbers and names ----
+
+TEST(RunRobustnessTest, NumbersOutOfRangeAreErrorsNamingTheFlag) {
+  const auto dir = scratch("numbers");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--steps", "1e23"}, "--steps: expected a whole number in [1, 1099511627776], got \"1e23\""},
+      {{"--steps", "-1"}, "--steps: must be in [1, 1099511627776], got -1"},
+      {{"--steps", "0x10"}, "--steps: expected a whole number"},
+      {{"--grad-accum", "18446744073709551616"}, "--grad-accum: must be in [1, 1048576], got 18446744073709551616"},
+      {{"--seed", "-1"}, "--seed: must be in [0, 9223372036854775807], got -1"},
+      {{"--micro-batch", "1.5"}, "--micro-batch: expected a whole number"},
+      {{"--fp8", "hybrid", "--fp8-params", ""}, "--fp8-params: expected true or false, got \"\""},
+      {{"--lr", "1e39"}, "--lr: must be in (0, 10], got 1e39"},
+      {{"--lr", "nan"}, "--lr: expected a number, got \"nan\""},
+      {{"--fp8", "hybrid", "--precision", "bf16-mixed", "--fp8-margin", "30"},
+       "fp8_margin 30 would scale every tensor's largest value to 448 / 2^30"},
+      {{"--fp8-amax-history-len", "16"}, "--fp8-amax-history-len is an FP8 setting, but no run uses FP8"},
+      {{"--fp8-params", "false"}, "--fp8-params is an FP8 setting"},
+      {{"--config", std::string("ti\x01ny")}, "config must be one of"},
+      {{"--config", std::string("ti\x01ny")}, "ti\\x01ny"},
+  };
+  for (const auto& [flags, message] : cases) {
+    const auto run = gpt_pretrain(tiny(dir, flags));
+    EXPECT_NE(run.code, 0) << message;
+    EXPECT_NE(run.err.find(message), std::string::npos) << "expected \"" << message << "\" in: " << run.err;
+  }
+  EXPECT_FALSE(fs::exists(dir)) << "a rejected run writes nothing";
+}
+
+TEST(RunRobustnessTest, NamesAreMatchedWithoutRegardToCaseForEveryFlag) {
+  const auto dir = scratch("case");
+  const auto run = gpt_pretrain({"--config", "TINY", "--device", "CPU", "--precision", "BF16-Mixed", "--fp8",
+                                 "Hybrid", "--fp8-amax-compute-algo", "MAX", "--fp8-params", "FALSE", "--seq",
+                                 "32", "--micro-batch", "2", "--steps", "2", "--log-every", "0", "--save-dir",
+                                 dir.string()});
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("precision bf16-mixed fp8=hybrid"), std::string::npos) << run.out;
+}
+
+TEST(RunRobustnessTest, AFailedCompareRunIsNamedAndTheOthersAreStillWritten) {
+  const auto dir = scratch("compare");
+  // The bf16-mixed run's folder already holds a run: that run is refused, the 32 run goes on.
+  fs::create_directories(dir / "bf16-mixed");
+  std::ofstream(dir / "bf16-mixed" / "metrics.jsonl") << "{\"step\": 1, \"loss\": 5}\n";
+  const auto run = gpt_pretrain(tiny(dir, {"--steps", "2", "--compare", "bf16-mixed,32"}));
+  EXPECT_NE(run.code, 0);
+  EXPECT_NE(run.err.find("--compare run \"bf16-mixed\" failed: save-dir"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("1 of 2 runs failed"), std::string::npos) << run.err;
+  std::ifstream in(dir / "compare.jsonl");
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_TRUE(rows[0].contains("error"));
+  EXPECT_EQ(rows[1]["run"], "32");
+  EXPECT_TRUE(rows[1].contains("final_loss"));
+  EXPECT_TRUE(fs::exists(dir / "compare.svg"));
+}
+
+// ---- the Trainer: a full disk, a non-finite stop ----
+
+struct TinyModel {
+  torch::nn::Sequential model{torch::nn::Linear(512, 512)};
+  torch::optim::SGD optimizer{model->parameters(), 0.01};
+};
+
+// A file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored) makes writes fail as a full disk does,
+// without needing a small filesystem.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &previous_);
+    previous_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit = previous_;
+    limit.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &previous_);
+    std::signal(SIGXFSZ, previous_handler_);
+  }
+
+ private:
+  rlimit previous_{};
+  void (*previous_handler_)(int) = nullptr;
+};
+
+TEST(RunRobustnessTest, AFullDiskDuringASaveIsAClearErrorThatKeepsThePreviousCheckpoint) {
+  const auto dir = scratch("full_disk");
+  fs::create_directories(dir);
+  TinyModel a;
+  Trainer trainer(TrainerOptions().max_steps(3).every_n_train_steps(1).log_every_n_steps(0).checkpoint_dir(dir.string()));
+  trainer.log = &std::cerr;
+  auto step = [&](const TrainStepInput&) { return a.model->forward(torch::ones({4, 512})).pow(2).mean(); };
+  trainer.fit(*a.model, a.optimizer, step);  // steps 1..3 saved, ~1 MB each
+  const auto previous = dir / ckpt(3);
+  ASSERT_TRUE(fs::exists(previous));
+  const auto weight_after_3 = a.model->parameters()[0].detach().clone();
+  trainer.options.max_steps(4);
+  {
+    FileSizeLimit limit(64 * 1024);
+    ExpectErrorContaining([&] { trainer.fit(*a.model, a.optimizer, step); },
+                          "the checkpoint of step 4 could not be saved; the training state is intact in memory");
+    ExpectErrorContaining([&] { trainer.save_checkpoint((dir / "x.ckpt").string(), *a.model, a.optimizer); },
+                          "File too large): the checkpoint needs ");
+  }
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().string().find(".tmp."), std::string::npos) << entry.path() << " was left behind";
+  }
+  EXPECT_EQ(checkpoint_file_problem(previous.string()), "") << "the previous checkpoint is intact";
+  EXPECT_EQ(trainer.global_step(), 4) << "the step itself ran";
+  // With room again, the state in memory saves and loads.
+  const auto path = trainer.save_checkpoint((dir / "after.ckpt").string(), *a.model, a.optimizer);
+  TinyModel b;
+  Trainer reader(TrainerOptions().log_every_n_steps(0));
+  reader.load_checkpoint(path, *b.model, b.optimizer);
+  EXPECT_TRUE(b.model->parameters()[0].equal(a.model->parameters()[0]));
+  EXPECT_FALSE(b.model->parameters()[0].equal(weight_after_3)) << "step 4's weights were saved";
+}
+
+TEST(RunRobustnessTest, ANonFiniteStopSavesTheWeightsItSaysItKeeps) {
+  const auto dir = scratch("nonfinite");
+  fs::create_directories(dir);
+  TinyModel a;
+  Trainer trainer(TrainerOptions().max_steps(10).every_n_train_steps(100).log_every_n_steps(0).checkpoint_dir(dir.string()));
+  torch::Tensor weight_after_2;
+  auto step = [&](const TrainStepInput& in) {
+    if (in.step == 2) weight_after_2 = a.model->parameters()[0].detach().clone();
+    auto loss = a.model->forward(torch::ones({4, 512})).pow(2).mean();
+    return in.step == 2 ? loss * std::numeric_limits<float>::quiet_NaN() : loss;
+  };
+  const auto saved = dir / ckpt(2);
+  ExpectErrorContaining([&] { trainer.fit(*a.model, a.optimizer, step); },
+                        "the weights are those after the previous step (saved in " + saved.string() + ")");
+  TinyModel b;
+  Trainer reader(TrainerOptions().log_every_n_steps(0));
+  reader.load_checkpoint(saved.string(), *b.model, b.optimizer);
+  EXPECT_EQ(reader.global_step(), 2);
+  EXPECT_TRUE(b.model->parameters()[0].equal(weight_after_2));
+}
+
+}  // namespace
+}  // namespace amp8::recipes
