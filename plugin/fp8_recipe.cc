@@ -23,6 +23,11 @@ void Fp8RecipeOptions::validate() const {
   TORCH_CHECK(fp8_amax_history_len_ >= 1 && fp8_amax_history_len_ <= (1 << 20),
               "fp8_amax_history_len must be in [1, 1048576], got ", fp8_amax_history_len_);
   amax_compute_algo();
+  TORCH_CHECK(fp8_recipe_ != "mxfp8", "fp8_recipe \"mxfp8\" (MXFP8 block scaling, TE's "
+              "MXFP8BlockScaling) needs GPUs with MXFP8 tensor cores: NVIDIA Blackwell (compute "
+              "capability 10.0 or later); amp8 trains on Hopper: use \"delayed\" or \"tensorwise\"");
+  TORCH_CHECK(fp8_recipe_ != "blockwise", "fp8_recipe \"blockwise\" (1x128 / 128x128 block scaling, "
+              "TE's Float8BlockScaling) is not built into this amp8 yet: use \"delayed\" or \"tensorwise\"");
   TORCH_CHECK(fp8_recipe_ == "delayed" || fp8_recipe_ == "tensorwise",
               "fp8_recipe must be \"delayed\" or \"tensorwise\", got \"", fp8_recipe_, "\"");
 }

@@ -42,6 +42,8 @@ std::string MixedPrecisionPlugin::name() const {
   std::string name = options_.canonical_precision();
   if (options_.fp8_enabled()) {
     name += " fp8=" + options_.fp8();
+    // Delayed scaling is the default and unnamed (the names of older checkpoints stay valid).
+    if (options_.fp8_recipe() != "delayed") name += " recipe=" + options_.fp8_recipe();
     if (options_.fp8_params()) name += " fp8_params";
   }
   return name;

@@ -11,6 +11,16 @@ MixedPrecisionOptions with_fp8(MixedPrecisionOptions options) {
       .fp8_params(true);
 }
 
+// Megatron-Bridge's current-scaling presets: FP8 "hybrid" with per-tensor current scaling,
+// the first and the last transformer layer in bf16, FP8 parameters (fp8_param_gather).
+MixedPrecisionOptions with_fp8_current_scaling(MixedPrecisionOptions options) {
+  return options.fp8("hybrid")
+      .fp8_recipe("tensorwise")
+      .num_layers_at_start_in_bf16(1)
+      .num_layers_at_end_in_bf16(1)
+      .fp8_params(true);
+}
+
 }  // namespace
 
 MixedPrecisionOptions bf16_mixed() {
@@ -34,5 +44,13 @@ MixedPrecisionOptions fp16_mixed() {
 MixedPrecisionOptions bf16_with_fp8_mixed() { return with_fp8(bf16_mixed()); }
 
 MixedPrecisionOptions fp16_with_fp8_mixed() { return with_fp8(fp16_mixed()); }
+
+MixedPrecisionOptions bf16_with_fp8_current_scaling_mixed() {
+  return with_fp8_current_scaling(bf16_mixed());
+}
+
+MixedPrecisionOptions fp16_with_fp8_current_scaling_mixed() {
+  return with_fp8_current_scaling(fp16_mixed());
+}
 
 }  // namespace amp8::recipes

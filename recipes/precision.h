@@ -21,4 +21,14 @@ MixedPrecisionOptions bf16_with_fp8_mixed();
 /// fp16_mixed() with the same FP8 settings as bf16_with_fp8_mixed().
 MixedPrecisionOptions fp16_with_fp8_mixed();
 
+/// Megatron-Bridge's per-tensor current-scaling presets (megatron/bridge/training/
+/// mixed_precision.py, `bf16_with_fp8_current_scaling_mixed`; NeMo 2.0's
+/// nemo/collections/llm/recipes/precision/mixed_precision.py has the same): bf16_mixed() with
+/// fp8 "hybrid", fp8_recipe "tensorwise", the first and the last transformer layer in bf16
+/// (num_layers_at_start_in_bf16 1, num_layers_at_end_in_bf16 1) and FP8 parameters
+/// (fp8_param_gather there, fp8_params here).
+MixedPrecisionOptions bf16_with_fp8_current_scaling_mixed();
+/// fp16_mixed() with the same FP8 settings as bf16_with_fp8_current_scaling_mixed().
+MixedPrecisionOptions fp16_with_fp8_current_scaling_mixed();
+
 }  // namespace amp8::recipes

@@ -159,6 +159,34 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
   EXPECT_FALSE(fs::exists(dir / "out")) << "a rejected run writes nothing";
 }
 
+// --fp8-recipe tensorwise: Megatron-Bridge's current-scaling preset (first and last layer in
+// bf16); a checkpoint of one recipe does not resume under another.
+TEST(GptPretrainTest, Fp8RecipeTensorwiseTrainsAndIsRecordedInTheCheckpoint) {
+  const auto dir = scratch("tensorwise");
+  const auto common = with(kTiny, {"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-min-gemm-size", "0",
+                                   "--log-every", "0", "--save-dir", dir.string()});
+  // tiny has two layers: with the preset's 1 + 1 in bf16 nothing would be FP8.
+  const auto run = gpt_pretrain(with(common, {"--steps", "30", "--fp8-recipe", "tensorwise",
+                                              "--num-layers-at-start-in-bf16", "0", "--num-layers-at-end-in-bf16", "0"}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("precision bf16-mixed fp8=hybrid recipe=tensorwise fp8_params"), std::string::npos) << run.out;
+  const auto lines = metrics(dir);
+  ASSERT_EQ(lines.size(), 30u);
+  EXPECT_LT(lines.back()["loss"].get<double>(), lines.front()["loss"].get<double>() - 1.0) << "it learns";
+  const auto other = gpt_pretrain(with(common, {"--steps", "30", "--resume", dir.string()}));
+  EXPECT_NE(other.code, 0);
+  EXPECT_NE(other.err.find("written with precision \"bf16-mixed fp8=hybrid recipe=tensorwise fp8_params\", this "
+                           "plugin is \"bf16-mixed fp8=hybrid fp8_params\""), std::string::npos) << other.err;
+  const auto history = gpt_pretrain(with(kTiny, {"--fp8", "hybrid", "--precision", "bf16-mixed", "--fp8-recipe",
+                                                 "tensorwise", "--fp8-amax-history-len", "16", "--save-dir",
+                                                 scratch("history").string()}));
+  EXPECT_NE(history.err.find("--fp8-amax-history-len applies to fp8 recipe \"delayed\" only"), std::string::npos)
+      << history.err;
+  const auto mxfp8 = gpt_pretrain(with(kTiny, {"--fp8", "hybrid", "--precision", "bf16-mixed", "--fp8-recipe", "mxfp8",
+                                               "--save-dir", scratch("mxfp8").string()}));
+  EXPECT_NE(mxfp8.err.find("NVIDIA Blackwell"), std::string::npos) << mxfp8.err;
+}
+
 TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
   const auto dir = scratch("compare");
   const auto run = gpt_pretrain(with(kTiny, {"--steps", "6", "--log-every", "0", "--save-dir",

@@ -96,6 +96,23 @@ TEST(PrecisionPresetsTest, CarryNeMoValues) {
   EXPECT_EQ(recipes::bf16_with_fp8_mixed().resolved_params_dtype(), at::kBFloat16);
   EXPECT_EQ(recipes::fp16_with_fp8_mixed().resolved_params_dtype(), at::kHalf);
 
+  // Megatron-Bridge's current-scaling presets.
+  for (const auto& fp8 : {recipes::bf16_with_fp8_current_scaling_mixed(),
+                          recipes::fp16_with_fp8_current_scaling_mixed()}) {
+    EXPECT_EQ(fp8.fp8(), "hybrid");
+    EXPECT_EQ(fp8.fp8_recipe(), "tensorwise");
+    EXPECT_EQ(fp8.num_layers_at_start_in_bf16(), 1);
+    EXPECT_EQ(fp8.num_layers_at_end_in_bf16(), 1);
+    EXPECT_TRUE(fp8.fp8_params());
+  }
+  EXPECT_EQ(recipes::bf16_with_fp8_current_scaling_mixed().resolved_params_dtype(), at::kBFloat16);
+  EXPECT_EQ(recipes::fp16_with_fp8_current_scaling_mixed().resolved_params_dtype(), at::kHalf);
+  EXPECT_EQ(recipes::fp16_with_fp8_current_scaling_mixed().fp16_initial_loss_scale(), 4294967296.0);
+  // The recipe is part of the name a checkpoint records (delayed, the default, is unnamed).
+  EXPECT_EQ(MixedPrecisionPlugin(recipes::bf16_with_fp8_current_scaling_mixed()).name(),
+            "bf16-mixed fp8=hybrid recipe=tensorwise fp8_params");
+  EXPECT_EQ(MixedPrecisionPlugin(recipes::bf16_with_fp8_mixed()).name(), "bf16-mixed fp8=hybrid fp8_params");
+
   // Every field overrides Options-style, and the plugin converts from the options.
   MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8("e4m3").fp8_params(false);
   EXPECT_EQ(plugin.name(), "bf16-mixed fp8=e4m3");
@@ -127,6 +144,13 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
                         "\"mean\"");
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("current")),
                         "fp8_recipe must be \"delayed\" or \"tensorwise\"");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("mxfp8")),
+                        "needs GPUs with MXFP8 tensor cores: NVIDIA Blackwell (compute capability 10.0 or later)");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise")),
+                        "fp8_recipe \"blockwise\" (1x128 / 128x128 block scaling, TE's Float8BlockScaling) is not built");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_margin(19)),
+                        "fp8_margin 19 would scale every tensor's largest value to 448 / 2^19");
+  EXPECT_NO_THROW(make(recipes::bf16_with_fp8_mixed().fp8_margin(kMaxFp8Margin))());
   ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(0.0)),
                         "loss_scale must be positive and finite");
   ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(-8.0)), "loss_scale");

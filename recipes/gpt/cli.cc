@@ -129,7 +129,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                "gpt_pretrain"};
   // A flag given twice takes its last value (so a command can be extended by appending flags).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  std::string config = "tiny", precision = "auto", fp8 = "none", algo = "max", data, device = "auto",
+  std::string config = "tiny", precision = "auto", fp8 = "none", fp8_recipe = "delayed", algo = "max", data,
+              device = "auto",
               save_dir, resume, compare, allow_changes;
   int fp8_margin = 0;
   // -1: "the config's" (the flag itself only takes values in its range).
@@ -151,12 +152,26 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       ->capture_default_str()->transform(lower_case());
   // The FP8 settings below need --fp8 (or a --compare run with +fp8).
   std::vector<CLI::Option*> fp8_flags;
+  fp8_flags.push_back(app.add_option("--fp8-recipe", fp8_recipe,
+                                     "with FP8: delayed (NeMo's presets: scales from an amax history) or "
+                                     "tensorwise (Megatron-Bridge's current scaling: each tensor's own amax, "
+                                     "first and last layer in bf16)")
+                          ->capture_default_str()->transform(lower_case()));
+  int64_t layers_start_bf16 = -1, layers_end_bf16 = -1;  // -1: the recipe's
+  fp8_flags.push_back(app.add_option("--num-layers-at-start-in-bf16", layers_start_bf16,
+                                     "with FP8: transformer layers at the start kept in bf16 (default: the recipe's; tensorwise: 1)")
+                          ->check(whole_number(0, kMaxBatch)));
+  fp8_flags.push_back(app.add_option("--num-layers-at-end-in-bf16", layers_end_bf16,
+                                     "with FP8: transformer layers at the end kept in bf16 (default: the recipe's; tensorwise: 1)")
+                          ->check(whole_number(0, kMaxBatch)));
   fp8_flags.push_back(app.add_option("--fp8-margin", fp8_margin, "with FP8: scale = (fp8_max / amax) / 2^margin")
                           ->capture_default_str()->check(whole_number(0, 126)));  // validate() explains > kMaxFp8Margin
-  fp8_flags.push_back(app.add_option("--fp8-amax-history-len", history, "with FP8: steps of amax history per FP8 tensor")
-                          ->capture_default_str()->check(whole_number(1, 1 << 20)));
-  fp8_flags.push_back(app.add_option("--fp8-amax-compute-algo", algo, "with FP8: max or most_recent")
-                          ->capture_default_str()->transform(lower_case()));
+  auto* history_flag = app.add_option("--fp8-amax-history-len", history, "with delayed FP8: steps of amax history per FP8 tensor")
+                           ->capture_default_str()->check(whole_number(1, 1 << 20));
+  auto* algo_flag = app.add_option("--fp8-amax-compute-algo", algo, "with delayed FP8: max or most_recent")
+                        ->capture_default_str()->transform(lower_case());
+  fp8_flags.push_back(history_flag);
+  fp8_flags.push_back(algo_flag);
   fp8_flags.push_back(app.add_option("--fp8-params", fp8_params, "with FP8: keep linear weights only in FP8 (NeMo's FP8 presets: true)")
                           ->capture_default_str()->transform(boolean()));
   fp8_flags.push_back(app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
@@ -231,11 +246,19 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     const bool on_cuda = device == "auto" ? torch::cuda::is_available() : device.rfind("cuda", 0) == 0;
     const torch::Device precision_device = on_cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
 
-    auto precision_for = [&](const std::string& name, const std::string& fp8_format) {
-      auto options = precision_from_flags(name, fp8_format, precision_device);
+    auto precision_for = [&](const std::string& name, const std::string& fp8_format, const std::string& recipe_name) {
+      auto options = precision_from_flags(name, fp8_format, precision_device, recipe_name);
       if (options.fp8_enabled()) {
         options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
             .fp8_params(fp8_params).fp8_min_gemm_size(fp8_min_gemm_size);
+        if (layers_start_bf16 >= 0) options.num_layers_at_start_in_bf16(layers_start_bf16);
+        if (layers_end_bf16 >= 0) options.num_layers_at_end_in_bf16(layers_end_bf16);
+        // The amax history belongs to delayed scaling alone.
+        for (const auto* flag : {history_flag, algo_flag}) {
+          TORCH_CHECK(recipe_name == "delayed" || flag->count() == 0, flag->get_name(),
+                      " applies to fp8 recipe \"delayed\" only (this run: \"", recipe_name,
+                      "\": every tensor is scaled by its own amax)");
+        }
       }
       if (grad_reduce_flag->count() > 0) options.grad_reduce_in_fp32(grad_reduce_in_fp32);
       options.validate();
@@ -251,7 +274,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     }
 
     if (compare.empty()) {
-      recipe.precision = precision_for(precision, fp8);
+      recipe.precision = precision_for(precision, fp8, fp8_recipe);
       const auto result = run_pretraining(recipe, out);
       if (result.rank != 0) return result.stopped ? 128 + result.stop_signal : 0;  // rank 0 reports
       if (result.nothing_to_do) {
@@ -275,10 +298,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     TORCH_CHECK(resume.empty(), "--compare and --resume cannot be combined");
     std::vector<std::pair<std::string, MixedPrecisionOptions>> runs;
     for (const auto& item : split(compare)) {
-      // <precision>[+fp8[=hybrid|=e4m3]][+fp8-params|+bf16-params]; every item is checked
+      // <precision>[+fp8[=hybrid|=e4m3]][+delayed|+tensorwise][+fp8-params|+bf16-params]; every item is checked
       // before anything runs.
       std::stringstream parts(item);
-      std::string name, part, format = "none";
+      std::string name, part, format = "none", recipe_name = fp8_recipe;
       std::optional<bool> params;
       std::getline(parts, name, '+');
       while (std::getline(parts, part, '+')) {
@@ -286,14 +309,16 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
           format = part == "fp8=e4m3" ? "e4m3" : "hybrid";
         } else if (part == "fp8-params" || part == "bf16-params") {
           params = part == "fp8-params";
+        } else if (part == "delayed" || part == "tensorwise") {
+          recipe_name = part;
         } else {
           TORCH_CHECK(false, "--compare: \"", item, "\": unknown part \"", part,
-                      "\"; expected <precision>[+fp8[=hybrid|=e4m3]][+fp8-params|+bf16-params]");
+                      "\"; expected <precision>[+fp8[=hybrid|=e4m3]][+delayed|+tensorwise][+fp8-params|+bf16-params]");
         }
       }
       TORCH_CHECK(!params || format != "none", "--compare: \"", item,
                   "\": +fp8-params/+bf16-params need +fp8");
-      auto options = precision_for(name, format);
+      auto options = precision_for(name, format, recipe_name);
       if (params) options.fp8_params(*params);
       runs.emplace_back(item, options);
     }
@@ -331,6 +356,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       summary.push_back({{"run", name},
                          {"precision", result.precision},
                          {"fp8", options.fp8_enabled() ? options.fp8() : "none"},
+                         {"fp8_recipe", options.fp8_enabled() ? options.fp8_recipe() : "none"},
                          {"fp8_params", options.fp8_enabled() && options.fp8_params()},
                          {"steps", result.history.size()},
                          {"final_loss", result.final_loss},

@@ -206,16 +206,23 @@ PretrainRecipe gpt_pretrain_recipe(const std::string& config) {
 }
 
 MixedPrecisionOptions precision_from_flags(const std::string& precision, const std::string& fp8,
-                                           const torch::Device& device) {
+                                           const torch::Device& device, const std::string& fp8_recipe) {
   std::string name = precision == "auto" ? (device.is_cuda() ? "bf16-mixed" : "32") : precision;
   MixedPrecisionOptions options(name);
   const auto canonical = options.canonical_precision();  // throws naming the accepted values
   TORCH_CHECK(fp8 == "none" || fp8 == "hybrid" || fp8 == "e4m3",
               "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"", fp8, "\"");
   const bool with_fp8 = fp8 != "none";
-  if (canonical == "bf16-mixed") options = with_fp8 ? bf16_with_fp8_mixed() : bf16_mixed();
-  if (canonical == "16-mixed") options = with_fp8 ? fp16_with_fp8_mixed() : fp16_mixed();
-  return options.fp8(fp8);  // "32" with FP8 is rejected by validate()
+  const bool current_scaling = fp8_recipe == "tensorwise";
+  if (canonical == "bf16-mixed") {
+    options = !with_fp8 ? bf16_mixed() : current_scaling ? bf16_with_fp8_current_scaling_mixed() : bf16_with_fp8_mixed();
+  }
+  if (canonical == "16-mixed") {
+    options = !with_fp8 ? fp16_mixed() : current_scaling ? fp16_with_fp8_current_scaling_mixed() : fp16_with_fp8_mixed();
+  }
+  // Any other recipe name is named by validate() ("mxfp8": which GPUs it needs); "32" with FP8
+  // is rejected there too.
+  return options.fp8(fp8).fp8_recipe(fp8_recipe);
 }
 
 PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) {

@@ -101,9 +101,11 @@ struct PretrainResult {
 PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log);
 
 /// The precision options for --precision / --fp8 and friends: "32", "16-mixed"/"fp16-mixed",
-/// "bf16-mixed" or "auto"; fp8 "none", "hybrid" or "e4m3" (FP8 starts from NeMo's FP8 presets,
-/// so fp8_params is on unless turned off).
+/// "bf16-mixed" or "auto"; fp8 "none", "hybrid" or "e4m3"; fp8_recipe "delayed" (from NeMo's
+/// FP8 presets, bf16_with_fp8_mixed) or "tensorwise" (from Megatron-Bridge's current-scaling
+/// presets, bf16_with_fp8_current_scaling_mixed); fp8_params is on unless turned off.
 MixedPrecisionOptions precision_from_flags(const std::string& precision, const std::string& fp8,
-                                           const torch::Device& device);
+                                           const torch::Device& device,
+                                           const std::string& fp8_recipe = "delayed");
 
 }  // namespace amp8::recipes
