@@ -165,10 +165,11 @@ void MixedPrecisionPlugin::set_gradient_sync(bool enabled) {
 
 torch::Tensor MixedPrecisionPlugin::data_parallel_mean(const torch::Tensor& value) {
   if (!group_) return value;
-  TORCH_CHECK(value.numel() == 1, "data_parallel_mean: expected one element, got ", value.sizes());
-  std::vector<torch::Tensor> tensors{value.detach().to(at::kFloat).reshape({1}).clone()};
+  // float32 (a half loss is summed in float32), float64 stays float64 (exact integers).
+  const auto dtype = value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  std::vector<torch::Tensor> tensors{value.detach().to(dtype).contiguous().clone()};
   group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::SUM})->wait();
-  return tensors[0].div_(static_cast<double>(group_->getSize())).reshape({});
+  return tensors[0].div_(static_cast<double>(group_->getSize()));
 }
 
 ForwardContext MixedPrecisionPlugin::forward_context() {

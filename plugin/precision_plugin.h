@@ -129,9 +129,10 @@ class PrecisionPlugin {
   /// Data parallelism: false before every micro-batch's backward but the last of a step, so
   /// gradients are only summed locally until then (DDP's no_sync). The Trainer calls it.
   virtual void set_gradient_sync(bool enabled) {}
-  /// The mean of `value` (one element) over the data-parallel ranks; `value` itself without
-  /// data parallelism. The Trainer reports the global loss and decides on a non-finite one with
-  /// it, so every rank takes the same decision.
+  /// The element-wise mean of `value` (any shape; float32, or float64 when it is float64) over
+  /// the data-parallel ranks; `value` itself without data parallelism. The Trainer reports the
+  /// global loss and decides on a non-finite one (and on a stop) with it, so every rank takes
+  /// the same decision.
   virtual torch::Tensor data_parallel_mean(const torch::Tensor& value) { return value; }
   /// This process's data-parallel rank and the number of ranks (0 and 1 without).
   virtual int data_parallel_rank() const { return 0; }

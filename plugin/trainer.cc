@@ -310,7 +310,8 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     }
     for (auto& callback : callbacks) callback->on_train_batch_end(*this, metrics);
     const int64_t save_every = options.every_n_train_steps();
-    if (save_every > 0 && (global_step_ % save_every == 0 || global_step_ == options.max_steps() || stop)) {
+    const bool last = global_step_ == options.max_steps() || stop;
+    if ((save_every > 0 && global_step_ % save_every == 0) || (last && saves_last())) {
       save_step_checkpoint(model, optimizer);
     }
     if (stop) break;
@@ -318,12 +319,14 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
   if (stop) {
     stopped_ = true;
     // Stopped before a step ran: the state is that of global_step_, saved unless it already is.
-    if (options.every_n_train_steps() > 0 && !std::filesystem::exists(step_checkpoint_path())) {
+    if (saves_last() && !std::filesystem::exists(step_checkpoint_path())) {
       save_step_checkpoint(model, optimizer);
     }
   }
   for (auto& callback : callbacks) callback->on_train_end(*this);
 }
+
+bool Trainer::saves_last() const { return options.save_last() && !options.checkpoint_dir().empty(); }
 
 std::string Trainer::step_checkpoint_path() const {
   const auto name = checkpoint_name(global_step_, plugins->data_parallel_rank(), plugins->data_parallel_size());
@@ -345,7 +348,7 @@ void Trainer::save_step_checkpoint(torch::nn::Module& model, torch::optim::Optim
 }
 
 std::string Trainer::save_last_good_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
-  if (options.checkpoint_dir().empty() || options.every_n_train_steps() == 0) return "";
+  if (!saves_last() && options.every_n_train_steps() == 0) return "";
   const auto path = step_checkpoint_path();
   if (std::filesystem::exists(path)) return " (saved in " + path + ")";
   try {

@@ -32,9 +32,12 @@ struct TrainerOptions {
   TORCH_ARG(int64_t, log_every_n_steps) = 10;
   /// Clip gradients to this global L2 norm (float32, after unscaling); 0 = off. Default: 0.
   TORCH_ARG(double, gradient_clip_val) = 0.0;
-  /// Save a checkpoint into checkpoint_dir every this many steps and after the last step
-  /// (max_steps, or a stop: request_stop); 0 = never. Default: 0.
+  /// Save a checkpoint into checkpoint_dir every this many steps; 0 = no periodic saves.
+  /// Default: 0.
   TORCH_ARG(int64_t, every_n_train_steps) = 0;
+  /// With a checkpoint_dir: also save after the last step (max_steps, or a stop on
+  /// request_stop), whatever every_n_train_steps is (Lightning's save_last). Default: true.
+  TORCH_ARG(bool, save_last) = true;
   /// Folder of the checkpoints (step_<N>.ckpt). Default: "" (none).
   TORCH_ARG(std::string, checkpoint_dir) = "";
   /// Tokens in one micro-batch, for the tokens/s figure; 0 = not shown. Default: 0.
@@ -190,6 +193,7 @@ class Trainer {
   void connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   void print_progress(const StepMetrics& metrics, double interval_s, int64_t interval_steps);
 
+  bool saves_last() const;
   std::string step_checkpoint_path() const;
   void save_step_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   // After a non-finite step: saves the weights of global_step_ (when checkpoints are on) and

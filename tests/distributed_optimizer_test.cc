@@ -486,7 +486,7 @@ TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndRejectsAnotherW
       auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
       plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
       Trainer trainer(TrainerOptions().max_steps(steps).log_every_n_steps(0).checkpoint_dir(dir.string())
-                          .every_n_train_steps(save ? 4 : 0),
+                          .every_n_train_steps(save ? 4 : 0).save_last(save),
                       plugin);
       trainer.fit(*model, optimizer, step_fn(model, rank), resume);
       if (losses) {

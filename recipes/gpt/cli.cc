@@ -188,8 +188,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str()->transform(lower_case());
   app.add_option("--save-dir", save_dir, "metrics.jsonl, loss.svg and checkpoints/ (default: runs/gpt_<config>); "
                  "one run at a time, and a folder that holds a run is only continued (--resume)");
-  app.add_option("--save-every", save_every, "checkpoint every N steps, and always after the last one (0: only after the last one)")
+  app.add_option("--save-every", save_every, "checkpoint every N steps (0: only the last one, see --save-last)")
       ->check(whole_number(0, kMaxCount));
+  bool save_last = true;
+  app.add_option("--save-last", save_last, "checkpoint after the last step (and on SIGTERM); false with --save-every 0: no checkpoints, e.g. for benchmarks")
+      ->capture_default_str()->transform(boolean());
   app.add_option("--resume", resume, "continue from a checkpoint file or a save-dir (its newest complete checkpoint)");
   app.add_option("--resume-if-exists", resume_if_exists,
                  "continue from --save-dir's newest checkpoint when it has one, else start there (NeMo's AutoResume)")
@@ -231,7 +234,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     if (seq > 0) recipe.seq = seq;
     if (lr > 0) recipe.lr = lr, recipe.min_lr = std::min(recipe.min_lr, lr);
     if (steps > 0) recipe.trainer.max_steps(steps);
-    recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every);
+    recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every).save_last(save_last);
     if (log_every >= 0) recipe.trainer.log_every_n_steps(log_every);
     recipe.data = data;
     recipe.device = device;

@@ -306,7 +306,6 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                                                          .weight_decay(recipe.weight_decay));
   auto trainer_options = recipe.trainer;
   trainer_options.checkpoint_dir((fs::path(recipe.save_dir) / "checkpoints").string());
-  if (trainer_options.every_n_train_steps() == 0) trainer_options.every_n_train_steps(trainer_options.max_steps());
   // Tokens of one micro-batch over all ranks (the progress line's tokens/s is the job's).
   const int64_t tokens_per_micro_batch = recipe.micro_batch * recipe.seq * world;
   trainer_options.tokens_per_micro_batch(tokens_per_micro_batch);
