@@ -92,10 +92,10 @@ TEST(ByteDatasetTest, FilesAreMappedAndBadOnesNamed) {
   auto [x, y] = data.batch(1, 0, 0, 2, 25, torch::kCPU);
   EXPECT_EQ(x[0][0].item<int64_t>(), 'h');
   ExpectErrorContaining([&] { ByteDataset::from_file((dir / "missing.txt").string()); },
-                        "missing.txt cannot be opened");
+                        "missing.txt does not exist");
   ExpectErrorContaining([&] { ByteDataset::from_file((dir / "empty.txt").string()); },
                         "empty.txt is empty");
-  ExpectErrorContaining([&] { ByteDataset::from_file(dir.string()); }, "is not a regular file");
+  ExpectErrorContaining([&] { ByteDataset::from_file(dir.string()); }, "is a folder, not a regular file");
   ExpectErrorContaining([&] { data.batch(1, 0, 0, 2, 26, torch::kCPU); },
                         "is shorter than seq + 1 = 27 bytes");
   testing::remove_tree(dir.string());
@@ -114,6 +114,46 @@ TEST(LossPlotTest, WritesOnePolylinePerCurve) {
   EXPECT_NE(svg.find("b&lt;c"), std::string::npos);
   EXPECT_EQ(svg.find("nan"), std::string::npos);
   std::filesystem::remove(path);
+}
+
+// A long noisy run with an early spike, as pretraining draws them: rounded ticks, the spike cut
+// off (with a note) rather than flattening the curve, a moving average over the raw steps, and
+// a legend that is not clipped by the picture's edge.
+TEST(LossPlotTest, LongNoisyCurvesAreReadable) {
+  const auto path = std::filesystem::temp_directory_path() / ("amp8_plot_long_" + std::to_string(::getpid()) + ".svg");
+  LossCurve curve{"bf16-mixed+fp8+tensorwise (final 1.5365), a long name that must stay whole", {}};
+  for (int step = 1; step <= 2000; ++step) {
+    const double noise = 0.2 * std::sin(step * 1.7);
+    curve.points.emplace_back(step, (step == 3 ? 9.0 : 1.5 + 2.0 / std::sqrt(step)) + noise);
+  }
+  write_loss_svg(path.string(), {curve}, "title");
+  std::ifstream in(path);
+  const std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(path);
+  // Tick labels: round numbers only (the old axis printed 1.584, 4.317, ...).
+  for (const char* label : {">1.5<", ">1.6<", ">500<", ">1000<", ">2000<"}) {
+    EXPECT_NE(svg.find(label), std::string::npos) << label;
+  }
+  for (size_t at = svg.find("text-anchor=\"end\">"); at != std::string::npos;
+       at = svg.find("text-anchor=\"end\">", at + 1)) {
+    const auto label = svg.substr(at + 18, svg.find('<', at) - at - 18);
+    if (label.empty() || !std::isdigit(static_cast<unsigned char>(label[0]))) continue;
+    const auto dot = label.find('.');
+    EXPECT_TRUE(dot == std::string::npos || label.size() - dot - 1 <= 1) << "tick label " << label;
+  }
+  // The settled curve (1.3 .. 1.9) fills the plot: the spike and the first steps are cut off.
+  EXPECT_EQ(svg.find(">9<"), std::string::npos) << "the spike does not set the range";
+  EXPECT_EQ(svg.find(">3.0<"), std::string::npos) << "nor do the first steps";
+  EXPECT_NE(svg.find("(the first steps, spikes) cut off"), std::string::npos);
+  size_t polylines = 0;
+  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++polylines;
+  EXPECT_EQ(polylines, 2u) << "every step, and the moving average";
+  // The legend line starts at the plot's left edge and is below the plot, so it has the whole
+  // width of the picture.
+  const auto name_at = svg.find("a long name that must stay whole");
+  ASSERT_NE(name_at, std::string::npos);
+  const auto text_at = svg.rfind("<text x=\"", name_at);
+  EXPECT_LT(std::stod(svg.substr(text_at + 9)), 120.0) << svg.substr(text_at, 80);
 }
 
 }  // namespace

@@ -12,9 +12,14 @@ struct LossCurve {
   std::vector<std::pair<double, double>> points;
 };
 
-/// Writes the curves into one SVG picture (steps on x, loss on y, a legend), atomically
-/// (temporary file + rename). Non-finite losses are left out of the line. Throws naming the
-/// path when it cannot be written.
+/// Writes the curves into one SVG picture, atomically (temporary file + rename): steps on x,
+/// loss on y, both with rounded ticks (1, 2 or 5 x 10^k apart); the legend under the plot, one
+/// full line per curve. A curve of more than 100 points is drawn faint, every step, with its
+/// moving average (an EMA over about a fiftieth of the curve, debiased as TensorBoard does) on
+/// top. The y range ends at the 98th percentile of the values after the first 5% of the steps
+/// (or the highest moving average there), so the first steps and spikes are cut off, with a
+/// note, instead of flattening the curve.
+/// Non-finite losses are left out of the lines. Throws naming the path when it cannot be written.
 void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curves,
                     const std::string& title);
 
