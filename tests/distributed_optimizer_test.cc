@@ -525,6 +525,41 @@ TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndRejectsAnotherW
   testing::remove_tree(dir);
 }
 
+// A stop asked of one rank only (its SIGTERM) stops every rank after the same step, each saving
+// its shard of that step; without the agreement the other rank would wait in the next step's
+// collectives forever.
+TEST(DistributedOptimizerTest, AStopAskedOfOneRankStopsEveryRankAfterTheSameStep) {
+  const auto options = recipes::bf16_mixed();
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "stop");
+  data();
+  std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options)};
+  std::vector<int64_t> steps(2);
+  std::vector<bool> stopped(2);
+  const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto& model = models[rank];
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+    plugin->set_process_group(group);
+    Trainer trainer(TrainerOptions().max_steps(20).log_every_n_steps(0).checkpoint_dir(dir.string()), plugin);
+    trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+      if (rank == 1 && in.step == 4) trainer.request_stop();  // during step 5, on rank 1 only
+      auto [x, y] = data().batch(in.step);
+      x = x.narrow(0, rank * 24, 24), y = y.narrow(0, rank * 24, 24);
+      return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+    });
+    steps[rank] = trainer.global_step();
+    stopped[rank] = trainer.stopped();
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_EQ(errors[rank], "") << "rank " << rank;
+    EXPECT_EQ(steps[rank], 5) << "rank " << rank;
+    EXPECT_TRUE(stopped[rank]) << "rank " << rank;
+    EXPECT_TRUE(std::filesystem::exists(dir / Trainer::checkpoint_name(5, rank, 2))) << "rank " << rank;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / Trainer::checkpoint_name(20, 0, 2)));
+  testing::remove_tree(dir);
+}
+
 // fp16: a NaN gradient on one rank only. After the averaging reduce-scatter the NaN sits in one
 // rank's shard; found_inf is all-reduced (MAX), so every rank skips that step and the loss
 // scaler backs off alike (without it the ranks would disagree and their collectives would no
