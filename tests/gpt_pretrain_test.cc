@@ -5,6 +5,8 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include "recipes/data/gpt_dataset.h"
+#include "recipes/gpt/megatron_data.h"
 #include "tests/test_util.h"
 
 #include <cmath>
@@ -17,6 +19,7 @@ namespace amp8::recipes {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::ExpectErrorContaining;
 
 struct Run {
   int code;
@@ -185,6 +188,40 @@ TEST(GptPretrainTest, Fp8RecipeTensorwiseTrainsAndIsRecordedInTheCheckpoint) {
   const auto mxfp8 = gpt_pretrain(with(kTiny, {"--fp8", "hybrid", "--precision", "bf16-mixed", "--fp8-recipe", "mxfp8",
                                                "--save-dir", scratch("mxfp8").string()}));
   EXPECT_NE(mxfp8.err.find("NVIDIA Blackwell"), std::string::npos) << mxfp8.err;
+}
+
+// Megatron-Core indexed data: micro-batch i is Megatron's samples [i * B, (i + 1) * B) of the
+// train split, and gpt_pretrain trains on it with the padded vocabulary.
+TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
+  const std::string prefix = "tests/data/megatron_indexed/gpt_uint16";
+  const MegatronTrainData data(prefix, "80,20", 16, 1234, 24, 65536);
+  const GptDataset reference(std::make_shared<IndexedDataset>(prefix), DatasetSplit::kTrain, 24,
+                             GptDatasetOptions(16).random_seed(1234).split("80,20"));
+  for (int64_t index : {0, 1, 5}) {
+    const auto [tokens, labels] = data.batch(index, 4, torch::kCPU);
+    for (int64_t b = 0; b < 4; ++b) {
+      const auto [t, l] = reference.tokens_and_labels(index * 4 + b);
+      EXPECT_TRUE(tokens[b].equal(t)) << "micro-batch " << index << " row " << b;
+      EXPECT_TRUE(labels[b].equal(l)) << "micro-batch " << index << " row " << b;
+    }
+  }
+  ExpectErrorContaining([&] { MegatronTrainData(prefix, "80,20", 16, 1234, 24, 1000).batch(0, 4, torch::kCPU); },
+                        "is not below the vocabulary size 1000");
+
+  const auto dir = scratch("megatron");
+  const auto run = gpt_pretrain({"--config", "tiny", "--device", "cpu", "--data-prefix", prefix, "--vocab-size", "65500",
+                                 "--split", "80,20", "--seq", "16", "--micro-batch", "4", "--grad-accum", "2",
+                                 "--steps", "3", "--log-every", "0", "--save-dir", dir.string()});
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("data megatron " + prefix + " (split 80,20"), std::string::npos) << run.out;
+  const auto lines = metrics(dir);
+  ASSERT_EQ(lines.size(), 3u);
+  // 65500 padded to 65536 (a multiple of 128; the fixture's ids reach 65535): the first loss
+  // is near ln(65536).
+  EXPECT_NEAR(lines[0]["loss"].get<double>(), std::log(65536.0), 0.5);
+  const auto bad = gpt_pretrain({"--config", "tiny", "--device", "cpu", "--data-prefix", prefix, "--steps", "2",
+                                 "--save-dir", scratch("no_vocab").string()});
+  EXPECT_NE(bad.err.find("data-prefix needs the tokenizer's vocabulary size: --vocab-size"), std::string::npos) << bad.err;
 }
 
 TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {

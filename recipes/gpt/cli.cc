@@ -185,6 +185,15 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--seq", seq, "tokens (bytes) per sequence (default: the config's)")->check(whole_number(1, kMaxBatch));
   app.add_option("--lr", lr, "peak learning rate, in (0, 10] (default: the config's)")->check(positive_number(10.0));
   app.add_option("--data", data, "a text file, read as bytes (default: the built-in corpus)");
+  std::string data_prefix, data_split = "969,30,1";
+  int64_t vocab_size = 0;
+  app.add_option("--data-prefix", data_prefix,
+                 "Megatron-Core indexed data instead of bytes: a .bin/.idx path prefix, or a weighted blend \"0.3 a 0.7 b\"");
+  app.add_option("--split", data_split, "with --data-prefix: train/valid/test weights, Megatron's split string")
+      ->capture_default_str();
+  app.add_option("--vocab-size", vocab_size,
+                 "with --data-prefix: the tokenizer's vocabulary size (padded up to a multiple of 128)")
+      ->check(whole_number(1, int64_t{1} << 24));
   app.add_option("--device", device, "auto, cpu, cuda or cuda:N")->capture_default_str()->transform(lower_case());
   app.add_option("--save-dir", save_dir, "metrics.jsonl, loss.svg and checkpoints/ (default: runs/gpt_<config>); "
                  "one run at a time, and a folder that holds a run is only continued (--resume)");
@@ -237,6 +246,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every).save_last(save_last);
     if (log_every >= 0) recipe.trainer.log_every_n_steps(log_every);
     recipe.data = data;
+    recipe.data_prefix = data_prefix;
+    recipe.split = data_split;
+    recipe.vocab_size = vocab_size;
     recipe.device = device;
     recipe.seed = seed;
     recipe.resume = resume;

@@ -23,6 +23,7 @@
 #include "plugin/files.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
+#include "recipes/gpt/megatron_data.h"
 #include "recipes/gpt/run_folder.h"
 #include "recipes/precision.h"
 
@@ -236,7 +237,15 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                 ") trains data-parallel over NCCL and needs --device auto or cuda, got \"", recipe.device, "\"");
     device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->local_rank));
   }
-  recipe.model.validate();
+  // Megatron-Core data brings its own vocabulary (padded as Megatron pads it).
+  auto model_config = recipe.model;
+  TORCH_CHECK(recipe.data_prefix.empty() || recipe.data.empty(), "data and data-prefix cannot be combined");
+  TORCH_CHECK(recipe.data_prefix.empty() || recipe.vocab_size >= 1,
+              "data-prefix needs the tokenizer's vocabulary size: --vocab-size");
+  TORCH_CHECK(recipe.vocab_size == 0 || !recipe.data_prefix.empty(), "vocab-size applies to --data-prefix only "
+              "(byte-level data has 256 tokens)");
+  if (!recipe.data_prefix.empty()) model_config.vocab_size((recipe.vocab_size + 127) / 128 * 128);
+  model_config.validate();
   recipe.precision.validate();
   TORCH_CHECK(recipe.micro_batch >= 1, "micro-batch must be >= 1, got ", recipe.micro_batch);
   TORCH_CHECK(recipe.seq >= 1 && recipe.seq <= recipe.model.max_seq_len(), "seq must be in [1, ",
@@ -250,6 +259,13 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   const auto data = recipe.data.empty() ? ByteDataset::builtin() : ByteDataset::from_file(recipe.data);
   TORCH_CHECK(data.size() >= recipe.seq + 1, "data ", data.source(), " has ", data.size(),
               " bytes, fewer than seq + 1 = ", recipe.seq + 1);
+  std::optional<MegatronTrainData> megatron;
+  if (!recipe.data_prefix.empty()) {
+    const int64_t world_size = data_parallel ? dist->world_size : 1;
+    const int64_t samples = recipe.trainer.max_steps() * recipe.trainer.accumulate_grad_batches() *
+                            recipe.micro_batch * world_size;
+    megatron.emplace(recipe.data_prefix, recipe.split, recipe.seq, recipe.seed, samples, model_config.vocab_size());
+  }
   TORCH_CHECK(!recipe.save_dir.empty(), "save-dir must not be empty");
   std::error_code error;
   TORCH_CHECK(!fs::exists(recipe.save_dir, error) || fs::is_directory(recipe.save_dir, error),
@@ -298,7 +314,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   {
     std::optional<Fp8ModelInit> fp8_init;
     if (recipe.precision.fp8_params()) fp8_init.emplace();
-    model = GptModel(recipe.model);
+    model = GptModel(model_config);
   }
   model->to(device);
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(recipe.lr)
@@ -323,7 +339,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   trainer.run_settings = {
       {"config", recipe.config_name},
       {"seed", std::to_string(recipe.seed)},
-      {"data", data.fingerprint()},
+      {"data", megatron ? megatron->fingerprint() : data.fingerprint()},
       {"seq", std::to_string(recipe.seq)},
       {"micro_batch", std::to_string(recipe.micro_batch)},
       {"grad_accum", std::to_string(trainer_options.accumulate_grad_batches())},
@@ -363,7 +379,8 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
 
   out << "gpt_pretrain: config " << recipe.config_name << " (" << model->parameter_count() / 1e6
       << " M parameters), precision " << trainer.plugins->name() << ", device " << device
-      << ", data " << data.source() << " (" << data.size() << " bytes), " << trainer_options.max_steps()
+      << ", data " << (megatron ? megatron->source() : data.source() + " (" + std::to_string(data.size()) + " bytes)")
+      << ", " << trainer_options.max_steps()
       << " steps of " << trainer_options.accumulate_grad_batches() << " x " << recipe.micro_batch
       << " x " << recipe.seq << " tokens" << (world > 1 ? " on each of " + std::to_string(world) + " data-parallel ranks" : "")
       << (resume.empty() ? "" : ", resuming from " + resume) << std::endl;
@@ -371,14 +388,16 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
 #endif
 
-  const auto vocab = recipe.model.vocab_size();
+  const auto vocab = model_config.vocab_size();
   const auto start = std::chrono::steady_clock::now();
   trainer.fit(*model, optimizer,
               [&](const TrainStepInput& in) {
                 // Rank r draws micro-batches r·A … r·A + A−1 of the step's global batch.
                 const int64_t micro = rank * trainer_options.accumulate_grad_batches() + in.micro_batch;
-                auto [inputs, targets] = data.batch(recipe.seed, in.step, micro, recipe.micro_batch,
-                                                    recipe.seq, device);
+                auto [inputs, targets] =
+                    megatron ? megatron->batch((in.step * trainer_options.accumulate_grad_batches() + in.micro_batch) * world + rank,
+                                               recipe.micro_batch, device)
+                             : data.batch(recipe.seed, in.step, micro, recipe.micro_batch, recipe.seq, device);
                 auto logits = in.precision.convert_output(model->forward(in.precision.convert_input(inputs)));
                 return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}),
                                                             targets.reshape({-1}));

@@ -32,6 +32,12 @@ struct PretrainRecipe {
   int64_t warmup_steps = 20;
   /// A text file read as bytes; "" = the built-in corpus.
   std::string data;
+  /// Megatron-Core indexed data instead of bytes (MegatronTrainData): a path prefix of a
+  /// `.bin` / `.idx` pair, or a weighted blend "0.3 a 0.7 b"; its train split by `split`. Needs
+  /// `vocab_size` (padded up to a multiple of 128, Megatron's make-vocab-size-divisible-by).
+  std::string data_prefix;
+  std::string split = "969,30,1";
+  int64_t vocab_size = 0;
   /// "auto" (CUDA when there is a GPU), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";
   /// metrics.jsonl, loss.svg and checkpoints/ go here.

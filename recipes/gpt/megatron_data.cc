@@ -1,0 +1,72 @@
+#include "recipes/gpt/megatron_data.h"
+
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+#include <sstream>
+#include <vector>
+
+namespace amp8::recipes {
+namespace {
+
+bool is_weighted(const std::string& blend) {
+  std::istringstream words(blend);
+  std::string first;
+  words >> first;
+  char* end = nullptr;
+  std::strtod(first.c_str(), &end);
+  return !first.empty() && end == first.c_str() + first.size();
+}
+
+}  // namespace
+
+MegatronTrainData::MegatronTrainData(const std::string& blend, const std::string& split, int64_t seq,
+                                     uint64_t seed, int64_t num_samples, int64_t vocab_size)
+    : blend_(blend), split_(split), vocab_size_(vocab_size) {
+  TORCH_CHECK(vocab_size >= 1, "vocab-size must be >= 1 with --data-prefix, got ", vocab_size);
+  const auto options = GptDatasetOptions(seq).random_seed(static_cast<int64_t>(seed)).split(split);
+  std::vector<std::string> prefixes;
+  if (is_weighted(blend)) {
+    const auto components = parse_blend(blend);
+    for (const auto& c : components) prefixes.push_back(c.path_prefix);
+    blended_ = std::make_shared<BlendedGptDataset>(components, DatasetSplit::kTrain, num_samples, options);
+  } else {
+    prefixes.push_back(blend);
+    single_ = std::make_shared<GptDataset>(std::make_shared<IndexedDataset>(blend), DatasetSplit::kTrain,
+                                           num_samples, options);
+  }
+  std::ostringstream identity;
+  identity << blend << " split " << split;
+  for (const auto& prefix : prefixes) {
+    std::error_code error;
+    identity << "; " << std::filesystem::path(prefix).filename().string() << ": "
+             << std::filesystem::file_size(prefix + ".bin", error) << " + "
+             << std::filesystem::file_size(prefix + ".idx", error) << " bytes";
+  }
+  fingerprint_ = identity.str();
+}
+
+std::pair<torch::Tensor, torch::Tensor> MegatronTrainData::batch(int64_t index, int64_t batch_size,
+                                                                 const torch::Device& device) const {
+  std::vector<torch::Tensor> tokens, labels;
+  for (int64_t b = 0; b < batch_size; ++b) {
+    const int64_t sample = index * batch_size + b;
+    auto [t, l] = single_ ? single_->tokens_and_labels(sample) : blended_->tokens_and_labels(sample);
+    tokens.push_back(t);
+    labels.push_back(l);
+  }
+  auto inputs = torch::stack(tokens), targets = torch::stack(labels);
+  const int64_t largest = std::max(inputs.max().item<int64_t>(), targets.max().item<int64_t>());
+  TORCH_CHECK(largest < vocab_size_, "data-prefix ", blend_, ": token id ", largest, " in micro-batch ", index,
+              " is not below the vocabulary size ", vocab_size_, " (--vocab-size)");
+  return {inputs.to(device), targets.to(device)};
+}
+
+std::string MegatronTrainData::source() const {
+  const int64_t samples = single_ ? single_->size() : blended_->size();
+  return "megatron " + blend_ + " (split " + split_ + ", " + std::to_string(samples) + " train samples)";
+}
+
+std::string MegatronTrainData::fingerprint() const { return fingerprint_; }
+
+}  // namespace amp8::recipes
