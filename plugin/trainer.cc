@@ -374,6 +374,14 @@ void Trainer::print_progress(const StepMetrics& metrics, double interval_s, int6
     const double tokens = static_cast<double>(options.tokens_per_micro_batch()) *
                           static_cast<double>(options.accumulate_grad_batches() * interval_steps);
     n += std::snprintf(line + n, sizeof(line) - n, " | %.0f tok/s", tokens / interval_s);
+    if (options.flops_per_token() > 0) {
+      const double per_device = tokens / interval_s * options.flops_per_token() /
+                                static_cast<double>(plugins->data_parallel_size());
+      n += std::snprintf(line + n, sizeof(line) - n, " | %.0f TFLOP/s/GPU", per_device / 1e12);
+      if (options.peak_flops_per_device() > 0) {
+        n += std::snprintf(line + n, sizeof(line) - n, " (%.1f%% MFU)", 100.0 * per_device / options.peak_flops_per_device());
+      }
+    }
   }
   if (metrics.loss_scale != 1.0 || metrics.skipped_steps > 0) {
     n += std::snprintf(line + n, sizeof(line) - n, " | loss scale %g | skipped %lld",

@@ -42,6 +42,12 @@ struct TrainerOptions {
   TORCH_ARG(std::string, checkpoint_dir) = "";
   /// Tokens in one micro-batch, for the tokens/s figure; 0 = not shown. Default: 0.
   TORCH_ARG(int64_t, tokens_per_micro_batch) = 0;
+  /// Model FLOPs per token (e.g. 6 N + 12 layers hidden seq for a GPT), for the model TFLOP/s
+  /// per device in the progress line; 0 = not shown. Default: 0.
+  TORCH_ARG(double, flops_per_token) = 0.0;
+  /// The dense bf16 peak of one device (dense_bf16_peak_flops), for MFU = model FLOP/s per
+  /// device / peak; 0 = not shown. Default: 0.
+  TORCH_ARG(double, peak_flops_per_device) = 0.0;
   /// What a non-finite (inf/NaN) loss does, checked before the optimizer step so the weights
   /// never take it: "error" stops the run with an error naming the step (with a checkpoint_dir,
   /// the weights after the previous step are saved first, and the error names the file);

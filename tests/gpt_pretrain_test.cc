@@ -86,7 +86,7 @@ TEST(GptPretrainTest, ResumeContinuesExactlyWhereTheRunStopped) {
   for (const auto& [name, flags] : precisions) {
     SCOPED_TRACE(name);
     const auto full = scratch("full_" + name), split = scratch("split_" + name);
-    const auto common = with(with(kTiny, flags), {"--log-every", "0"});
+    const auto common = with(with(kTiny, flags), {"--log-every", "0", "--eval-every", "5", "--eval-iters", "2"});
     ASSERT_EQ(gpt_pretrain(with(common, {"--steps", "20", "--save-dir", full.string()})).code, 0);
     // The split run stops at 10 (its checkpoint), then continues to 20 from it.
     auto first = gpt_pretrain(with(common, {"--steps", "20", "--save-every", "10", "--save-dir",
@@ -105,8 +105,39 @@ TEST(GptPretrainTest, ResumeContinuesExactlyWhereTheRunStopped) {
       EXPECT_EQ(a[i]["step"], b[i]["step"]);
       EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
       EXPECT_EQ(a[i]["lr"].get<double>(), b[i]["lr"].get<double>()) << "step " << i + 1;
+      // Validation every 5 steps: the same held-out batches, so a resume does not change it.
+      ASSERT_EQ(a[i].contains("val_loss"), (i + 1) % 5 == 0) << "step " << i + 1;
+      if (a[i].contains("val_loss")) {
+        EXPECT_EQ(a[i]["val_loss"].get<double>(), b[i]["val_loss"].get<double>()) << "step " << i + 1;
+      }
     }
   }
+}
+
+// Validation on the held-out tail of the text: in the progress output, the metrics (with
+// perplexity and model TFLOP/s) and the picture; the same seed gives the same values twice.
+TEST(GptPretrainTest, ValidatesOnHeldOutTextDeterministically) {
+  const auto a = scratch("valid_a"), b = scratch("valid_b");
+  const auto args = with(kTiny, {"--steps", "20", "--eval-every", "10", "--eval-iters", "3"});
+  const auto run = gpt_pretrain(with(args, {"--save-dir", a.string()}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  ASSERT_EQ(gpt_pretrain(with(args, {"--save-dir", b.string()})).code, 0);
+  EXPECT_NE(run.out.find("validation at step 10 | loss "), std::string::npos) << run.out;
+  const auto first = metrics(a), second = metrics(b);
+  ASSERT_EQ(first.size(), 20u);
+  for (int step : {10, 20}) {
+    const auto& line = first[step - 1];
+    ASSERT_TRUE(line.contains("val_loss")) << step;
+    EXPECT_EQ(line["val_loss"].get<double>(), second[step - 1]["val_loss"].get<double>()) << step;
+    EXPECT_NEAR(line["val_ppl"].get<double>(), std::exp(line["val_loss"].get<double>()), 1e-9);
+  }
+  EXPECT_LT(first[19]["val_loss"].get<double>(), first[9]["val_loss"].get<double>()) << "it generalizes";
+  EXPECT_FALSE(first[4].contains("val_loss"));
+  EXPECT_TRUE(first[0].contains("model_tflops_per_gpu"));
+  EXPECT_FALSE(first[0].contains("mfu")) << "no peak on the CPU";
+  const auto svg = read(a / "loss.svg");
+  EXPECT_NE(svg.find("<circle"), std::string::npos);
+  EXPECT_NE(svg.find("(circles: validation)"), std::string::npos);
 }
 
 TEST(GptPretrainTest, HelpListsTheFlagsWithDefaults) {
@@ -194,7 +225,7 @@ TEST(GptPretrainTest, Fp8RecipeTensorwiseTrainsAndIsRecordedInTheCheckpoint) {
 // train split, and gpt_pretrain trains on it with the padded vocabulary.
 TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
   const std::string prefix = "tests/data/megatron_indexed/gpt_uint16";
-  const MegatronTrainData data(prefix, "80,20", 16, 1234, 24, 65536);
+  const MegatronData data(prefix, "80,20", 16, 1234, 24, 65536);
   const GptDataset reference(std::make_shared<IndexedDataset>(prefix), DatasetSplit::kTrain, 24,
                              GptDatasetOptions(16).random_seed(1234).split("80,20"));
   for (int64_t index : {0, 1, 5}) {
@@ -205,13 +236,14 @@ TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
       EXPECT_TRUE(labels[b].equal(l)) << "micro-batch " << index << " row " << b;
     }
   }
-  ExpectErrorContaining([&] { MegatronTrainData(prefix, "80,20", 16, 1234, 24, 1000).batch(0, 4, torch::kCPU); },
+  ExpectErrorContaining([&] { MegatronData(prefix, "80,20", 16, 1234, 24, 1000).batch(0, 4, torch::kCPU); },
                         "is not below the vocabulary size 1000");
 
   const auto dir = scratch("megatron");
   const auto run = gpt_pretrain({"--config", "tiny", "--device", "cpu", "--data-prefix", prefix, "--vocab-size", "65500",
                                  "--split", "80,20", "--seq", "16", "--micro-batch", "4", "--grad-accum", "2",
-                                 "--steps", "3", "--log-every", "0", "--save-dir", dir.string()});
+                                 "--steps", "3", "--log-every", "0", "--eval-every", "2", "--eval-iters", "1",
+                                 "--save-dir", dir.string()});
   ASSERT_EQ(run.code, 0) << run.err;
   EXPECT_NE(run.out.find("data megatron " + prefix + " (split 80,20"), std::string::npos) << run.out;
   const auto lines = metrics(dir);
@@ -219,6 +251,11 @@ TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
   // 65500 padded to 65536 (a multiple of 128; the fixture's ids reach 65535): the first loss
   // is near ln(65536).
   EXPECT_NEAR(lines[0]["loss"].get<double>(), std::log(65536.0), 0.5);
+  // Validation on the split's validation part, after step 2 and the last one.
+  EXPECT_FALSE(lines[0].contains("val_loss"));
+  EXPECT_TRUE(lines[1].contains("val_loss"));
+  EXPECT_TRUE(lines[2].contains("val_loss"));
+  EXPECT_NE(run.out.find("validation at step 3 | loss "), std::string::npos) << run.out;
   const auto bad = gpt_pretrain({"--config", "tiny", "--device", "cpu", "--data-prefix", prefix, "--steps", "2",
                                  "--save-dir", scratch("no_vocab").string()});
   EXPECT_NE(bad.err.find("data-prefix needs the tokenizer's vocabulary size: --vocab-size"), std::string::npos) << bad.err;
@@ -232,9 +269,12 @@ TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
   EXPECT_EQ(metrics(dir / "32").size(), 6u);
   EXPECT_EQ(metrics(dir / "bf16-mixed_fp8").size(), 6u);
   const auto svg = read(dir / "compare.svg");
-  size_t count = 0;
-  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) ++count;
-  EXPECT_EQ(count, 2u);
+  size_t count = 0, dashed = 0;
+  for (size_t at = svg.find("<polyline"); at != std::string::npos; at = svg.find("<polyline", at + 1)) {
+    (svg.substr(at, svg.find('>', at) - at).find("stroke-dasharray") == std::string::npos ? count : dashed) += 1;
+  }
+  EXPECT_EQ(count, 2u) << "one training curve per run";
+  EXPECT_EQ(dashed, 2u) << "one validation line per run (the final evaluation)";
   EXPECT_NE(svg.find("bf16-mixed+fp8 (final"), std::string::npos);
 }
 

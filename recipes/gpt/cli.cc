@@ -187,6 +187,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--data", data, "a text file, read as bytes (default: the built-in corpus)");
   std::string data_prefix, data_split = "969,30,1";
   int64_t vocab_size = 0;
+  int64_t eval_every = -1, eval_iters = -1;  // -1: the recipe's
+  app.add_option("--eval-every", eval_every,
+                 "validation loss every N steps and after the last one, 0 = none (default: the config's; tiny: 100, others: 1000)")
+      ->check(whole_number(0, kMaxCount));
+  app.add_option("--eval-iters", eval_iters, "held-out micro-batches per validation (default: 10)")
+      ->check(whole_number(1, kMaxBatch));
   app.add_option("--data-prefix", data_prefix,
                  "Megatron-Core indexed data instead of bytes: a .bin/.idx path prefix, or a weighted blend \"0.3 a 0.7 b\"");
   app.add_option("--split", data_split, "with --data-prefix: train/valid/test weights, Megatron's split string")
@@ -247,6 +253,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     if (log_every >= 0) recipe.trainer.log_every_n_steps(log_every);
     recipe.data = data;
     recipe.data_prefix = data_prefix;
+    if (eval_every >= 0) recipe.eval_every = eval_every;
+    if (eval_iters >= 1) recipe.eval_iters = eval_iters;
     recipe.split = data_split;
     recipe.vocab_size = vocab_size;
     recipe.device = device;
@@ -361,7 +369,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         summary.push_back({{"run", name}, {"error", "stopped by a signal"}});
         break;
       }
-      LossCurve curve{name + " (final " + std::to_string(result.final_loss).substr(0, 6) + ")", {}};
+      LossCurve curve{name + " (final " + std::to_string(result.final_loss).substr(0, 6) + ")", {}, result.validation};
       for (const auto& m : result.history) curve.points.emplace_back(static_cast<double>(m.step), m.loss);
       curves.push_back(std::move(curve));
       out << "gpt_pretrain: " << name << ": final loss " << result.final_loss << ", "
@@ -375,6 +383,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                          {"fp8_params", options.fp8_enabled() && options.fp8_params()},
                          {"steps", result.history.size()},
                          {"final_loss", result.final_loss},
+                         {"final_val_loss", std::isfinite(result.final_val_loss) ? nlohmann::json(result.final_val_loss)
+                                                                                 : nlohmann::json()},
                          {"tokens_per_s", result.tokens_per_s},
                          {"steady_tokens_per_s", result.steady_tokens_per_s},
                          {"peak_memory_bytes", result.peak_memory_bytes},

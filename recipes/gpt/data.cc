@@ -176,6 +176,17 @@ ByteDataset ByteDataset::builtin(int64_t bytes) {
   return dataset;
 }
 
+std::pair<ByteDataset, ByteDataset> ByteDataset::split_tail(double fraction) const {
+  TORCH_CHECK(fraction > 0 && fraction < 1, "ByteDataset::split_tail: fraction must be in (0, 1), got ", fraction);
+  const auto tail_size = static_cast<int64_t>(static_cast<double>(size_) * fraction);
+  ByteDataset head = *this, tail = *this;
+  head.size_ = size_ - tail_size;
+  tail.bytes_ = std::shared_ptr<const uint8_t>(bytes_, bytes_.get() + head.size_);
+  tail.size_ = tail_size;
+  tail.source_ = source_ + " (held-out tail)";
+  return {head, tail};
+}
+
 std::string ByteDataset::fingerprint() const {
   // FNV-1a over the first and the last MiB (the whole text when it is shorter than 2 MiB).
   constexpr int64_t kPart = int64_t{1} << 20;

@@ -33,6 +33,10 @@ class ByteDataset {
                                                 int64_t batch_size, int64_t seq,
                                                 const torch::Device& device) const;
 
+  /// (head, tail): the text cut where the last `fraction` of it begins, both views of the same
+  /// bytes. gpt_pretrain trains on the head and validates on the tail (held-out text).
+  std::pair<ByteDataset, ByteDataset> split_tail(double fraction) const;
+
   /// The data's identity for a resume check: its size and a hash of its first and last MiB
   /// (not its path: a moved file is the same data).
   std::string fingerprint() const;

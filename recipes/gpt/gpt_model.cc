@@ -101,4 +101,9 @@ int64_t GptModelImpl::parameter_count() const {
   return count;
 }
 
+double GptModelImpl::flops_per_token(int64_t seq) const {
+  return 6.0 * static_cast<double>(parameter_count()) +
+         12.0 * static_cast<double>(config_.layers() * config_.hidden() * seq);
+}
+
 }  // namespace amp8::recipes

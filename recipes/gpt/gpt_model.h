@@ -74,6 +74,9 @@ class GptModelImpl : public torch::nn::Module {
   /// tokens [batch, seq] (int64) → logits [batch, seq, vocab_size].
   torch::Tensor forward(const torch::Tensor& tokens);
   int64_t parameter_count() const;
+  /// Model FLOPs per token of training at sequence length `seq`: 6 N + 12 layers hidden seq
+  /// (the usual count: matmuls forward and backward, causal attention counted in full).
+  double flops_per_token(int64_t seq) const;
   const GptConfig& config() const { return config_; }
 
   torch::nn::Embedding token_embedding{nullptr};

@@ -78,11 +78,13 @@ void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curve
   double x_min = std::numeric_limits<double>::infinity(), x_max = -x_min;
   std::vector<double> values;
   for (const auto& curve : curves) {
-    for (const auto& [x, y] : curve.points) {
-      if (!std::isfinite(y)) continue;
-      x_min = std::min(x_min, x);
-      x_max = std::max(x_max, x);
-      values.push_back(y);
+    for (const auto* points : {&curve.points, &curve.validation}) {
+      for (const auto& [x, y] : *points) {
+        if (!std::isfinite(y)) continue;
+        x_min = std::min(x_min, x);
+        x_max = std::max(x_max, x);
+        values.push_back(y);
+      }
     }
     trends.push_back(curve.points.size() > 100 ? smoothed(curve.points) : std::vector<std::pair<double, double>>{});
   }
@@ -98,6 +100,12 @@ void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curve
       if (std::isfinite(y) && x >= settled_x) settled.push_back(y);
     }
   }
+  std::vector<double> validation_values;  // never cut off
+  for (const auto& curve : curves) {
+    for (const auto& [x, y] : curve.validation) {
+      if (std::isfinite(y) && x >= settled_x) validation_values.push_back(y);
+    }
+  }
   std::sort(values.begin(), values.end());
   std::sort(settled.begin(), settled.end());
   double y_min = values.front();
@@ -108,6 +116,7 @@ void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curve
       if (x >= settled_x) y_max = std::max(y_max, y);
     }
   }
+  for (const double v : validation_values) y_max = std::max(y_max, v);
   const bool clipped = y_max < values.back();
   if (!clipped) y_max = values.back();
   if (y_max == y_min) y_max = y_min + 1;
@@ -161,11 +170,25 @@ void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curve
     const bool noisy = !trends[c].empty();
     polyline(curves[c].points, color, noisy ? 0.8 : 1.5, noisy ? 0.25 : 1.0);
     if (noisy) polyline(trends[c], color, 2.0, 1.0);
+    if (!curves[c].validation.empty()) {
+      svg << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.5\" stroke-dasharray=\"5,3\" points=\"";
+      for (const auto& [x, y] : curves[c].validation) {
+        if (std::isfinite(y)) svg << sx(x) << "," << sy(y) << " ";
+      }
+      svg << "\"/>\n";
+      for (const auto& [x, y] : curves[c].validation) {
+        if (std::isfinite(y)) {
+          svg << "<circle cx=\"" << sx(x) << "\" cy=\"" << sy(y) << "\" r=\"3.5\" fill=\"white\" stroke=\"" << color
+              << "\" stroke-width=\"1.5\"/>\n";
+        }
+      }
+    }
     const double ly = legend_top + line_h * static_cast<double>(c);
     svg << "<line x1=\"" << left << "\" x2=\"" << left + 20 << "\" y1=\"" << ly - 4 << "\" y2=\"" << ly - 4
         << "\" stroke=\"" << color << "\" stroke-width=\"2\"/>\n"
         << "<text x=\"" << left + 26 << "\" y=\"" << ly << "\">" << escape(curves[c].name)
-        << (noisy ? " (faint: every step; bold: moving average)" : "") << "</text>\n";
+        << (noisy ? " (faint: every step; bold: moving average)" : "")
+        << (curves[c].validation.empty() ? "" : " (circles: validation)") << "</text>\n";
   }
   svg << "</svg>\n";
 

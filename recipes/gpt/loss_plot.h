@@ -6,10 +6,11 @@
 
 namespace amp8::recipes {
 
-/// One curve of a loss plot: (step, loss) points.
+/// One curve of a loss plot: (step, loss) points, and (step, validation loss) points if any.
 struct LossCurve {
   std::string name;
   std::vector<std::pair<double, double>> points;
+  std::vector<std::pair<double, double>> validation;
 };
 
 /// Writes the curves into one SVG picture, atomically (temporary file + rename): steps on x,
@@ -19,7 +20,8 @@ struct LossCurve {
 /// top. The y range ends at the 98th percentile of the values after the first 5% of the steps
 /// (or the highest moving average there), so the first steps and spikes are cut off, with a
 /// note, instead of flattening the curve.
-/// Non-finite losses are left out of the lines. Throws naming the path when it cannot be written.
+/// Validation points are circles joined by a dashed line in the curve's colour. Non-finite
+/// losses are left out of the lines. Throws naming the path when it cannot be written.
 void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curves,
                     const std::string& title);
 

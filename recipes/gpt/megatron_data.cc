@@ -20,20 +20,19 @@ bool is_weighted(const std::string& blend) {
 
 }  // namespace
 
-MegatronTrainData::MegatronTrainData(const std::string& blend, const std::string& split, int64_t seq,
-                                     uint64_t seed, int64_t num_samples, int64_t vocab_size)
-    : blend_(blend), split_(split), vocab_size_(vocab_size) {
+MegatronData::MegatronData(const std::string& blend, const std::string& split, int64_t seq,
+                           uint64_t seed, int64_t num_samples, int64_t vocab_size, DatasetSplit part)
+    : blend_(blend), split_(split), vocab_size_(vocab_size), part_(part) {
   TORCH_CHECK(vocab_size >= 1, "vocab-size must be >= 1 with --data-prefix, got ", vocab_size);
   const auto options = GptDatasetOptions(seq).random_seed(static_cast<int64_t>(seed)).split(split);
   std::vector<std::string> prefixes;
   if (is_weighted(blend)) {
     const auto components = parse_blend(blend);
     for (const auto& c : components) prefixes.push_back(c.path_prefix);
-    blended_ = std::make_shared<BlendedGptDataset>(components, DatasetSplit::kTrain, num_samples, options);
+    blended_ = std::make_shared<BlendedGptDataset>(components, part, num_samples, options);
   } else {
     prefixes.push_back(blend);
-    single_ = std::make_shared<GptDataset>(std::make_shared<IndexedDataset>(blend), DatasetSplit::kTrain,
-                                           num_samples, options);
+    single_ = std::make_shared<GptDataset>(std::make_shared<IndexedDataset>(blend), part, num_samples, options);
   }
   std::ostringstream identity;
   identity << blend << " split " << split;
@@ -46,7 +45,7 @@ MegatronTrainData::MegatronTrainData(const std::string& blend, const std::string
   fingerprint_ = identity.str();
 }
 
-std::pair<torch::Tensor, torch::Tensor> MegatronTrainData::batch(int64_t index, int64_t batch_size,
+std::pair<torch::Tensor, torch::Tensor> MegatronData::batch(int64_t index, int64_t batch_size,
                                                                  const torch::Device& device) const {
   std::vector<torch::Tensor> tokens, labels;
   for (int64_t b = 0; b < batch_size; ++b) {
@@ -62,11 +61,13 @@ std::pair<torch::Tensor, torch::Tensor> MegatronTrainData::batch(int64_t index, 
   return {inputs.to(device), targets.to(device)};
 }
 
-std::string MegatronTrainData::source() const {
-  const int64_t samples = single_ ? single_->size() : blended_->size();
-  return "megatron " + blend_ + " (split " + split_ + ", " + std::to_string(samples) + " train samples)";
+int64_t MegatronData::size() const { return single_ ? single_->size() : blended_->size(); }
+
+std::string MegatronData::source() const {
+  return "megatron " + blend_ + " (split " + split_ + ", " + std::to_string(size()) + " " +
+         dataset_split_name(part_) + " samples)";
 }
 
-std::string MegatronTrainData::fingerprint() const { return fingerprint_; }
+std::string MegatronData::fingerprint() const { return fingerprint_; }
 
 }  // namespace amp8::recipes

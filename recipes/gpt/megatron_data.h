@@ -12,24 +12,25 @@
 
 namespace amp8::recipes {
 
-/// gpt_pretrain's training data from Megatron-Core indexed datasets (--data-prefix): the train
-/// split of one prefix (GptDataset) or of a weighted blend "0.3 a 0.7 b" (BlendedGptDataset),
-/// with Megatron's sample order. Micro-batches take consecutive samples as Megatron's
+/// gpt_pretrain's data from Megatron-Core indexed datasets (--data-prefix): one split (train or
+/// validation) of one prefix (GptDataset) or of a weighted blend "0.3 a 0.7 b"
+/// (BlendedGptDataset), with Megatron's sample order. Micro-batches take consecutive samples as Megatron's
 /// MegatronPretrainingSampler hands them out: micro-batch i of the run (over steps, then
 /// micro-batches, then ranks) is samples [i * batch_size, (i + 1) * batch_size).
-class MegatronTrainData {
+class MegatronData {
  public:
   /// `blend`: a path prefix (`.bin` / `.idx`), or weight/prefix pairs. `num_samples`: the
   /// samples the run draws (steps x global batch). Throws naming the prefix, the split or the
   /// vocabulary when the data cannot serve the run, or holds a token id >= vocab_size (checked
   /// per batch).
-  MegatronTrainData(const std::string& blend, const std::string& split, int64_t seq, uint64_t seed,
-                    int64_t num_samples, int64_t vocab_size);
+  MegatronData(const std::string& blend, const std::string& split, int64_t seq, uint64_t seed,
+               int64_t num_samples, int64_t vocab_size, DatasetSplit part = DatasetSplit::kTrain);
 
   /// (tokens, labels), int64 [batch_size, seq] on `device`, of micro-batch `index` of the run.
   std::pair<torch::Tensor, torch::Tensor> batch(int64_t index, int64_t batch_size, const torch::Device& device) const;
 
   /// "megatron <blend> (split <split>, <n> train samples)", for the progress line.
+  int64_t size() const;
   std::string source() const;
   /// The data's identity for a resume check: the blend, split and every prefix's sizes.
   std::string fingerprint() const;
@@ -37,6 +38,7 @@ class MegatronTrainData {
  private:
   std::string blend_, split_;
   int64_t vocab_size_;
+  DatasetSplit part_;
   std::shared_ptr<const GptDataset> single_;
   std::shared_ptr<const BlendedGptDataset> blended_;
   std::string fingerprint_;

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <ostream>
@@ -21,6 +22,7 @@
 #include "plugin/checkpoint.h"
 #include "plugin/distributed.h"
 #include "plugin/files.h"
+#include "plugin/throughput.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
 #include "recipes/gpt/megatron_data.h"
@@ -97,6 +99,53 @@ class StepTimer : public Callback {
   std::vector<double> seconds_;
 };
 
+// Validation loss every `every` steps and after the last one: the same `iters` held-out
+// micro-batches each time (so evaluations compare, and a resume does not change them), in the
+// training precision, without gradients; the mean over data-parallel ranks.
+class Evaluator : public Callback {
+ public:
+  using Batch = std::function<std::pair<torch::Tensor, torch::Tensor>(int64_t k)>;
+  Evaluator(int64_t every, int64_t iters, Batch batch, GptModel model, int64_t vocab, std::ostream& out)
+      : every_(every), iters_(iters), batch_(std::move(batch)), model_(std::move(model)), vocab_(vocab), out_(out) {}
+  void on_train_batch_end(Trainer& trainer, const StepMetrics& m) override {
+    if (m.step % every_ != 0 && m.step != trainer.options.max_steps()) return;
+    auto& precision = *trainer.plugins;
+    torch::NoGradGuard no_grad;
+    model_->eval();
+    torch::Tensor sum;
+    for (int64_t k = 0; k < iters_; ++k) {
+      auto [inputs, targets] = batch_(k);
+      auto context = precision.forward_context();
+      auto logits = precision.convert_output(model_->forward(precision.convert_input(inputs)));
+      auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, vocab_}), targets.reshape({-1}))
+                      .to(torch::kFloat);
+      context.close();
+      sum = sum.defined() ? sum + loss : loss;
+    }
+    model_->train();
+    step_ = m.step;
+    loss_ = precision.data_parallel_mean(sum.reshape({})).item<double>() / static_cast<double>(iters_);
+    points_.emplace_back(static_cast<double>(m.step), loss_);
+    char line[128];
+    std::snprintf(line, sizeof(line), "validation at step %lld | loss %.4f | perplexity %.3f",
+                  static_cast<long long>(m.step), loss_, std::exp(loss_));
+    out_ << line << std::endl;
+  }
+  int64_t step() const { return step_; }
+  double loss() const { return loss_; }
+  const std::vector<std::pair<double, double>>& points() const { return points_; }
+
+ private:
+  int64_t every_, iters_;
+  Batch batch_;
+  GptModel model_;
+  int64_t vocab_;
+  std::ostream& out_;
+  int64_t step_ = -1;
+  double loss_ = NAN;
+  std::vector<std::pair<double, double>> points_;
+};
+
 // Data-parallel on CUDA: the DistributedOptimizer's per-step communication waits, collected every
 // 50 steps (reading them waits for the GPU, so not every step) and at the end.
 class CommunicationTimer : public Callback {
@@ -139,8 +188,11 @@ class CommunicationTimer : public Callback {
 // checkpoint's step, so steps run again after a crash are not listed twice.
 class MetricsWriter : public Callback {
  public:
-  MetricsWriter(std::string path, const LearningRateSchedule& schedule, int64_t tokens_per_step)
-      : path_(std::move(path)), schedule_(schedule), tokens_per_step_(tokens_per_step) {}
+  MetricsWriter(std::string path, const LearningRateSchedule& schedule, int64_t tokens_per_step,
+                double flops_per_token_per_device, double peak_flops, const Evaluator* validation)
+      : path_(std::move(path)), schedule_(schedule), tokens_per_step_(tokens_per_step),
+        flops_per_token_per_device_(flops_per_token_per_device), peak_flops_(peak_flops),
+        validation_(validation) {}
   void on_train_start(Trainer& trainer) override {
     trim_metrics(path_, trainer.global_step());
     out_.open(path_, std::ios::app);
@@ -159,6 +211,14 @@ class MetricsWriter : public Callback {
                            {"stepped", m.stepped},
                            {"tokens_per_s", seconds > 0 ? tokens_per_step_ / seconds : 0.0}};
     if (std::isfinite(m.grad_norm)) line["grad_norm"] = m.grad_norm;
+    // Model TFLOP/s per GPU, and MFU against the GPU's dense bf16 peak when it is known.
+    const double tflops = seconds > 0 ? tokens_per_step_ / seconds * flops_per_token_per_device_ / 1e12 : 0.0;
+    line["model_tflops_per_gpu"] = tflops;
+    if (peak_flops_ > 0) line["mfu"] = tflops * 1e12 / peak_flops_;
+    if (validation_ != nullptr && validation_->step() == m.step) {
+      line["val_loss"] = validation_->loss();
+      line["val_ppl"] = std::exp(validation_->loss());
+    }
     out_ << line.dump() << "\n";
     out_.flush();
     TORCH_CHECK(out_.good(), "writing the metrics file ", path_, " failed (is the disk full?)");
@@ -168,22 +228,27 @@ class MetricsWriter : public Callback {
   std::string path_;
   std::ofstream out_;
   const LearningRateSchedule& schedule_;
-  double tokens_per_step_;
+  double tokens_per_step_, flops_per_token_per_device_, peak_flops_;
+  const Evaluator* validation_;  // evaluated before this writer runs (or null)
   std::chrono::steady_clock::time_point last_;
 };
 
-std::vector<std::pair<double, double>> read_losses(const std::string& metrics_path) {
-  std::vector<std::pair<double, double>> points;
+// The training and validation curves of a metrics file.
+LossCurve read_curve(const std::string& name, const std::string& metrics_path) {
+  LossCurve curve{name, {}, {}};
   std::ifstream in(metrics_path);
   std::string line;
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     const auto json = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (json.is_discarded() || !json.contains("step") || !json.contains("loss")) continue;
-    points.emplace_back(json["step"].get<double>(),
-                        json["loss"].is_number() ? json["loss"].get<double>() : NAN);
+    const auto step = json["step"].get<double>();
+    curve.points.emplace_back(step, json["loss"].is_number() ? json["loss"].get<double>() : NAN);
+    if (json.contains("val_loss") && json["val_loss"].is_number()) {
+      curve.validation.emplace_back(step, json["val_loss"].get<double>());
+    }
   }
-  return points;
+  return curve;
 }
 
 }  // namespace
@@ -196,12 +261,14 @@ PretrainRecipe gpt_pretrain_recipe(const std::string& config) {
     // About a minute on two CPU cores.
     recipe.micro_batch = 16, recipe.seq = 128, recipe.lr = 3e-3, recipe.min_lr = 3e-4;
     recipe.trainer.max_steps(1000).log_every_n_steps(100);
+    recipe.eval_every = 100;
   } else if (config == "small") {
     recipe.micro_batch = 16, recipe.seq = 256, recipe.lr = 1e-3, recipe.min_lr = 1e-4;
   } else {
     recipe.micro_batch = 8, recipe.seq = recipe.model.max_seq_len(), recipe.lr = 6e-4,
     recipe.min_lr = 6e-5;
   }
+  if (config != "tiny") recipe.eval_every = 1000;  // Megatron's default eval-interval
   recipe.save_dir = "runs/gpt_" + config;
   return recipe;
 }
@@ -256,16 +323,29 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   TORCH_CHECK(recipe.trainer.max_steps() >= 1, "steps must be >= 1, got ", recipe.trainer.max_steps());
   TORCH_CHECK(recipe.trainer.accumulate_grad_batches() >= 1, "grad-accum must be >= 1, got ",
               recipe.trainer.accumulate_grad_batches());
-  const auto data = recipe.data.empty() ? ByteDataset::builtin() : ByteDataset::from_file(recipe.data);
+  auto data = recipe.data.empty() ? ByteDataset::builtin() : ByteDataset::from_file(recipe.data);
   TORCH_CHECK(data.size() >= recipe.seq + 1, "data ", data.source(), " has ", data.size(),
               " bytes, fewer than seq + 1 = ", recipe.seq + 1);
-  std::optional<MegatronTrainData> megatron;
+  TORCH_CHECK(recipe.eval_every >= 0 && recipe.eval_iters >= 1, "eval-every must be >= 0 and eval-iters >= 1, got ",
+              recipe.eval_every, " and ", recipe.eval_iters);
+  const int64_t world_size = data_parallel ? dist->world_size : 1;
+  std::optional<MegatronData> megatron, megatron_validation;
   if (!recipe.data_prefix.empty()) {
-    const int64_t world_size = data_parallel ? dist->world_size : 1;
     const int64_t samples = recipe.trainer.max_steps() * recipe.trainer.accumulate_grad_batches() *
                             recipe.micro_batch * world_size;
     megatron.emplace(recipe.data_prefix, recipe.split, recipe.seq, recipe.seed, samples, model_config.vocab_size());
+    // The split's validation part, when it has one ("969,30,1" does, "100,0,0" not).
+    if (recipe.eval_every > 0 && split_matrix_from_string(recipe.split)[1].has_value()) {
+      megatron_validation.emplace(recipe.data_prefix, recipe.split, recipe.seq, recipe.seed,
+                                  recipe.eval_iters * recipe.micro_batch * world_size, model_config.vocab_size(),
+                                  DatasetSplit::kValid);
+    }
   }
+  // Byte-level text: the last 5% is held out for validation (when it holds a sequence).
+  auto [train_bytes, heldout_bytes] = data.split_tail(0.05);
+  const bool byte_validation = !megatron && recipe.eval_every > 0 && heldout_bytes.size() >= recipe.seq + 1 &&
+                               train_bytes.size() >= recipe.seq + 1;
+  if (byte_validation) data = train_bytes;
   TORCH_CHECK(!recipe.save_dir.empty(), "save-dir must not be empty");
   std::error_code error;
   TORCH_CHECK(!fs::exists(recipe.save_dir, error) || fs::is_directory(recipe.save_dir, error),
@@ -325,6 +405,11 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   // Tokens of one micro-batch over all ranks (the progress line's tokens/s is the job's).
   const int64_t tokens_per_micro_batch = recipe.micro_batch * recipe.seq * world;
   trainer_options.tokens_per_micro_batch(tokens_per_micro_batch);
+  const double flops_per_token = model->flops_per_token(recipe.seq);
+  if (device.is_cuda()) {  // the progress line's TFLOP/s per GPU and MFU
+    trainer_options.flops_per_token(flops_per_token)
+        .peak_flops_per_device(dense_bf16_peak_flops(cuda_device_name(device.index() < 0 ? 0 : device.index())));
+  }
   auto plugin = std::make_shared<MixedPrecisionPlugin>(recipe.precision);
   if (group) {
     plugin->set_process_group(group, DistributedOptimizerOptions()
@@ -372,9 +457,29 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
     communication = std::make_shared<CommunicationTimer>(*plugin);
     trainer.callbacks.push_back(communication);
   }
+  std::shared_ptr<Evaluator> evaluator;
+  if (byte_validation || megatron_validation) {
+    const auto heldout = heldout_bytes;
+    const auto* valid = megatron_validation ? &*megatron_validation : nullptr;
+    evaluator = std::make_shared<Evaluator>(
+        recipe.eval_every, recipe.eval_iters,
+        [&, heldout, valid](int64_t k) {
+          return valid != nullptr ? valid->batch(k * world + rank, recipe.micro_batch, device)
+                                  : heldout.batch(recipe.seed + 1, /*step=*/k, /*micro_batch=*/rank, recipe.micro_batch,
+                                                  recipe.seq, device);
+        },
+        model, model_config.vocab_size(), out);
+    trainer.callbacks.push_back(evaluator);
+  } else if (recipe.eval_every > 0) {
+    out << "gpt_pretrain: no validation: " << (megatron ? "the split " + recipe.split + " has no validation part"
+                                                         : "the held-out 5% of the data is shorter than a sequence")
+        << std::endl;
+  }
   if (rank == 0) {
     trainer.callbacks.push_back(std::make_shared<MetricsWriter>(
-        metrics_path, *schedule, tokens_per_micro_batch * trainer_options.accumulate_grad_batches()));
+        metrics_path, *schedule, tokens_per_micro_batch * trainer_options.accumulate_grad_batches(),
+        flops_per_token / static_cast<double>(world), trainer_options.peak_flops_per_device(),
+        evaluator.get()));
   }
 
   out << "gpt_pretrain: config " << recipe.config_name << " (" << model->parameter_count() / 1e6
@@ -416,6 +521,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   result.parameters = model->parameter_count();
   result.precision = trainer.plugins->name();
   result.metrics_path = metrics_path;
+  if (evaluator) {
+    result.validation = evaluator->points();
+    result.final_val_loss = evaluator->points().empty() ? NAN : evaluator->points().back().second;
+  }
   const size_t tail = std::min<size_t>(10, result.history.size());
   if (tail == 0) result.final_loss = std::numeric_limits<double>::quiet_NaN();
   for (size_t i = result.history.size() - tail; i < result.history.size(); ++i) {
@@ -455,7 +564,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   }
   result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();
   if (group) group->shutdown();  // NCCL's communicators, before the process exits
-  if (rank == 0) write_loss_svg(result.picture_path, {{result.precision, read_losses(metrics_path)}},
+  if (rank == 0) write_loss_svg(result.picture_path, {read_curve(result.precision, metrics_path)},
                  "GPT " + recipe.config_name + " pretraining loss (" + result.precision + ")");
   return result;
 }

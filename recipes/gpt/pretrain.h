@@ -1,9 +1,11 @@
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <iosfwd>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plugin/mixed_precision_plugin.h"
@@ -38,6 +40,11 @@ struct PretrainRecipe {
   std::string data_prefix;
   std::string split = "969,30,1";
   int64_t vocab_size = 0;
+  /// Validation loss every this many steps and after the last one (0 = none), over eval_iters
+  /// held-out micro-batches: the split's validation part (data_prefix), or the last 5% of the
+  /// text (bytes; training then draws from the first 95%).
+  int64_t eval_every = 0;
+  int64_t eval_iters = 10;
   /// "auto" (CUDA when there is a GPU), "cpu", "cuda" or "cuda:N".
   std::string device = "auto";
   /// metrics.jsonl, loss.svg and checkpoints/ go here.
@@ -65,6 +72,8 @@ PretrainRecipe gpt_pretrain_recipe(const std::string& config = "tiny");
 
 struct PretrainResult {
   std::vector<StepMetrics> history;  ///< the steps this call ran
+  std::vector<std::pair<double, double>> validation;  ///< (step, validation loss) of this call
+  double final_val_loss = NAN;       ///< the last validation loss (NaN without validation)
   double final_loss = 0;             ///< mean loss of the last min(10, steps) steps
   double tokens_per_s = 0;           ///< over the steps this call ran (checkpoints included)
   /// Steady state: tokens per step over the median step time of the second half of the run
