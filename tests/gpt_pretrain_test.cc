@@ -7,6 +7,7 @@
 
 #include "recipes/data/gpt_dataset.h"
 #include "recipes/gpt/megatron_data.h"
+#include "tests/gpt_pretrain_cli.h"
 #include "tests/test_util.h"
 
 #include <cmath>
@@ -21,28 +22,11 @@ namespace {
 namespace fs = std::filesystem;
 using testing::ExpectErrorContaining;
 
-struct Run {
-  int code;
-  std::string out, err;
-};
-
-Run gpt_pretrain(std::vector<std::string> args) {
-  args.insert(args.begin(), "gpt_pretrain");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  const int code = gpt_pretrain_main(static_cast<int>(argv.size()), argv.data(), out, err);
-  return {code, out.str(), err.str()};
-}
+using Run = testing::CliRun;
+using testing::gpt_pretrain;
+using testing::metrics;
 
 fs::path scratch(const std::string& name) { return testing::scratch_path("gpt_pretrain", name); }
-
-std::vector<nlohmann::json> metrics(const fs::path& dir) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream in(dir / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
 
 std::string read(const fs::path& path) {
   std::ifstream in(path);

@@ -28,6 +28,7 @@
 #include "plugin/trainer.h"
 #include "recipes/gpt/cli.h"
 #include "recipes/gpt/data.h"
+#include "tests/gpt_pretrain_cli.h"
 #include "tests/test_util.h"
 
 namespace amp8::recipes {
@@ -36,29 +37,11 @@ namespace {
 namespace fs = std::filesystem;
 using testing::ExpectErrorContaining;
 
-struct Run {
-  int code;
-  std::string out, err;
-  std::string all() const { return out + err; }
-};
-
-Run gpt_pretrain(std::vector<std::string> args) {
-  args.insert(args.begin(), "gpt_pretrain");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  const int code = gpt_pretrain_main(static_cast<int>(argv.size()), argv.data(), out, err);
-  return {code, out.str(), err.str()};
-}
+using Run = testing::CliRun;
+using testing::gpt_pretrain;
+using testing::metrics;
 
 fs::path scratch(const std::string& name) { return testing::scratch_path("run_robustness", name); }
-
-std::vector<nlohmann::json> metrics(const fs::path& dir) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream in(dir / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
 
 std::vector<std::string> tiny(const fs::path& dir, std::vector<std::string> more) {
   std::vector<std::string> args = {"--config", "tiny", "--device", "cpu", "--seq", "32", "--micro-batch", "4",
