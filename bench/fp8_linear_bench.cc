@@ -12,8 +12,8 @@
 #include <functional>
 
 #include "bench/bench_util.h"
-#include "plugin/fp8_autocast.h"
-#include "plugin/fp8_linear.h"
+#include "plugin/fp8/fp8_autocast.h"
+#include "plugin/modules/fp8_linear.h"
 
 namespace {
 

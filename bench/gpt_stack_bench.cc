@@ -15,7 +15,7 @@
 #include <string>
 
 #include "bench/bench_util.h"
-#include "plugin/mixed_precision_plugin.h"
+#include "plugin/precision/mixed_precision_plugin.h"
 #include "recipes/precision.h"
 
 namespace {

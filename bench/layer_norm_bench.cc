@@ -9,8 +9,8 @@
 #include "bench/bench_util.h"
 #include "ops/cuda/kernels.h"
 #include "ops/layer_norm.h"
-#include "plugin/fp8_autocast.h"
-#include "plugin/fp8_layer_norm.h"
+#include "plugin/fp8/fp8_autocast.h"
+#include "plugin/modules/fp8_layer_norm.h"
 
 int main(int argc, char** argv) {
   using namespace amp8;

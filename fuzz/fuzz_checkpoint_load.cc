@@ -3,7 +3,7 @@
 //   odd:  given a valid amp8 trailer first, so torch's archive reader and amp8's checks of the
 //         archive's contents (precision, shapes, masters, scaler) see the mutated bytes.
 // A bad file must be a c10::Error, and a failed load must leave the model as it was.
-#include "plugin/checkpoint.cc"  // the trailer check under test, instrumented
+#include "plugin/training/checkpoint.cc"  // the trailer check under test, instrumented
 
 #include <torch/torch.h>
 #include <unistd.h>
@@ -15,7 +15,7 @@
 #include <iterator>
 #include <string>
 
-#include "plugin/trainer.h"
+#include "plugin/training/trainer.h"
 #include "recipes/precision.h"
 
 namespace {

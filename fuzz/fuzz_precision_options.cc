@@ -3,7 +3,7 @@
 //   fp16_loss_scale, fp16_initial_loss_scale, fp16_hysteresis, num_layers_at_start_in_bf16
 // A bad value must be a c10::Error naming the knob; anything else escaping (or a sanitizer
 // report) is a finding.
-#include "plugin/mixed_precision_plugin.cc"  // the parser under test, instrumented
+#include "plugin/precision/mixed_precision_plugin.cc"  // the parser under test, instrumented
 
 #include <cstdint>
 #include <sstream>

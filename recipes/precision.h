@@ -1,6 +1,6 @@
 #pragma once
 
-#include "plugin/mixed_precision_plugin.h"
+#include "plugin/precision/mixed_precision_plugin.h"
 
 /// NeMo 2.0's precision presets (nemo/collections/llm/recipes/precision/mixed_precision.py),
 /// as MixedPrecisionOptions with NeMo's values. Override any field by chaining, then build the

@@ -19,10 +19,10 @@
 #include <limits>
 #include <sstream>
 
-#include "plugin/distributed.h"
-#include "plugin/fp8_linear.h"
-#include "plugin/mixed_precision_plugin.h"
-#include "plugin/trainer.h"
+#include "plugin/distributed/process_group.h"
+#include "plugin/modules/fp8_linear.h"
+#include "plugin/precision/mixed_precision_plugin.h"
+#include "plugin/training/trainer.h"
 #include "recipes/precision.h"
 #include "tests/in_process_group.h"
 #include "tests/test_models.h"

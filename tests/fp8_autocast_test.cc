@@ -1,4 +1,4 @@
-#include "plugin/fp8_autocast.h"
+#include "plugin/fp8/fp8_autocast.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -7,7 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "plugin/fp8_linear.h"
+#include "plugin/modules/fp8_linear.h"
 #include "tests/test_util.h"
 
 namespace amp8 {

@@ -1,4 +1,4 @@
-#include "plugin/fp8_layer_norm.h"
+#include "plugin/modules/fp8_layer_norm.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 
 #include "ops/fp8_format.h"
 #include "ops/layer_norm.h"
-#include "plugin/fp8_autocast.h"
+#include "plugin/fp8/fp8_autocast.h"
 #include "tests/test_util.h"
 
 namespace amp8 {

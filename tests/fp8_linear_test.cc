@@ -1,4 +1,4 @@
-#include "plugin/fp8_linear.h"
+#include "plugin/modules/fp8_linear.h"
 
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "ops/scaling.h"
-#include "plugin/fp8_autocast.h"
+#include "plugin/fp8/fp8_autocast.h"
 #include "tests/test_util.h"
 
 namespace amp8 {

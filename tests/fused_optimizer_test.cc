@@ -1,7 +1,7 @@
-// Fused Adam / AdamW (ops/fused_adam.h, plugin/fused_optimizer.h): the CPU reference against
+// Fused Adam / AdamW (ops/fused_adam.h, plugin/optim/fused_optimizer.h): the CPU reference against
 // torch::optim bit for bit, the CUDA kernels against the reference, checkpoints across the
 // two, bad input, and the MixedPrecisionPlugin's fused master-weight step.
-#include "plugin/fused_optimizer.h"
+#include "plugin/optim/fused_optimizer.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "ops/fused_adam.h"
-#include "plugin/distributed_optimizer.h"
-#include "plugin/fp8_linear.h"
-#include "plugin/mixed_precision_plugin.h"
+#include "plugin/distributed/distributed_optimizer.h"
+#include "plugin/modules/fp8_linear.h"
+#include "plugin/precision/mixed_precision_plugin.h"
 #include "recipes/precision.h"
 #include "tests/in_process_group.h"
 #include "tests/test_models.h"

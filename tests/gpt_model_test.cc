@@ -7,8 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "plugin/convert_module.h"
-#include "plugin/fp8_autocast.h"
+#include "plugin/modules/convert_module.h"
+#include "plugin/fp8/fp8_autocast.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
 #include "tests/test_util.h"

@@ -12,10 +12,10 @@
 #include <iostream>
 #include <memory>
 
-#include "plugin/fp8_autocast.h"
-#include "plugin/fp8_linear.h"
-#include "plugin/mixed_precision_plugin.h"
-#include "plugin/trainer.h"
+#include "plugin/fp8/fp8_autocast.h"
+#include "plugin/modules/fp8_linear.h"
+#include "plugin/precision/mixed_precision_plugin.h"
+#include "plugin/training/trainer.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
 #include "tests/test_util.h"

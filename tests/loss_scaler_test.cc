@@ -1,5 +1,5 @@
 // LossScaler: Megatron's DynamicGradScaler state machine, static scaling, unscale + inf check.
-#include "plugin/loss_scaler.h"
+#include "plugin/precision/loss_scaler.h"
 
 #include <gtest/gtest.h>
 

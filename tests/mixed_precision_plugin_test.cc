@@ -1,6 +1,6 @@
 // MixedPrecisionPlugin: presets, configuration errors, module conversion, FP32 master params,
 // fp16 loss scaling in a training loop, autocast, and every precision trained against fp32.
-#include "plugin/mixed_precision_plugin.h"
+#include "plugin/precision/mixed_precision_plugin.h"
 
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
@@ -11,9 +11,9 @@
 #include <set>
 
 #include "ops/fp8_format.h"
-#include "plugin/autocast_guard.h"
-#include "plugin/fp8_layer_norm.h"
-#include "plugin/fp8_linear.h"
+#include "plugin/precision/autocast_guard.h"
+#include "plugin/modules/fp8_layer_norm.h"
+#include "plugin/modules/fp8_linear.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
 #include "tests/test_util.h"

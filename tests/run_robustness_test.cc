@@ -23,9 +23,9 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/sgd.h>
 
-#include "plugin/checkpoint.h"
-#include "plugin/files.h"
-#include "plugin/trainer.h"
+#include "plugin/training/checkpoint.h"
+#include "plugin/training/files.h"
+#include "plugin/training/trainer.h"
 #include "recipes/gpt/cli.h"
 #include "recipes/gpt/data.h"
 #include "tests/gpt_pretrain_cli.h"

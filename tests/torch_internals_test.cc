@@ -1,6 +1,6 @@
-// The PyTorch internals amp8 relies on (plugin/detail/torch_internals.h), each pinned to the
+// The PyTorch internals amp8 relies on (plugin/compat/torch_internals.h), each pinned to the
 // behaviour amp8 needs: a LibTorch upgrade that changes one fails here first, by name.
-#include "plugin/detail/torch_internals.h"
+#include "plugin/compat/torch_internals.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

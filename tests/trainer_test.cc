@@ -1,6 +1,6 @@
 // Trainer: progress lines, gradient accumulation, exact resume in every precision, atomic
 // checkpoints that survive a writer killed mid-write, and clear errors for bad checkpoints.
-#include "plugin/trainer.h"
+#include "plugin/training/trainer.h"
 
 #include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
@@ -14,7 +14,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "plugin/checkpoint.h"
+#include "plugin/training/checkpoint.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
 #include "tests/test_util.h"

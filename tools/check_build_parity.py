@@ -5,7 +5,7 @@ same test executables, and the same preprocessor macros on every amp8 source.
 Usage: check_build_parity.py CMAKE_BUILD_DIR   (configured with CMAKE_EXPORT_COMPILE_COMMANDS=ON;
        runs `./bazelw aquery` / `query`, which analyse the Bazel build without compiling)
 
-Both builds once differed silently: Bazel compiled plugin/distributed.cc without LibTorch's
+Both builds once differed silently: Bazel compiled plugin/distributed/process_group.cc without LibTorch's
 USE_C10D_NCCL (CMake takes it from torch's targets), so a Bazel-built gpt_pretrain had no NCCL.
 Exits 1, naming each difference.
 """

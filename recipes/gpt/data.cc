@@ -18,7 +18,7 @@
 #include <mutex>
 #include <random>
 
-#include "plugin/files.h"
+#include "plugin/training/files.h"
 
 namespace amp8::recipes {
 namespace {

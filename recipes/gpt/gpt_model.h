@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "plugin/fp8_layer_norm.h"
-#include "plugin/fp8_linear.h"
+#include "plugin/modules/fp8_layer_norm.h"
+#include "plugin/modules/fp8_linear.h"
 
 namespace amp8::recipes {
 

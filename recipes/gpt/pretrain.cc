@@ -19,10 +19,10 @@
 #include <optional>
 #include <ostream>
 
-#include "plugin/checkpoint.h"
-#include "plugin/distributed.h"
-#include "plugin/files.h"
-#include "plugin/throughput.h"
+#include "plugin/training/checkpoint.h"
+#include "plugin/distributed/process_group.h"
+#include "plugin/training/files.h"
+#include "plugin/training/throughput.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
 #include "recipes/gpt/megatron_data.h"

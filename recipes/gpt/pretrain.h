@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "plugin/mixed_precision_plugin.h"
-#include "plugin/trainer.h"
+#include "plugin/precision/mixed_precision_plugin.h"
+#include "plugin/training/trainer.h"
 #include "recipes/gpt/gpt_model.h"
 
 namespace amp8::recipes {

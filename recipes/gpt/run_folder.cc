@@ -9,7 +9,7 @@
 #include <regex>
 #include <unistd.h>
 
-#include "plugin/trainer.h"
+#include "plugin/training/trainer.h"
 
 namespace amp8::recipes {
 namespace {

@@ -1,0 +1,232 @@
+#include "plugin/modules/convert_module.h"
+
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <algorithm>
+#include <optional>
+#include <unordered_set>
+
+#include "plugin/modules/fp8_layer_norm.h"
+#include "plugin/modules/fp8_linear.h"
+
+namespace amp8 {
+namespace {
+
+bool multiple_of_16(int64_t n) { return n % 16 == 0; }
+
+bool eligible_linear(const torch::nn::Module& module) {
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) {
+    return multiple_of_16(linear->options.in_features()) &&
+           multiple_of_16(linear->options.out_features());
+  }
+  if (const auto* fp8 = dynamic_cast<const Fp8LinearImpl*>(&module)) return fp8->fp8_eligible();
+  return false;
+}
+
+bool contains_eligible_linear(const torch::nn::Module& module) {
+  if (eligible_linear(module)) return true;
+  for (const auto& child : module.children()) {
+    if (contains_eligible_linear(*child)) return true;
+  }
+  return false;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> container_children(const torch::nn::Module& module) {
+  if (dynamic_cast<const torch::nn::SequentialImpl*>(&module) ||
+      dynamic_cast<const torch::nn::ModuleListImpl*>(&module)) {
+    return module.children();
+  }
+  return {};
+}
+
+// The units num_layers_at_start/end_in_bf16 count: the children (with a linear layer) of the
+// largest Sequential/ModuleList, else the eligible linear layers themselves, in order.
+std::vector<const torch::nn::Module*> model_layers(const torch::nn::Module& model) {
+  std::vector<const torch::nn::Module*> best;
+  std::vector<const torch::nn::Module*> linears;
+  std::vector<const torch::nn::Module*> stack{&model};
+  // Pre-order walk (children pushed in reverse so they pop in registration order).
+  while (!stack.empty()) {
+    const auto* module = stack.back();
+    stack.pop_back();
+    std::vector<const torch::nn::Module*> layers;
+    for (const auto& child : container_children(*module)) {
+      if (contains_eligible_linear(*child)) layers.push_back(child.get());
+    }
+    if (layers.size() > best.size()) best = layers;
+    if (eligible_linear(*module)) linears.push_back(module);
+    const auto children = module->children();
+    for (auto it = children.rbegin(); it != children.rend(); ++it) stack.push_back(it->get());
+  }
+  return best.empty() ? linears : best;
+}
+
+// Points the parent's registry (and, for containers, the list it calls) at `replacement`.
+bool replace_child(torch::nn::Module& parent, const std::string& name,
+                   const std::shared_ptr<torch::nn::Module>& old,
+                   const std::shared_ptr<torch::nn::Module>& replacement,
+                   torch::nn::AnyModule any_replacement) {
+  parent.replace_module(name, replacement);
+  if (auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(&parent)) {
+    for (auto& entry : *sequential) {
+      if (entry.ptr() == old) entry = std::move(any_replacement);
+    }
+    return true;
+  }
+  if (auto* list = dynamic_cast<torch::nn::ModuleListImpl*>(&parent)) {
+    for (auto& entry : *list) {
+      if (entry == old) entry = replacement;
+    }
+    return true;
+  }
+  if (auto* dict = dynamic_cast<torch::nn::ModuleDictImpl*>(&parent)) {
+    for (auto& entry : *dict) {
+      if (entry.value() == old) entry.value() = replacement;
+    }
+    return true;
+  }
+  return false;
+}
+
+// The new parameter takes the old one's storage (and requires_grad), so nothing is copied.
+void adopt(torch::Tensor& target, const torch::Tensor& source, Fp8Conversion& result) {
+  if (!source.defined()) return;
+  target.set_data(source.detach());
+  target.set_requires_grad(source.requires_grad());
+  result.replaced_params.emplace_back(source, target);
+}
+
+class Converter {
+ public:
+  Converter(const Fp8ConversionOptions& options, std::unordered_set<const torch::nn::Module*> kept)
+      : options_(options), kept_layers_(std::move(kept)) {}
+
+  void visit(torch::nn::Module& parent, const std::string& prefix, bool keep) {
+    for (const auto& item : parent.named_children()) {
+      const std::string& name = item.key();
+      const std::shared_ptr<torch::nn::Module> child = item.value();
+      const std::string path = prefix.empty() ? name : prefix + "." + name;
+      const bool keep_child = keep || kept_layers_.count(child.get()) > 0;
+      if (auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child)) {
+        if (!eligible_linear(*linear)) {
+          result_.kept_in_high_precision.push_back(path + " (shape " +
+                                                   std::to_string(linear->options.out_features()) +
+                                                   "x" + std::to_string(linear->options.in_features()) +
+                                                   " not a multiple of 16)");
+        } else if (keep_child) {
+          result_.kept_in_high_precision.push_back(path + " (bf16 layer)");
+        } else {
+          auto replacement = convert_linear(*linear);
+          record(parent, name, path, child, replacement.ptr(), torch::nn::AnyModule(replacement));
+          ++result_.fp8_linear_count;
+        }
+      } else if (auto norm = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(child)) {
+        if (keep_child) {
+          result_.kept_in_high_precision.push_back(path + " (bf16 layer)");
+        } else {
+          auto replacement = convert_layer_norm(*norm);
+          record(parent, name, path, child, replacement.ptr(), torch::nn::AnyModule(replacement));
+        }
+      } else if (auto fp8 = std::dynamic_pointer_cast<Fp8LinearImpl>(child)) {
+        // The model's own FP8 layers follow the same knobs as the swapped-in ones.
+        fp8->options.fp8_min_gemm_size(options_.fp8_min_gemm_size()).keep_in_high_precision(keep_child);
+        if (keep_child) {
+          result_.kept_in_high_precision.push_back(path + " (bf16 layer)");
+        } else if (fp8->fp8_eligible()) {
+          ++result_.fp8_linear_count;
+        }
+      } else {
+        visit(*child, path, keep_child);
+      }
+    }
+  }
+
+  Fp8Conversion take() { return std::move(result_); }
+
+ private:
+  Fp8Linear convert_linear(torch::nn::LinearImpl& old) {
+    auto options = Fp8LinearOptions(old.options.in_features(), old.options.out_features())
+                       .bias(old.options.bias())
+                       .fp8_amax_history_len(options_.fp8_amax_history_len())
+                       .fp8_min_gemm_size(options_.fp8_min_gemm_size());
+    std::optional<Fp8ModelInit> model_init;
+    if (options_.fp8_params()) model_init.emplace(true, /*preserve_high_precision_init_val=*/true);
+    Fp8Linear fp8(options);
+    model_init.reset();
+    const auto device = old.weight.device();
+    fp8->to(device);
+    if (options_.fp8_params()) {
+      fp8->set_high_precision_weight(old.weight.detach());
+      result_.replaced_params.emplace_back(old.weight, fp8->weight);
+    } else {
+      adopt(fp8->weight, old.weight, result_);
+    }
+    if (old.options.bias()) adopt(fp8->bias, old.bias, result_);
+    return fp8;
+  }
+
+  Fp8LayerNorm convert_layer_norm(torch::nn::LayerNormImpl& old) {
+    Fp8LayerNorm norm(Fp8LayerNormOptions(old.options.normalized_shape())
+                          .eps(old.options.eps())
+                          .elementwise_affine(old.options.elementwise_affine()));
+    if (old.weight.defined()) {
+      norm->to(old.weight.device());
+      adopt(norm->weight, old.weight, result_);
+      adopt(norm->bias, old.bias, result_);
+    }
+    return norm;
+  }
+
+  void record(torch::nn::Module& parent, const std::string& name, const std::string& path,
+              const std::shared_ptr<torch::nn::Module>& old,
+              const std::shared_ptr<torch::nn::Module>& replacement, torch::nn::AnyModule any) {
+    const bool in_container = replace_child(parent, name, old, replacement, std::move(any));
+    result_.modules.push_back({path, replacement, in_container});
+  }
+
+  Fp8ConversionOptions options_;
+  std::unordered_set<const torch::nn::Module*> kept_layers_;
+  Fp8Conversion result_;
+};
+
+}  // namespace
+
+Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOptions& options) {
+  const int64_t at_start = options.num_layers_at_start_in_bf16();
+  const int64_t at_end = options.num_layers_at_end_in_bf16();
+  TORCH_CHECK(at_start >= 0, "num_layers_at_start_in_bf16 must be >= 0, got ", at_start);
+  TORCH_CHECK(at_end >= 0, "num_layers_at_end_in_bf16 must be >= 0, got ", at_end);
+  TORCH_CHECK(options.fp8_amax_history_len() >= 1, "fp8_amax_history_len must be >= 1, got ",
+              options.fp8_amax_history_len());
+
+  const auto layers = model_layers(model);
+  const auto num_layers = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(at_start + at_end <= num_layers,
+              "num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = ", at_start + at_end,
+              " exceeds the model's ", num_layers, " layers with a linear layer");
+  std::unordered_set<const torch::nn::Module*> kept;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    if (i < at_start || i >= num_layers - at_end) kept.insert(layers[i]);
+  }
+  if (eligible_linear(model)) {
+    TORCH_CHECK(false, "convert_to_fp8: the model itself is a linear layer; wrap it in a module "
+                       "(e.g. torch::nn::Sequential) so it can be swapped");
+  }
+  Converter converter(options, std::move(kept));
+  converter.visit(model, "", false);
+  auto result = converter.take();
+  TORCH_CHECK(result.fp8_linear_count > 0,
+              "fp8 is on but the model has no linear layer FP8 can run: FP8 needs a "
+              "torch::nn::Linear or amp8::Fp8Linear with in_features and out_features divisible "
+              "by 16 outside the layers kept by num_layers_at_start_in_bf16 / "
+              "num_layers_at_end_in_bf16 (kept or ineligible: ",
+              result.kept_in_high_precision.size(), "); set fp8 to \"none\" for this model");
+  return result;
+}
+
+}  // namespace amp8

@@ -1,0 +1,75 @@
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "plugin/fp8/fp8_recipe.h"
+
+namespace amp8 {
+
+/// How convert_to_fp8 builds the FP8 modules.
+struct Fp8ConversionOptions {
+  /// As Fp8LinearOptions::fp8_amax_history_len. Default: 1024.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+  /// As Fp8LinearOptions::fp8_min_gemm_size; set on every Fp8Linear of the model, swapped in
+  /// or already there. Default: kDefaultFp8MinGemmSize (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
+  /// Build the Fp8Linear modules with their weights kept only in FP8 (as under Fp8ModelInit).
+  /// Default: false.
+  TORCH_ARG(bool, fp8_params) = false;
+  /// Layers at the start / end of the model left in high precision (NeMo's knobs; see
+  /// convert_to_fp8 for what a layer is). Default: 0.
+  TORCH_ARG(int64_t, num_layers_at_start_in_bf16) = 0;
+  /// Default: 0.
+  TORCH_ARG(int64_t, num_layers_at_end_in_bf16) = 0;
+};
+
+/// One module swapped by convert_to_fp8.
+struct ConvertedModule {
+  std::string path;                               ///< e.g. "blocks.3.fc1"
+  std::shared_ptr<torch::nn::Module> replacement;  ///< the Fp8Linear / Fp8LayerNorm
+  /// The parent calls its children through its registry (torch::nn::Sequential, ModuleList,
+  /// ModuleDict), so the swap is certain to take effect. Otherwise the parent may hold the old
+  /// module in a typed member that a swap cannot reach; MixedPrecisionPlugin then checks that
+  /// the replacement is the module that actually runs.
+  bool parent_is_container = false;
+};
+
+struct Fp8Conversion {
+  std::vector<ConvertedModule> modules;
+  /// (old parameter, new parameter) for every parameter of a swapped module, so that an
+  /// optimizer built before the swap can be pointed at the new ones. Without fp8_params the
+  /// new parameter shares the old one's storage. The old parameters stay allocated while this
+  /// list holds them: clear it once the optimizer is re-pointed (MixedPrecisionPlugin does so
+  /// in convert_optimizer).
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> replaced_params;
+  /// Modules FP8 could take that were left in high precision (bf16 layers), and
+  /// torch::nn::Linear modules whose shape FP8 cannot take (a dimension not a multiple of 16).
+  std::vector<std::string> kept_in_high_precision;
+  /// Fp8Linear modules that will run FP8 GEMMs: swapped in, or already in the model.
+  int64_t fp8_linear_count = 0;
+};
+
+/// Replaces every torch::nn::Linear whose in/out features are multiples of 16 with an
+/// Fp8Linear, and every torch::nn::LayerNorm with an Fp8LayerNorm, anywhere in `model`'s tree,
+/// moving the parameters (same values; without fp8_params the same storage). Fp8Linear modules
+/// already in the model (also inside Fp8LayerNormLinear) are kept, with fp8_min_gemm_size set
+/// and, inside a kept layer, keep_in_high_precision.
+///
+/// Layers for num_layers_at_start/end_in_bf16: the children of the model's layer stack — the
+/// torch::nn::ModuleList or Sequential with the most children that contain a linear layer
+/// (a GPT's blocks) — or, when the model has none, each eligible linear layer in registration
+/// order. Everything inside a kept layer (linear and LayerNorm) stays as it is.
+///
+/// Throws when the model has no linear layer FP8 could run (naming the knobs), or when more
+/// layers are kept in bf16 than the model has.
+Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOptions& options = {});
+
+}  // namespace amp8

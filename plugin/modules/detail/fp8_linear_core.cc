@@ -1,0 +1,175 @@
+// The FP8 linear core shared by Fp8Linear and Fp8LayerNormLinear: token padding, the quantize
+// step of each operand, what the forward pass saves for the backward pass, and the backward
+// pass itself (wgrad, then dgrad).
+#include "plugin/modules/detail/fp8_linear_core.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+
+#include "ops/fp8_gemm.h"
+#include "plugin/fp8/detail/fp8_state.h"
+#include "plugin/compat/torch_internals.h"
+
+namespace amp8::detail {
+
+constexpr int64_t kTokenAlign = 16;
+
+int64_t padded_rows(int64_t rows) { return (rows + kTokenAlign - 1) / kTokenAlign * kTokenAlign; }
+
+at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows) {
+  if (x2d.size(0) == rows) return x2d.contiguous();
+  return at::constant_pad_nd(x2d, {0, 0, 0, rows - x2d.size(0)}).contiguous();
+}
+
+at::ScalarType compute_dtype(const at::Tensor& input) {
+  const auto device_type = input.device().type();
+  if (at::autocast::is_autocast_enabled(device_type)) {
+    return at::autocast::get_autocast_dtype(device_type);
+  }
+  return input.scalar_type();
+}
+
+Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
+                              const at::Tensor& scale, const at::Tensor& amax_slot) {
+  if (recipe.delayed())
+    return cast_transpose(x, scale, format, amax_slot, /*accumulate_amax=*/true);
+  auto amax = compute_amax(x);
+  amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
+  return cast_transpose(x, compute_current_scale(amax, format, recipe.fp8_margin()), format);
+}
+
+void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx) const {
+  std::vector<int64_t> packed = {reinterpret_cast<int64_t>(linear),
+                                 rows,
+                                 has_bias,
+                                 static_cast<int64_t>(input_dtype),
+                                 static_cast<int64_t>(weight_dtype),
+                                 recipe.backward_format() == Fp8Format::kE5M2,
+                                 recipe.fp8_margin(),
+                                 recipe.amax_compute_algo() == AmaxComputeAlgo::kMostRecent,
+                                 recipe.delayed(),
+                                 recipe.fp8_amax_history_len()};
+  ctx->saved_data["fp8_linear"] = std::move(packed);
+  ctx->saved_data["input_sizes"] = input_sizes;
+}
+
+Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx) {
+  const auto packed = ctx->saved_data["fp8_linear"].toIntVector();
+  Fp8LinearSaved saved;
+  saved.linear = reinterpret_cast<Fp8LinearImpl*>(packed[0]);
+  saved.rows = packed[1];
+  saved.has_bias = packed[2] != 0;
+  saved.input_dtype = static_cast<at::ScalarType>(packed[3]);
+  saved.weight_dtype = static_cast<at::ScalarType>(packed[4]);
+  saved.recipe = Fp8RecipeOptions()
+                     .fp8(packed[5] ? "hybrid" : "e4m3")
+                     .fp8_margin(static_cast<int>(packed[6]))
+                     .fp8_amax_compute_algo(packed[7] ? "most_recent" : "max")
+                     .fp8_recipe(packed[8] ? "delayed" : "tensorwise")
+                     .fp8_amax_history_len(packed[9]);
+  saved.input_sizes = ctx->saved_data["input_sizes"].toIntVector();
+  return saved;
+}
+
+at::Tensor Fp8LinearSaved::unflatten(const at::Tensor& t2d) const {
+  auto sizes = input_sizes;
+  sizes.back() = t2d.size(1);
+  return t2d.reshape(sizes);
+}
+
+void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t) {
+  ctx->saved_data["x_t"] = x_t.data;
+  ctx->saved_data["x_t_scale_inv"] = x_t.scale_inv;
+}
+
+Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format) {
+  const auto data = ctx->saved_data.find("x_t"), scale_inv = ctx->saved_data.find("x_t_scale_inv");
+  TORCH_CHECK(data != ctx->saved_data.end() && scale_inv != ctx->saved_data.end(),
+              "Fp8Linear: the saved input was already freed by an earlier backward pass; trying to "
+              "backward through the graph a second time needs retain_graph=true the first time");
+  Fp8Tensor x_t(data->second.toTensor(), scale_inv->second.toTensor(), format);
+  // Without retain_graph this backward is the tensor's last use: drop the context's
+  // reference so that fp8_linear_backward frees it after wgrad, as autograd would free a
+  // save_for_backward tensor only after the whole backward function.
+  if (!current_backward_keeps_graph()) {
+    ctx->saved_data.erase("x_t");
+    ctx->saved_data.erase("x_t_scale_inv");
+  }
+  return x_t;
+}
+
+void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
+                       std::vector<at::Tensor> tensors) {
+  // Under fp8_params the call carries no transpose: the FP8 weight itself is saved (detached,
+  // so an optimizer's set_data cannot swap it out from under the backward; every writer of
+  // the FP8 weight also writes weight_scale_inv, saved here too, whose version check fails
+  // the backward) and fp8_linear_backward transposes it for dgrad.
+  const bool transposed = weight_q.transposed.defined();
+  const auto& w = transposed ? weight_q.transposed : weight_q.data;
+  tensors.push_back(transposed ? w.data : w.data.detach());
+  tensors.push_back(w.scale_inv);
+  ctx->save_for_backward(tensors);
+  ctx->saved_data["dgrad_weight_transposed"] = transposed;
+}
+
+Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at::Tensor& data,
+                                 const at::Tensor& scale_inv, Fp8Format format) {
+  return {Fp8Tensor(data, scale_inv, format), ctx->saved_data["dgrad_weight_transposed"].toBool()};
+}
+
+Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
+                                   Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
+                                   bool need_weight, bool need_bias) {
+  auto& module = *saved.linear;
+  const auto& recipe = saved.recipe;
+  const int64_t rows = saved.rows;
+  Fp8LinearGrads grads;
+  if (need_bias && saved.has_bias) {
+    // First: LibTorch's column reduction over [rows, out] stages partial sums in a workspace
+    // about the size of the gradient itself (138 MB at 16384 × 4096 in bf16, measured on an
+    // H200), which must not be alive beside the FP8 copies or dx (the bf16 layer's peak has it
+    // beside dx and its weight gradient).
+    grads.bias = grad_output2d.sum(0, /*keepdim=*/false, at::kFloat).to(saved.weight_dtype);
+  }
+  auto g = pad_rows(grad_output2d, padded_rows(rows));
+  if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
+      g.scalar_type() != at::kHalf) {
+    g = g.to(at::kFloat);
+  }
+  const auto& slots = Fp8LinearInternals::slots(module);
+  auto g_q = quantize_for(g, recipe, recipe.backward_format(), slots.grad_scale, slots.grad_amax);
+  g = at::Tensor();
+  if (recipe.delayed()) {
+    register_backward_group(
+        &module, {module.fp8_bwd_amax_history, module.fp8_bwd_scale, module.fp8_bwd_scale_inv},
+        recipe, Fp8LinearInternals::group(module));
+  }
+  // Weight gradient first, so that the gradient's transpose and the saved input transpose
+  // (when the caller gave up its reference) are freed before dgrad allocates its output: the
+  // backward's peak holds three FP8 copies of an activation, not three plus dx.
+  if (module.options.fp8_params()) {
+    // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad,
+    // accumulated by the GEMM itself (Megatron's gradient-accumulation fusion): no
+    // temporary fp32 gradient.
+    Fp8LinearInternals::accumulate_main_grad_gemm(module, g_q.transposed, x_t);
+  } else if (need_weight) {
+    // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
+    grads.weight = fp8_gemm(g_q.transposed, x_t, saved.weight_dtype);
+  }
+  g_q.transposed = Fp8Tensor();
+  x_t = Fp8Tensor();
+  if (need_input) {
+    // dx[M,K] = dy[M,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ. Under fp8_params Wᵀ is made only now, after
+    // wgrad has freed its operands, and freed with this frame.
+    const auto& saved_w = w.weight;
+    const auto w_t = w.transposed ? saved_w
+                                  : Fp8Tensor(saved_w.data.t().contiguous(), saved_w.scale_inv,
+                                              saved_w.format);
+    grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
+  }
+  return grads;
+}
+
+}  // namespace amp8::detail

@@ -1,0 +1,204 @@
+#pragma once
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <ostream>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "ops/quantize.h"
+#include "plugin/fp8/fp8_recipe.h"
+
+namespace amp8 {
+namespace detail {
+struct Fp8LinearInternals;
+}  // namespace detail
+
+/// Options of Fp8Linear, like torch::nn::LinearOptions:
+///   Fp8LinearOptions(1024, 4096).bias(false)
+struct Fp8LinearOptions {
+  Fp8LinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  /// Size of each input sample.
+  TORCH_ARG(int64_t, in_features);
+  /// Size of each output sample.
+  TORCH_ARG(int64_t, out_features);
+  /// Learn an additive bias. Default: true.
+  TORCH_ARG(bool, bias) = true;
+  /// Rows of amax history in the FP8 metadata buffers; a region whose recipe asks for another
+  /// length resizes them (the newest amaxes kept). Default: 1024.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+  /// Smallest GEMM, as rows × in_features × out_features, that runs in FP8; smaller ones run
+  /// in high precision, where the fixed cost of quantizing (and the host's per-call work)
+  /// outweighs the faster GEMMs. Measured on an H200 (bench/results/fp8_linear_bench.jsonl):
+  /// forward+backward 0.60× of bf16 at 2048³, 1.34× at 4096³ = 2^36. Set 0 to always use
+  /// FP8. Default: kDefaultFp8MinGemmSize (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
+  /// Compute in high precision even inside an FP8 region: a layer that
+  /// num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 keep out of FP8 (convert_to_fp8
+  /// sets it). Default: false.
+  TORCH_ARG(bool, keep_in_high_precision) = false;
+  /// Reuse the FP8 copy of the weight (and its transpose) while the weight tensor is unchanged
+  /// (same version counter): the micro-batches of one optimizer step quantize it once. An
+  /// explicit flag, never tied to gradient accumulation. Default: false.
+  TORCH_ARG(bool, cache_fp8_weight) = false;
+  /// Keep the weight only in FP8 (E4M3, 1 byte per element, with its own scale_inv) —
+  /// TE's fp8_model_init. Set by constructing the module under an Fp8ModelInit guard. See
+  /// Fp8LinearImpl for how gradients and updates reach such a weight. Default: false.
+  TORCH_ARG(bool, fp8_params) = false;
+};
+
+/// RAII guard (TE's fp8_model_init): FP8 modules constructed under it keep their weights only
+/// in FP8 (fp8_params). With `preserve_high_precision_init_val` (default true) each module keeps
+/// its high-precision initial weight until clear_high_precision_init_val(), so that FP32 master
+/// weights are seeded from the real initial values, not from their FP8 rounding.
+class Fp8ModelInit {
+ public:
+  explicit Fp8ModelInit(bool enabled = true, bool preserve_high_precision_init_val = true);
+  ~Fp8ModelInit();
+  Fp8ModelInit(const Fp8ModelInit&) = delete;
+  Fp8ModelInit& operator=(const Fp8ModelInit&) = delete;
+  static bool is_enabled();
+  static bool preserve_high_precision_init_val();
+
+ private:
+  bool previous_enabled_;
+  bool previous_preserve_;
+};
+
+/// A drop-in replacement for torch::nn::Linear (same parameters, names and initialisation)
+/// whose GEMMs run in FP8 inside an Fp8Autocast region:
+///   forward  y  = x·Wᵀ + b   E4M3 × E4M3, fast accumulation;
+///   backward dx = dy·W       dy in E5M2 ("hybrid") or E4M3, full accumulation;
+///            dW = dyᵀ·x      from the FP8 transposes made by cast_transpose in the forward
+///                            and backward passes (nothing is quantized twice);
+///            db = Σ dy       in high precision.
+/// Outside a region, when in_features or out_features is not a multiple of 16 (a one-time
+/// warning), or when the GEMM is smaller than fp8_min_gemm_size, it computes exactly like
+/// torch::nn::Linear (honouring at::autocast). Any number of
+/// rows works: the token dimension is padded to a multiple of 16 internally.
+///
+/// With fp8_params (built under Fp8ModelInit) `weight` holds E4M3 data (no autograd; the
+/// optimizer owns an FP32 master copy, as Megatron's does): the weight gradient, computed in
+/// FP8 as usual (or in high precision outside a region), is accumulated in FP32 into
+/// main_grad() (Megatron's param.main_grad; in a bound buffer's dtype, see
+/// set_main_grad_buffer), and update_fp8_weight(master) re-quantizes the
+/// weight after each optimizer step. The backward GEMM's transposed weight is a byte
+/// transpose of the stored FP8 weight: nothing is quantized twice.
+///
+/// FP8 metadata are buffers, so torch::save(module) keeps them:
+///   fp8_fwd_amax_history [H, 2] (slot 0: input, 1: weight), fp8_fwd_scale [2], fp8_fwd_scale_inv
+///   [2], fp8_bwd_amax_history [H, 1] (slot 0: grad_output),     fp8_bwd_scale [1],
+///   fp8_bwd_scale_inv [1].
+class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
+ public:
+  Fp8LinearImpl(int64_t in_features, int64_t out_features)
+      : Fp8LinearImpl(Fp8LinearOptions(in_features, out_features)) {}
+  explicit Fp8LinearImpl(const Fp8LinearOptions& options_);
+
+  void reset() override;
+  /// torch::nn::Linear's initialisation: kaiming_uniform(a = √5) weight, U(±1/√in) bias.
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Input [..., in_features] → output [..., out_features].
+  torch::Tensor forward(const torch::Tensor& input);
+
+  /// Whether the weight shape allows FP8 GEMMs (both dimensions multiples of 16).
+  bool fp8_eligible() const;
+  /// How many times forward() has run (lets MixedPrecisionPlugin verify that a module it
+  /// swapped into a model is the one the model's forward calls).
+  int64_t forward_calls() const { return forward_calls_; }
+
+  // ---- fp8_params only ----
+  /// The high-precision initial weight (float32), kept under Fp8ModelInit's
+  /// preserve_high_precision_init_val until cleared; undefined otherwise.
+  const torch::Tensor& high_precision_init_val() const { return high_precision_init_val_; }
+  void clear_high_precision_init_val() { high_precision_init_val_ = torch::Tensor(); }
+  /// Gradient of the FP8 weight, accumulated over backward passes until zeroed: FP32,
+  /// undefined before the first backward and after zero_main_grad(); bound to a buffer
+  /// (set_main_grad_buffer), it is that buffer, in its dtype.
+  const torch::Tensor& main_grad() const { return main_grad_; }
+  /// Clears main_grad for the next optimizer step. As torch::optim::Optimizer::zero_grad, it
+  /// releases the tensor by default (4 bytes per weight element that are not held between
+  /// steps, nor during the next forward pass, where activations peak); the next backward pass
+  /// allocates it again (an FP8 pass writes it with its first weight-gradient GEMM, without a
+  /// zero fill).
+  /// set_to_none=false keeps it allocated and fills it with zeros. A bound buffer stays bound
+  /// and is left as it is (its owner zeroes it) unless set_to_none is false.
+  void zero_main_grad(bool set_to_none = true);
+  /// Binds main_grad to `buffer` ([out_features, in_features]; float32, bfloat16 or float16;
+  /// on the weight's device): the weight gradient GEMMs accumulate into it directly, with no
+  /// tensor of the module's own and no copy. For a data-parallel gradient bucket (Megatron's
+  /// param.main_grad is a view into its grad buffer); the buffer's dtype is then the
+  /// accumulation dtype. An undefined tensor unbinds (main_grad becomes undefined).
+  void set_main_grad_buffer(torch::Tensor buffer);
+  /// Called inside the backward pass once every forward call recorded since the last
+  /// zero_main_grad() has added its weight gradient into main_grad (a layer used twice in one
+  /// forward pass: after the second), so that a distributed optimizer can start reducing it
+  /// while the backward pass goes on. One hook; an empty function removes it. Not copied by
+  /// clone().
+  void set_main_grad_hook(std::function<void()> hook) { main_grad_hook_ = std::move(hook); }
+  /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
+  /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
+  void update_fp8_weight(const torch::Tensor& master);
+  /// The stored FP8 weight as an Fp8Tensor (data + scale_inv).
+  Fp8Tensor fp8_weight() const;
+  /// The distributed optimizer wrote the FP8 weight's bytes in place (all-gathered shards,
+  /// quantized with compute_current_scale(amax, E4M3), `amax` being the whole weight's):
+  /// records amax in the weight's history slot as update_fp8_weight does, takes `scale_inv`
+  /// and drops the cached transposes.
+  void fp8_weight_written(const torch::Tensor& amax, const torch::Tensor& scale_inv);
+  /// Replaces the weight with high-precision `values` ([out, in]): quantizes them with
+  /// update_fp8_weight and keeps them (float32) as the high-precision initial value, which
+  /// seeds the FP32 master weight. Used when an existing layer's weights move into this one.
+  void set_high_precision_weight(const torch::Tensor& values);
+
+  Fp8LinearOptions options;
+  torch::Tensor weight;
+  torch::Tensor bias;
+  torch::Tensor fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv;
+  torch::Tensor fp8_bwd_amax_history, fp8_bwd_scale, fp8_bwd_scale_inv;
+  /// fp8_params only: scale_inv of the stored FP8 weight, [1].
+  torch::Tensor weight_scale_inv;
+
+ private:
+  void ensure_history_len(int64_t history_len);
+  Fp8CastTranspose quantized_weight(const Fp8RecipeOptions& recipe);
+
+  friend struct detail::Fp8LinearInternals;
+  void accumulate_main_grad(const torch::Tensor& grad);
+  void main_grad_accumulated();
+  torch::Tensor high_precision_forward(const torch::Tensor& input);
+  // Views of single slots of the FP8 metadata (scale / amax-history row 0), rebuilt when a
+  // buffer's storage changes (to(), load, history resize): the per-call narrow/select ops were
+  // a measurable share of the host time of a forward call.
+  struct SlotViews {
+    torch::Tensor input_scale, input_amax, weight_scale, weight_amax, grad_scale, grad_amax;
+    const void* keys[4] = {nullptr, nullptr, nullptr, nullptr};
+  };
+  const SlotViews& slot_views();
+  SlotViews slot_views_;
+  torch::Tensor grad_anchor_;
+  torch::Tensor high_precision_init_val_;
+  torch::Tensor main_grad_;
+  bool main_grad_bound_ = false;  // main_grad_ is a caller's buffer (set_main_grad_buffer)
+  std::function<void()> main_grad_hook_;
+  // Backward passes recorded by forward calls (grad mode on, fp8_params) that have not added
+  // into main_grad yet; the hook fires when the last of them has.
+  int64_t pending_main_grads_ = 0;
+  c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group_;  // of the last FP8 forward
+  std::optional<Fp8CastTranspose> weight_cache_;
+  int64_t forward_calls_ = 0;
+  int64_t weight_cache_version_ = -1;
+  const void* weight_cache_data_ = nullptr;
+};
+
+TORCH_MODULE(Fp8Linear);
+
+}  // namespace amp8

@@ -1,0 +1,117 @@
+#include "plugin/optim/fused_optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <memory>
+#include <utility>
+
+#include "ops/fused_adam.h"
+
+namespace amp8 {
+namespace {
+
+// AdamOptions and AdamWOptions differ only in their type (and in what weight_decay means).
+template <typename Options>
+AdamStepOptions step_options(const Options& o, bool decoupled) {
+  AdamStepOptions step;
+  step.lr = o.lr();
+  step.beta1 = std::get<0>(o.betas());
+  step.beta2 = std::get<1>(o.betas());
+  step.eps = o.eps();
+  step.weight_decay = o.weight_decay();
+  step.decoupled_weight_decay = decoupled;
+  return step;
+}
+
+template <typename Options, typename State>
+void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad_multiplier,
+                 const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
+                 const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
+  auto& states = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    const auto& options = static_cast<const Options&>(group.options());
+    TORCH_CHECK(!options.amsgrad(), "fused_optimizer_step: amsgrad is not fused; step the optimizer itself");
+    std::vector<AdamStepTensor> tensors;
+    tensors.reserve(group.params().size());
+    for (auto& param : group.params()) {
+      auto grad = grad_of(param);
+      if (!grad.defined()) continue;
+      auto& slot = states[param.unsafeGetTensorImpl()];
+      if (!slot) {  // as torch::optim creates it
+        auto state = std::make_unique<State>();
+        state->step(0);
+        state->exp_avg(torch::zeros_like(param, at::MemoryFormat::Preserve));
+        state->exp_avg_sq(torch::zeros_like(param, at::MemoryFormat::Preserve));
+        slot = std::move(state);
+      }
+      auto& state = static_cast<State&>(*slot);
+      state.step(state.step() + 1);
+      AdamStepTensor entry;
+      entry.param = param;
+      entry.grad = grad;
+      entry.exp_avg = state.exp_avg();
+      entry.exp_avg_sq = state.exp_avg_sq();
+      entry.step = state.step();
+      if (copy_of) entry.model_copy = copy_of(param);
+      tensors.push_back(std::move(entry));
+    }
+    fused_adam_step(tensors, step_options(options, decoupled), grad_multiplier);
+  }
+}
+
+template <typename Options>
+bool no_group_uses_amsgrad(const torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    if (static_cast<const Options&>(group.options()).amsgrad()) return false;
+  }
+  return true;
+}
+
+torch::Tensor closure_loss(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+torch::Tensor own_grad(const torch::Tensor& param) { return param.grad(); }
+
+}  // namespace
+
+bool is_fusable(const torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
+    return no_group_uses_amsgrad<torch::optim::AdamWOptions>(optimizer);
+  }
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
+    return no_group_uses_amsgrad<torch::optim::AdamOptions>(optimizer);
+  }
+  return false;
+}
+
+void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
+                          const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
+                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
+  TORCH_CHECK(is_fusable(optimizer),
+              "fused_optimizer_step: expected a torch::optim::Adam or AdamW without amsgrad");
+  at::NoGradGuard no_grad;
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+    step_groups<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+        optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of);
+  } else {
+    step_groups<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+        optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of);
+  }
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  auto loss = closure_loss(closure);
+  fused_optimizer_step(*this, 1.0, own_grad);
+  return loss;
+}
+
+torch::Tensor FusedAdam::step(LossClosure closure) {
+  auto loss = closure_loss(closure);
+  fused_optimizer_step(*this, 1.0, own_grad);
+  return loss;
+}
+
+}  // namespace amp8

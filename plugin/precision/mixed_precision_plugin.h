@@ -1,0 +1,201 @@
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+#include "plugin/modules/convert_module.h"
+#include "plugin/distributed/distributed_optimizer.h"
+#include "plugin/fp8/fp8_recipe.h"
+#include "plugin/precision/loss_scaler.h"
+#include "plugin/precision/precision_plugin.h"
+
+namespace amp8 {
+
+class Fp8LinearImpl;
+
+/// NeMo's MegatronMixedPrecision knobs, under NeMo's names. The presets in recipes/precision.h
+/// (bf16_mixed(), fp16_mixed(), bf16_with_fp8_mixed(), fp16_with_fp8_mixed()) return these with
+/// NeMo's values; override any field by chaining:
+///   amp8::MixedPrecisionPlugin plugin = amp8::recipes::bf16_with_fp8_mixed().fp8_params(false);
+struct MixedPrecisionOptions {
+  /* implicit */ MixedPrecisionOptions(std::string precision = "bf16-mixed")
+      : precision_(std::move(precision)) {}
+
+  /// "32" (alias "32-true"), "16-mixed" (alias "fp16-mixed") or "bf16-mixed". Default:
+  /// "bf16-mixed".
+  TORCH_ARG(std::string, precision);
+  /// dtype of the model's parameters and gradients; the optimizer steps FP32 master copies of
+  /// those that are not float32. Default: unset = the precision's dtype (float16 / bfloat16 /
+  /// float32), as NeMo's presets set it.
+  TORCH_ARG(std::optional<c10::ScalarType>, params_dtype) = std::nullopt;
+  /// Run the forward pass under at::autocast with the precision's dtype (for models whose
+  /// parameters stay float32). Default: false (NeMo's presets: the parameters are half).
+  TORCH_ARG(bool, autocast_enabled) = false;
+  /// Reduce gradients across data-parallel ranks in float32 (used by the distributed
+  /// optimizer). Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
+  TORCH_ARG(bool, grad_reduce_in_fp32) = true;
+  /// Step a torch::optim::Adam / AdamW (without amsgrad) whose masters are on a GPU with amp8's
+  /// multi-tensor kernels (fused_optimizer_step, TE's FusedAdam with master weights): one pass
+  /// per element reads the model's half gradient where it is (no FP32 gradient copy), unscales
+  /// and clips it on the fly, updates the FP32 master and the moments and writes the model's
+  /// half parameter (no copy-back). The masters' .grad() then stays undefined. Other
+  /// optimizers, the CPU, or false: the optimizer's own step(). Default: true.
+  TORCH_ARG(bool, fused_optimizer) = true;
+
+  // ---- FP8 (Transformer Engine's DelayedScaling; see Fp8RecipeOptions) ----
+  /// "none", "hybrid" or "e4m3". Default: "none".
+  TORCH_ARG(std::string, fp8) = "none";
+  /// "delayed" or "tensorwise". Default: "delayed".
+  TORCH_ARG(std::string, fp8_recipe) = "delayed";
+  /// Default: 0.
+  TORCH_ARG(int, fp8_margin) = 0;
+  /// Default: 1024.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+  /// "max" or "most_recent". Default: "max".
+  TORCH_ARG(std::string, fp8_amax_compute_algo) = "max";
+  /// Keep linear weights only in FP8 (TE's fp8_model_init); the masters are seeded from the
+  /// high-precision values. Default: false (the FP8 presets set true, as NeMo's).
+  TORCH_ARG(bool, fp8_params) = false;
+  /// As Fp8LinearOptions::fp8_min_gemm_size, for every Fp8Linear of the model (those
+  /// convert_module swaps in and those the model already has). Default: kDefaultFp8MinGemmSize
+  /// (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
+  /// Layers at the start / end of the model kept out of FP8 (their Fp8Linear modules, swapped
+  /// in or already there, compute in high precision). Default: 0.
+  TORCH_ARG(int64_t, num_layers_at_start_in_bf16) = 0;
+  /// Default: 0.
+  TORCH_ARG(int64_t, num_layers_at_end_in_bf16) = 0;
+
+  // ---- fp16 loss scaling (Megatron's DynamicGradScaler; see LossScalerOptions) ----
+  /// Static loss scale (> 0); unset = dynamic. Default: unset.
+  TORCH_ARG(std::optional<double>, fp16_loss_scale) = std::nullopt;
+  /// Default: 2^32.
+  TORCH_ARG(double, fp16_initial_loss_scale) = 4294967296.0;
+  /// Default: 1.
+  TORCH_ARG(double, fp16_min_loss_scale) = 1.0;
+  /// Clean steps before the scale doubles. Default: 1000.
+  TORCH_ARG(int64_t, fp16_loss_scale_window) = 1000;
+  /// Default: 2.
+  TORCH_ARG(int64_t, fp16_hysteresis) = 2;
+
+ public:
+  /// Throws c10::Error naming the first bad knob and the values it accepts.
+  void validate() const;
+  /// The canonical precision: "32", "16-mixed" or "bf16-mixed".
+  std::string canonical_precision() const;
+  /// float32, float16 or bfloat16.
+  c10::ScalarType compute_dtype() const;
+  c10::ScalarType resolved_params_dtype() const;
+  bool fp8_enabled() const { return fp8_ != "none"; }
+  Fp8RecipeOptions fp8_recipe_options() const;
+};
+
+/// Megatron's mixed precision for any LibTorch model and torch::optim optimizer.
+///
+/// connect(model, optimizer):
+///   - with FP8 on, swaps torch::nn::Linear / LayerNorm for Fp8Linear / Fp8LayerNorm
+///     (convert_to_fp8), keeping num_layers_at_start/end_in_bf16 layers as they are;
+///   - casts the model's floating-point parameters to params_dtype (buffers are left alone);
+///   - points the optimizer at FP32 master copies of every parameter that is not float32,
+///     seeded from the values before the cast (under fp8_params: from the high-precision
+///     initial values), so the optimizer and its state only ever see float32.
+/// Each step: backward() scales the loss (fp16); optimizer_step() copies the half gradients into
+/// the masters' (float32), unscales them and checks for inf/NaN (all-reduced over the process
+/// group when one is set), skips the step on overflow (loss scaler update), else steps and
+/// copies the masters back into the model (re-quantizing FP8 weights). forward_context() opens
+/// at::autocast (autocast_enabled) and the FP8 region (Fp8Autocast) with the recipe.
+///
+/// A module swap reaches what the model's forward calls when the parent dispatches through its
+/// registry (Sequential, ModuleList, ModuleDict). A typed member (`torch::nn::Linear fc1;`)
+/// cannot be re-pointed in C++; the first optimizer_step() throws, naming the module, if a
+/// swapped module never ran. Such models declare amp8::Fp8Linear / Fp8LayerNorm members
+/// instead (drop-ins that compute in high precision outside an FP8 region).
+class MixedPrecisionPlugin : public PrecisionPlugin {
+ public:
+  /* implicit */ MixedPrecisionPlugin(const MixedPrecisionOptions& options = {});
+
+  std::string name() const override;
+  void convert_module(torch::nn::Module& model) override;
+  void convert_optimizer(torch::optim::Optimizer& optimizer) override;
+  ForwardContext forward_context() override;
+  torch::Tensor convert_input(const torch::Tensor& input) override;
+  torch::Tensor convert_output(const torch::Tensor& output) override;
+  void backward(const torch::Tensor& loss) override;
+  void unscale_gradients(torch::optim::Optimizer& optimizer) override;
+  double clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) override;
+  bool optimizer_step(torch::optim::Optimizer& optimizer) override;
+  /// Clears every gradient (model, masters, FP8 main_grad) and counts the step as skipped.
+  void discard_gradients(torch::optim::Optimizer& optimizer) override;
+  double loss_scale() const override;
+  bool skips_nonfinite_gradients() const override { return scaler_.has_value(); }
+  int64_t skipped_steps() const override { return skipped_steps_; }
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// Data-parallel training over `group` (before connect): the optimizer becomes a
+  /// DistributedOptimizer (ZeRO-1: gradients reduce-scattered in the grad_reduce_in_fp32 dtype
+  /// while the backward pass runs, FP32 master params and optimizer state sharded, params
+  /// all-gathered, FP8 weights as FP8); found_inf, the gradient norm and the FP8 amaxes are
+  /// all-reduced over it. A world of one rank runs the same code.
+  void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                         DistributedOptimizerOptions options = {});
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return group_; }
+  /// The ZeRO-1 optimizer state (null without a process group).
+  const DistributedOptimizer* distributed_optimizer() const { return distributed_.get(); }
+  DistributedOptimizer* distributed_optimizer() { return distributed_.get(); }
+  void set_gradient_sync(bool enabled) override;
+  torch::Tensor data_parallel_mean(const torch::Tensor& value) override;
+  int data_parallel_rank() const override { return group_ ? group_->getRank() : 0; }
+  int data_parallel_size() const override { return group_ ? group_->getSize() : 1; }
+  const MixedPrecisionOptions& options() const { return options_; }
+  /// What convert_module swapped (empty without FP8); replaced_params is emptied by
+  /// convert_optimizer, which releases the old parameters.
+  const Fp8Conversion& conversion() const { return conversion_; }
+  /// The loss scaler (fp16 only).
+  const std::optional<LossScaler>& scaler() const { return scaler_; }
+  /// The FP32 masters the optimizer steps, in the optimizer's parameter order.
+  std::vector<torch::Tensor> master_params() const;
+
+ private:
+  struct Master {
+    torch::Tensor model;   // the model's parameter (half, float32, or FP8 under fp8_params)
+    torch::Tensor master;  // what the optimizer holds (float32); == model for float32 params
+    std::shared_ptr<Fp8LinearImpl> fp8_owner;  // fp8_params: the module whose weight it is
+  };
+  void clear_gradients();
+  void check_swapped_modules_ran();
+  bool use_fused_step(const torch::optim::Optimizer& optimizer) const;
+  void prepare_fused_gradients();
+  void fused_step(torch::optim::Optimizer& optimizer);
+  void step_optimizer(torch::optim::Optimizer& optimizer);
+
+  MixedPrecisionOptions options_;
+  std::optional<LossScaler> scaler_;
+  Fp8RecipeOptions fp8_recipe_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  DistributedOptimizerOptions distributed_options_;
+  std::unique_ptr<DistributedOptimizer> distributed_;
+  torch::nn::Module* model_ = nullptr;
+  Fp8Conversion conversion_;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> master_seeds_;  // (param, float32 value)
+  std::vector<Master> masters_;
+  std::unordered_map<const void*, size_t> master_index_;  // master's TensorImpl → masters_ index
+  // The fused step (use_fused_step): per masters_ entry, the gradient its kernel reads, and
+  // what every gradient is multiplied by (1/loss scale × the clipping coefficient).
+  bool fused_step_ = false;
+  std::vector<torch::Tensor> fused_grads_;
+  double grad_multiplier_ = 1.0;
+  bool gradients_ready_ = false;
+  bool found_inf_ = false;
+  bool swapped_modules_checked_ = false;
+  int64_t skipped_steps_ = 0;
+};
+
+}  // namespace amp8

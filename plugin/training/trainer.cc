@@ -1,0 +1,306 @@
+#include "plugin/training/trainer.h"
+
+// The training loop, its progress line and the stop signals. Checkpoint files:
+// trainer_checkpoint.cc.
+
+#include <signal.h>
+
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+
+#include "plugin/training/checkpoint.h"
+
+namespace amp8 {
+namespace {
+
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
+  const auto total = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  if (total >= 3600) {
+    std::snprintf(buf, sizeof(buf), "%lld:%02lld:%02lld", static_cast<long long>(total / 3600),
+                  static_cast<long long>(total / 60 % 60), static_cast<long long>(total % 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%02lld:%02lld", static_cast<long long>(total / 60),
+                  static_cast<long long>(total % 60));
+  }
+  return buf;
+}
+
+}  // namespace
+
+PluginHandle::PluginHandle(std::shared_ptr<PrecisionPlugin> plugin) : plugin_(std::move(plugin)) {
+  TORCH_CHECK(plugin_ != nullptr, "Trainer: plugins must not be null");
+}
+
+Trainer::Trainer(TrainerOptions options_, PluginHandle plugins_)
+    : options(std::move(options_)), plugins(std::move(plugins_)), log(&std::cout) {}
+
+void Trainer::connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  if (connected_model_ == &model) return;
+  TORCH_CHECK(connected_model_ == nullptr,
+              "Trainer: this trainer's plugin is connected to another model; use one Trainer per "
+              "model");
+  plugins->connect(model, optimizer);
+  connected_model_ = &model;
+}
+
+void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                  const TrainingStep& training_step, const std::string& ckpt_path) {
+  TORCH_CHECK(options.max_steps() >= 0, "max_steps must be >= 0, got ", options.max_steps());
+  TORCH_CHECK(options.accumulate_grad_batches() >= 1, "accumulate_grad_batches must be >= 1, got ",
+              options.accumulate_grad_batches());
+  TORCH_CHECK(options.log_every_n_steps() >= 0, "log_every_n_steps must be >= 0, got ",
+              options.log_every_n_steps());
+  TORCH_CHECK(options.gradient_clip_val() >= 0 && std::isfinite(options.gradient_clip_val()),
+              "gradient_clip_val must be >= 0, got ", options.gradient_clip_val());
+  TORCH_CHECK(options.every_n_train_steps() >= 0, "every_n_train_steps must be >= 0, got ",
+              options.every_n_train_steps());
+  TORCH_CHECK(options.every_n_train_steps() == 0 || !options.checkpoint_dir().empty(),
+              "every_n_train_steps = ", options.every_n_train_steps(),
+              " needs a checkpoint_dir to write to");
+  if (!options.checkpoint_dir().empty()) {
+    std::error_code error;
+    std::filesystem::create_directories(options.checkpoint_dir(), error);
+    TORCH_CHECK(std::filesystem::is_directory(options.checkpoint_dir()), "checkpoint_dir ",
+                options.checkpoint_dir(), " is not a folder and cannot be created");
+    const auto removed = remove_stale_temporaries(options.checkpoint_dir());
+    if (!removed.empty()) {
+      *log << "Trainer: removed " << removed.size() << " temporary file(s) of interrupted saves in "
+           << options.checkpoint_dir() << std::endl;
+    }
+  }
+  TORCH_CHECK(static_cast<bool>(training_step), "Trainer::fit: training_step must be callable");
+  TORCH_CHECK(options.nonfinite_loss() == "error" || options.nonfinite_loss() == "skip",
+              "nonfinite_loss must be \"error\" or \"skip\", got \"", options.nonfinite_loss(), "\"");
+
+  connect(model, optimizer);
+  if (!ckpt_path.empty()) {
+    std::string path = ckpt_path;
+    if (std::filesystem::is_directory(ckpt_path)) {
+      std::vector<std::string> skipped;
+      path = latest_checkpoint(ckpt_path, plugins->data_parallel_rank(), plugins->data_parallel_size(), &skipped);
+      for (const auto& line : skipped) *log << "Trainer: skipping checkpoint " << line << std::endl;
+      TORCH_CHECK(!path.empty(), "Trainer::fit: no complete ",
+                  checkpoint_name(0, plugins->data_parallel_rank(), plugins->data_parallel_size())
+                      .replace(5, 8, "<N>"),
+                  " checkpoint in ", ckpt_path);
+      if (!skipped.empty()) *log << "Trainer: resuming from the previous complete checkpoint " << path << std::endl;
+    }
+    load_checkpoint(path, model, optimizer);
+    if (plugins->data_parallel_size() > 1) {
+      // Every rank continues from the same step (one whose newest shard was incomplete would
+      // otherwise fall back alone): the steps are all equal iff mean(s^2) == mean(s)^2.
+      const auto parameters = model.parameters();
+      const auto device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
+      const auto s = static_cast<double>(global_step_);
+      const auto mean = plugins->data_parallel_mean(torch::tensor({s, s * s}, torch::dtype(torch::kDouble).device(device))).cpu();
+      TORCH_CHECK(mean[1].item<double>() == mean[0].item<double>() * mean[0].item<double>(),
+                  "Trainer::fit: the data-parallel ranks resumed from different steps (rank ",
+                  plugins->data_parallel_rank(), ": step ", global_step_, ", from ", path,
+                  "); give every rank the checkpoints of one step");
+    }
+  }
+  stopped_ = false;
+  last_checkpoint_.clear();
+  model.train();
+  for (auto& callback : callbacks) callback->on_train_start(*this);
+
+  auto& precision = *plugins;
+  const int64_t micro_batches = options.accumulate_grad_batches();
+  start_ = std::chrono::steady_clock::now();
+  start_step_ = global_step_;
+  auto interval_start = start_;
+  int64_t interval_steps = 0;
+  const bool data_parallel = precision.data_parallel_size() > 1;
+  bool stop = false;
+  while (global_step_ < options.max_steps()) {
+    // One process stops between steps at once; data-parallel ranks agree at the loss reduction.
+    if (!data_parallel && stop_requested_.load()) {
+      stop = true;
+      break;
+    }
+    const int64_t step = global_step_;
+    for (auto& callback : callbacks) callback->on_train_batch_start(*this, step);
+    torch::Tensor loss_sum;
+    for (int64_t micro = 0; micro < micro_batches; ++micro) {
+      torch::Tensor loss;
+      {
+        auto context = precision.forward_context();
+        loss = training_step(TrainStepInput{step, micro, precision});
+        context.close();  // the FP8 scale update's errors surface here, not in a destructor
+      }
+      TORCH_CHECK(loss.defined() && loss.numel() == 1,
+                  "Trainer: the training step must return a loss with one element, got ",
+                  loss.defined() ? loss.sizes() : at::IntArrayRef{});
+      precision.set_gradient_sync(micro == micro_batches - 1);
+      precision.backward(micro_batches > 1 ? loss / static_cast<double>(micro_batches) : loss);
+      auto detached = loss.detach().to(at::kFloat).reshape({});
+      loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
+    }
+    StepMetrics metrics;
+    metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    // One host sync per step (the loss is read for the metrics anyway), before the optimizer
+    // runs, so a non-finite loss never reaches the weights.
+    // Data-parallel: the mean over the ranks, so all of them see one loss and decide alike.
+    double loss_value = 0;
+    if (data_parallel) {
+      // The stop request rides along: a rank that was asked makes the mean non-zero everywhere.
+      const auto flag = torch::full({}, stop_requested_.load() ? 1.0f : 0.0f, loss_sum.options());
+      const auto reduced = precision.data_parallel_mean(torch::stack({loss_sum, flag})).cpu();
+      loss_value = reduced[0].item<double>() / static_cast<double>(micro_batches);
+      stop = reduced[1].item<double>() > 0;
+    } else {
+      loss_value = loss_sum.item<double>() / static_cast<double>(micro_batches);
+      stop = stop_requested_.load();
+    }
+    if (!std::isfinite(loss_value)) {
+      if (options.nonfinite_loss() != "skip") {
+        precision.discard_gradients(optimizer);
+        const std::string saved = save_last_good_state(model, optimizer);
+        TORCH_CHECK(false, "Trainer: non-finite loss (", loss_value, ") at step ", step + 1,
+                    "; the weights are those after the previous step", saved,
+                    " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
+      }
+      precision.discard_gradients(optimizer);
+      metrics.stepped = false;
+    } else {
+      if (options.gradient_clip_val() > 0) {
+        metrics.grad_norm = precision.clip_gradients(optimizer, options.gradient_clip_val());
+      } else if (options.check_for_nan_in_grad()) {
+        // The global norm without clipping (an infinite max_norm scales nothing).
+        metrics.grad_norm = precision.clip_gradients(optimizer, std::numeric_limits<double>::infinity());
+      }
+      const bool checked = options.gradient_clip_val() > 0 || options.check_for_nan_in_grad();
+      if (checked && !std::isfinite(metrics.grad_norm) && !precision.skips_nonfinite_gradients()) {
+        if (options.nonfinite_loss() != "skip") {
+          precision.discard_gradients(optimizer);
+          const std::string saved = save_last_good_state(model, optimizer);
+          TORCH_CHECK(false, "Trainer: non-finite gradient norm (", metrics.grad_norm, ") at step ",
+                      step + 1, " with a finite loss (", loss_value,
+                      "); the weights are those after the previous step", saved,
+                      " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
+        }
+        precision.discard_gradients(optimizer);
+        metrics.stepped = false;
+      } else {
+        metrics.stepped = precision.optimizer_step(optimizer);
+      }
+    }
+    ++global_step_;
+    ++interval_steps;
+    metrics.step = global_step_;
+    metrics.loss = loss_value;
+    metrics.loss_scale = precision.loss_scale();
+    metrics.skipped_steps = precision.skipped_steps();
+    history_.push_back(metrics);
+
+    const int64_t every = options.log_every_n_steps();
+    if (every > 0 && (global_step_ % every == 0 || global_step_ == options.max_steps())) {
+      const auto now = std::chrono::steady_clock::now();
+      print_progress(metrics, std::chrono::duration<double>(now - interval_start).count(),
+                     interval_steps);
+      interval_start = now;
+      interval_steps = 0;
+    }
+    for (auto& callback : callbacks) callback->on_train_batch_end(*this, metrics);
+    const int64_t save_every = options.every_n_train_steps();
+    const bool last = global_step_ == options.max_steps() || stop;
+    if ((save_every > 0 && global_step_ % save_every == 0) || (last && saves_last())) {
+      save_step_checkpoint(model, optimizer);
+    }
+    if (stop) break;
+  }
+  if (stop) {
+    stopped_ = true;
+    // Stopped before a step ran: the state is that of global_step_, saved unless it already is.
+    if (saves_last() && !std::filesystem::exists(step_checkpoint_path())) {
+      save_step_checkpoint(model, optimizer);
+    }
+  }
+  for (auto& callback : callbacks) callback->on_train_end(*this);
+}
+
+void Trainer::print_progress(const StepMetrics& metrics, double interval_s, int64_t interval_steps) {
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const int64_t done = global_step_ - start_step_;
+  const double eta =
+      done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(options.max_steps() - global_step_)
+               : std::numeric_limits<double>::quiet_NaN();
+  char line[320];
+  int n = std::snprintf(line, sizeof(line), "step %lld/%lld | loss %.4f",
+                        static_cast<long long>(global_step_),
+                        static_cast<long long>(options.max_steps()), metrics.loss);
+  if (options.tokens_per_micro_batch() > 0 && interval_s > 0) {
+    const double tokens = static_cast<double>(options.tokens_per_micro_batch()) *
+                          static_cast<double>(options.accumulate_grad_batches() * interval_steps);
+    n += std::snprintf(line + n, sizeof(line) - n, " | %.0f tok/s", tokens / interval_s);
+    if (options.flops_per_token() > 0) {
+      const double per_device = tokens / interval_s * options.flops_per_token() /
+                                static_cast<double>(plugins->data_parallel_size());
+      n += std::snprintf(line + n, sizeof(line) - n, " | %.0f TFLOP/s/GPU", per_device / 1e12);
+      if (options.peak_flops_per_device() > 0) {
+        n += std::snprintf(line + n, sizeof(line) - n, " (%.1f%% MFU)", 100.0 * per_device / options.peak_flops_per_device());
+      }
+    }
+  }
+  if (metrics.loss_scale != 1.0 || metrics.skipped_steps > 0) {
+    n += std::snprintf(line + n, sizeof(line) - n, " | loss scale %g | skipped %lld",
+                       metrics.loss_scale, static_cast<long long>(metrics.skipped_steps));
+  }
+  if (std::isfinite(metrics.grad_norm)) {
+    n += std::snprintf(line + n, sizeof(line) - n, " | grad norm %.3f", metrics.grad_norm);
+  }
+  std::snprintf(line + n, sizeof(line) - n, " | %s elapsed, ETA %s", format_duration(elapsed).c_str(),
+                format_duration(eta).c_str());
+  *log << line << std::endl;
+}
+
+namespace {
+
+std::atomic<Trainer*> g_stop_target{nullptr};
+volatile std::sig_atomic_t g_stop_signal = 0;
+struct sigaction g_previous_term, g_previous_int;
+
+extern "C" void on_stop_signal(int signal) {
+  if (g_stop_signal == signal) {  // asked twice: the default action from now on
+    std::signal(signal, SIG_DFL);
+    std::raise(signal);
+    return;
+  }
+  g_stop_signal = signal;
+  if (Trainer* trainer = g_stop_target.load()) trainer->request_stop();
+}
+
+}  // namespace
+
+StopOnSignal::StopOnSignal(Trainer& trainer) {
+  static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<Trainer*>::is_always_lock_free,
+                "the signal handler needs lock-free atomics");
+  Trainer* expected = nullptr;
+  TORCH_CHECK(g_stop_target.compare_exchange_strong(expected, &trainer),
+              "StopOnSignal: another StopOnSignal is active in this process");
+  g_stop_signal = 0;
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  ::sigaction(SIGTERM, &action, &g_previous_term);
+  ::sigaction(SIGINT, &action, &g_previous_int);
+}
+
+StopOnSignal::~StopOnSignal() {
+  ::sigaction(SIGTERM, &g_previous_term, nullptr);
+  ::sigaction(SIGINT, &g_previous_int, nullptr);
+  g_stop_target.store(nullptr);
+}
+
+int StopOnSignal::received() const { return static_cast<int>(g_stop_signal); }
+
+}  // namespace amp8

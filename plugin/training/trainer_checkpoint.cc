@@ -1,0 +1,268 @@
+#include "plugin/training/trainer.h"
+
+// The Trainer's checkpoint files: their names, what one holds, saving (atomically, through
+// plugin/training/checkpoint.h), loading (checked, undone on failure) and finding the newest.
+
+#include <ATen/Context.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/cuda.h>
+#include <torch/serialize.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
+#include <regex>
+#include <sstream>
+
+#include "plugin/training/checkpoint.h"
+
+namespace amp8 {
+namespace {
+
+constexpr int64_t kCheckpointVersion = 1;
+// Trainer::run_settings in the trainer archive: "setting.<name>" -> the value as a string.
+const std::string kSettingPrefix = "setting.";
+
+std::vector<at::Generator> default_generators() {
+  std::vector<at::Generator> generators{at::detail::getDefaultCPUGenerator()};
+  const auto cuda_devices = static_cast<int64_t>(torch::cuda::device_count());
+  for (int64_t i = 0; i < cuda_devices; ++i) {
+    generators.push_back(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, i)));
+  }
+  return generators;
+}
+
+void save_rng_states(torch::serialize::OutputArchive& archive) {
+  const auto generators = default_generators();
+  archive.write("num_rng_states", torch::tensor({static_cast<int64_t>(generators.size())}));
+  for (size_t i = 0; i < generators.size(); ++i) {
+    auto generator = generators[i];
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    archive.write("rng_state." + std::to_string(i), generator.get_state());
+  }
+}
+
+void load_rng_states(torch::serialize::InputArchive& archive) {
+  torch::Tensor count;
+  TORCH_CHECK(archive.try_read("num_rng_states", count), "checkpoint: the trainer state has no RNG states");
+  auto generators = default_generators();
+  // A checkpoint from a machine with another GPU count restores what both have.
+  const auto n = std::min<int64_t>(count.item<int64_t>(), generators.size());
+  for (int64_t i = 0; i < n; ++i) {
+    torch::Tensor state;
+    TORCH_CHECK(archive.try_read("rng_state." + std::to_string(i), state),
+                "checkpoint: RNG state ", i, " is missing");
+    std::lock_guard<std::mutex> lock(generators[i].mutex());
+    generators[i].set_state(state);
+  }
+}
+
+// Every parameter and buffer of `module` (recursively) must be in the archive with its shape
+// and dtype: torch's loader would silently take another shape.
+void check_module_archive(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                          const std::string& path, const std::string& prefix) {
+  auto check = [&](const std::string& name, const torch::Tensor& expected, bool is_buffer) {
+    if (!expected.defined()) return;
+    torch::Tensor stored;
+    TORCH_CHECK(archive.try_read(name, stored, is_buffer), "checkpoint ", path, ": ",
+                prefix + name, " is missing");
+    TORCH_CHECK(stored.sizes() == expected.sizes() && stored.scalar_type() == expected.scalar_type(),
+                "checkpoint ", path, ": ", prefix + name, " is ", stored.scalar_type(), " ",
+                stored.sizes(), ", the model's is ", expected.scalar_type(), " ", expected.sizes());
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) check(item.key(), item.value(), false);
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) check(item.key(), item.value(), true);
+  for (const auto& item : module.named_children()) {
+    torch::serialize::InputArchive child;
+    TORCH_CHECK(archive.try_read(item.key(), child), "checkpoint ", path, ": module ",
+                prefix + item.key(), " is missing");
+    check_module_archive(*item.value(), child, path, prefix + item.key() + ".");
+  }
+}
+
+// The state a load changes, kept in memory so a failed load can be undone.
+class Snapshot {
+ public:
+  Snapshot(torch::nn::Module& model, torch::optim::Optimizer& optimizer, PrecisionPlugin& plugin) {
+    torch::NoGradGuard no_grad;
+    for (const auto& t : model.parameters()) tensors_.emplace_back(t, t.detach().clone());
+    for (const auto& t : model.buffers()) tensors_.emplace_back(t, t.detach().clone());
+    optimizer_ = serialize([&](auto& archive) { optimizer.save(archive); });
+    plugin_ = serialize([&](auto& archive) { plugin.save(archive); });
+  }
+  void restore(torch::nn::Module& model, torch::optim::Optimizer& optimizer, PrecisionPlugin& plugin) {
+    torch::NoGradGuard no_grad;
+    for (auto& [target, saved] : tensors_) target.set_data(saved);
+    torch::serialize::InputArchive optimizer_archive, plugin_archive;
+    optimizer_archive.load_from(optimizer_.data(), optimizer_.size());
+    optimizer.load(optimizer_archive);
+    plugin_archive.load_from(plugin_.data(), plugin_.size());
+    plugin.load(plugin_archive);
+  }
+
+ private:
+  template <typename Fn>
+  static std::string serialize(Fn&& fill) {
+    torch::serialize::OutputArchive archive;
+    fill(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    return bytes.str();
+  }
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> tensors_;
+  std::string optimizer_, plugin_;
+};
+
+}  // namespace
+
+bool Trainer::saves_last() const { return options.save_last() && !options.checkpoint_dir().empty(); }
+
+std::string Trainer::step_checkpoint_path() const {
+  const auto name = checkpoint_name(global_step_, plugins->data_parallel_rank(), plugins->data_parallel_size());
+  return (std::filesystem::path(options.checkpoint_dir()) / name).string();
+}
+
+void Trainer::save_step_checkpoint(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  const auto path = step_checkpoint_path();
+  try {
+    save_checkpoint(path, model, optimizer);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "Trainer: the checkpoint of step ", global_step_, " could not be saved; the "
+                "training state is intact in memory and the earlier checkpoints are untouched",
+                last_checkpoint_.empty() ? std::string() : " (newest: " + last_checkpoint_ + ")", ": ",
+                e.what_without_backtrace());
+  }
+  last_checkpoint_ = path;
+  for (auto& callback : callbacks) callback->on_save_checkpoint(*this, path);
+}
+
+std::string Trainer::save_last_good_state(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  if (!saves_last() && options.every_n_train_steps() == 0) return "";
+  const auto path = step_checkpoint_path();
+  if (std::filesystem::exists(path)) return " (saved in " + path + ")";
+  try {
+    save_step_checkpoint(model, optimizer);
+  } catch (const c10::Error& e) {
+    return " (saving them failed: " + std::string(e.what_without_backtrace()) + ")";
+  }
+  return " (saved in " + path + ")";
+}
+
+torch::serialize::OutputArchive Trainer::checkpoint_archive(torch::nn::Module& model,
+                                                            torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive, model_archive, optimizer_archive, plugin_archive,
+      trainer_archive;
+  archive.write("amp8_checkpoint_version", torch::tensor({kCheckpointVersion}));
+  model.save(model_archive);
+  optimizer.save(optimizer_archive);
+  plugins->save(plugin_archive);
+  trainer_archive.write("global_step", torch::tensor({global_step_}));
+  trainer_archive.write("precision", c10::IValue(plugins->name()));
+  for (const auto& [name, value] : run_settings) {
+    trainer_archive.write(kSettingPrefix + name, c10::IValue(value));
+  }
+  save_rng_states(trainer_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", optimizer_archive);
+  archive.write("plugin", plugin_archive);
+  archive.write("trainer", trainer_archive);
+  return archive;
+}
+
+std::string Trainer::save_checkpoint(const std::string& path, torch::nn::Module& model,
+                                     torch::optim::Optimizer& optimizer) {
+  auto archive = checkpoint_archive(model, optimizer);
+  save_atomically(archive, path);
+  return path;
+}
+
+void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
+                              torch::optim::Optimizer& optimizer) {
+  connect(model, optimizer);
+  torch::serialize::InputArchive archive, model_archive, optimizer_archive, plugin_archive,
+      trainer_archive;
+  load_archive(archive, path);
+  torch::Tensor version, step;
+  TORCH_CHECK(archive.try_read("amp8_checkpoint_version", version),
+              "checkpoint ", path, " is not an amp8 checkpoint (no amp8_checkpoint_version)");
+  TORCH_CHECK(version.item<int64_t>() == kCheckpointVersion, "checkpoint ", path, " has version ",
+              version.item<int64_t>(), ", this amp8 reads version ", kCheckpointVersion);
+  TORCH_CHECK(archive.try_read("model", model_archive) &&
+                  archive.try_read("optimizer", optimizer_archive) &&
+                  archive.try_read("plugin", plugin_archive) &&
+                  archive.try_read("trainer", trainer_archive),
+              "checkpoint ", path, " lacks one of model / optimizer / plugin / trainer");
+  TORCH_CHECK(trainer_archive.try_read("global_step", step), "checkpoint ", path,
+              " lacks trainer/global_step");
+  c10::IValue precision;
+  TORCH_CHECK(trainer_archive.try_read("precision", precision) && precision.isString(),
+              "checkpoint ", path, " lacks trainer/precision");
+  TORCH_CHECK(precision.toStringRef() == plugins->name(), "checkpoint ", path,
+              ": the checkpoint was written with precision \"", precision.toStringRef(),
+              "\", this plugin is \"", plugins->name(), "\"");
+  std::string differences;
+  for (const auto& [name, value] : run_settings) {
+    c10::IValue stored;
+    if (!trainer_archive.try_read(kSettingPrefix + name, stored) || !stored.isString()) continue;
+    if (stored.toStringRef() == value || changeable_settings.count(name) > 0) continue;
+    differences += (differences.empty() ? "" : ", ") + name + " " + stored.toStringRef() +
+                   " (this run: " + value + ")";
+  }
+  TORCH_CHECK(differences.empty(), "checkpoint ", path, " was written with other settings: ",
+              differences, "; an exact resume needs the same ones (to resume anyway, allow them by "
+              "name: ", changeable_settings_hint, ")");
+  check_module_archive(model, model_archive, path, "");
+  // Everything or nothing: the state before the load is kept (in memory) until the load is
+  // through, and put back if any part of it throws.
+  Snapshot snapshot(model, optimizer, *plugins);
+  try {
+    plugins->load(plugin_archive);  // checks the precision and the masters first
+    model.load(model_archive);
+    optimizer.load(optimizer_archive);
+    load_rng_states(trainer_archive);
+  } catch (const c10::Error& e) {
+    snapshot.restore(model, optimizer, *plugins);
+    TORCH_CHECK(false, "checkpoint ", path, " could not be loaded, nothing was changed: ",
+                e.what_without_backtrace());
+  } catch (const std::exception& e) {  // LibTorch's readers throw std::runtime_error too
+    snapshot.restore(model, optimizer, *plugins);
+    TORCH_CHECK(false, "checkpoint ", path, " could not be loaded, nothing was changed: ", e.what());
+  }
+  global_step_ = step.item<int64_t>();
+}
+
+std::string Trainer::checkpoint_name(int64_t step, int rank, int world_size) {
+  char name[64];
+  if (world_size <= 1) {
+    std::snprintf(name, sizeof(name), "step_%08lld.ckpt", static_cast<long long>(step));
+  } else {
+    std::snprintf(name, sizeof(name), "step_%08lld-rank%d-of-%d.ckpt", static_cast<long long>(step), rank,
+                  world_size);
+  }
+  return name;
+}
+
+std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size,
+                                       std::vector<std::string>* skipped) {
+  const std::regex pattern(world_size <= 1 ? std::string(R"(step_(\d+)\.ckpt)")
+                                           : R"(step_(\d+)-rank)" + std::to_string(rank) + "-of-" +
+                                                 std::to_string(world_size) + R"(\.ckpt)");
+  std::vector<std::pair<long long, std::string>> candidates;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
+    std::smatch match;
+    const auto name = entry.path().filename().string();
+    if (entry.is_regular_file(error) && std::regex_match(name, match, pattern)) {
+      candidates.emplace_back(std::stoll(match[1].str()), entry.path().string());
+    }
+  }
+  std::sort(candidates.begin(), candidates.end(), std::greater<>());
+  for (const auto& [step, path] : candidates) {
+    const auto problem = checkpoint_file_problem(path);
+    if (problem.empty()) return path;
+    if (skipped != nullptr) skipped->push_back(problem);
+  }
+  return "";
+}
+
+}  // namespace amp8
