@@ -23,9 +23,10 @@
 // padding is zero and never reaches a parameter. Used through MixedPrecisionPlugin::
 // set_process_group, which keeps the user's loop unchanged.
 
-#include <torch/csrc/autograd/function_hook.h>
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/torch.h>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <deque>
