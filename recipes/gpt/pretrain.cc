@@ -23,6 +23,7 @@
 #include "plugin/distributed/process_group.h"
 #include "plugin/training/files.h"
 #include "plugin/training/throughput.h"
+#include "recipes/gpt/callbacks.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/loss_plot.h"
 #include "recipes/gpt/megatron_data.h"
@@ -33,7 +34,6 @@ namespace amp8::recipes {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr double kPi = 3.14159265358979323846;
 
 torch::Device resolve_device(const std::string& name) {
   if (name == "auto") return torch::cuda::is_available() ? torch::Device(torch::kCUDA) : torch::kCPU;
@@ -52,186 +52,6 @@ torch::Device resolve_device(const std::string& name) {
   }
   return *device;
 }
-
-// Linear warm-up to lr, then cosine decay to min_lr at max_steps.
-class LearningRateSchedule : public Callback {
- public:
-  LearningRateSchedule(torch::optim::Optimizer& optimizer, const PretrainRecipe& recipe)
-      : optimizer_(optimizer), recipe_(recipe) {}
-  void on_train_batch_start(Trainer& trainer, int64_t step) override {
-    lr_ = rate(step);
-    for (auto& group : optimizer_.param_groups()) group.options().set_lr(lr_);
-  }
-  double lr() const { return lr_; }
-
- private:
-  double rate(int64_t step) const {
-    const int64_t warmup = recipe_.warmup_steps, total = recipe_.trainer.max_steps();
-    if (step < warmup) return recipe_.lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
-    const double progress =
-        total > warmup ? static_cast<double>(step - warmup) / static_cast<double>(total - warmup) : 1.0;
-    return recipe_.min_lr + 0.5 * (recipe_.lr - recipe_.min_lr) * (1.0 + std::cos(kPi * std::min(1.0, progress)));
-  }
-  torch::optim::Optimizer& optimizer_;
-  const PretrainRecipe& recipe_;
-  double lr_ = 0;
-};
-
-// The wall time of every step (end to end, as the host sees it after the loss is read).
-class StepTimer : public Callback {
- public:
-  void on_train_start(Trainer&) override { last_ = std::chrono::steady_clock::now(); }
-  void on_train_batch_end(Trainer&, const StepMetrics&) override {
-    const auto now = std::chrono::steady_clock::now();
-    seconds_.push_back(std::chrono::duration<double>(now - last_).count());
-    last_ = now;
-  }
-  /// Median step time over the second half of the steps (0 without steps).
-  double steady_step_seconds() const {
-    if (seconds_.empty()) return 0;
-    std::vector<double> tail(seconds_.begin() + static_cast<std::ptrdiff_t>(seconds_.size() / 2), seconds_.end());
-    std::nth_element(tail.begin(), tail.begin() + static_cast<std::ptrdiff_t>(tail.size() / 2), tail.end());
-    return tail[tail.size() / 2];
-  }
-
- private:
-  std::chrono::steady_clock::time_point last_;
-  std::vector<double> seconds_;
-};
-
-// Validation loss every `every` steps and after the last one: the same `iters` held-out
-// micro-batches each time (so evaluations compare, and a resume does not change them), in the
-// training precision, without gradients; the mean over data-parallel ranks.
-class Evaluator : public Callback {
- public:
-  using Batch = std::function<std::pair<torch::Tensor, torch::Tensor>(int64_t k)>;
-  Evaluator(int64_t every, int64_t iters, Batch batch, GptModel model, int64_t vocab, std::ostream& out)
-      : every_(every), iters_(iters), batch_(std::move(batch)), model_(std::move(model)), vocab_(vocab), out_(out) {}
-  void on_train_batch_end(Trainer& trainer, const StepMetrics& m) override {
-    if (m.step % every_ != 0 && m.step != trainer.options.max_steps()) return;
-    auto& precision = *trainer.plugins;
-    torch::NoGradGuard no_grad;
-    model_->eval();
-    torch::Tensor sum;
-    for (int64_t k = 0; k < iters_; ++k) {
-      auto [inputs, targets] = batch_(k);
-      auto context = precision.forward_context();
-      auto logits = precision.convert_output(model_->forward(precision.convert_input(inputs)));
-      auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, vocab_}), targets.reshape({-1}))
-                      .to(torch::kFloat);
-      context.close();
-      sum = sum.defined() ? sum + loss : loss;
-    }
-    model_->train();
-    step_ = m.step;
-    loss_ = precision.data_parallel_mean(sum.reshape({})).item<double>() / static_cast<double>(iters_);
-    points_.emplace_back(static_cast<double>(m.step), loss_);
-    char line[128];
-    std::snprintf(line, sizeof(line), "validation at step %lld | loss %.4f | perplexity %.3f",
-                  static_cast<long long>(m.step), loss_, std::exp(loss_));
-    out_ << line << std::endl;
-  }
-  int64_t step() const { return step_; }
-  double loss() const { return loss_; }
-  const std::vector<std::pair<double, double>>& points() const { return points_; }
-
- private:
-  int64_t every_, iters_;
-  Batch batch_;
-  GptModel model_;
-  int64_t vocab_;
-  std::ostream& out_;
-  int64_t step_ = -1;
-  double loss_ = NAN;
-  std::vector<std::pair<double, double>> points_;
-};
-
-// Data-parallel on CUDA: the DistributedOptimizer's per-step communication waits, collected every
-// 50 steps (reading them waits for the GPU, so not every step) and at the end.
-class CommunicationTimer : public Callback {
- public:
-  explicit CommunicationTimer(MixedPrecisionPlugin& plugin) : plugin_(plugin) {}
-  void on_train_batch_end(Trainer&, const StepMetrics& m) override {
-    if (m.step % 50 == 0) collect();
-  }
-  void on_train_end(Trainer&) override { collect(); }
-  /// Medians over the second half of the steps measured.
-  DistributedOptimizer::StepCommunication steady() const {
-    DistributedOptimizer::StepCommunication result;
-    if (steps_.empty()) return result;
-    std::vector<DistributedOptimizer::StepCommunication> tail(
-        steps_.begin() + static_cast<std::ptrdiff_t>(steps_.size() / 2), steps_.end());
-    auto median = [&](auto field) {
-      std::vector<double> values;
-      for (const auto& s : tail) values.push_back(static_cast<double>(s.*field));
-      std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2), values.end());
-      return values[values.size() / 2];
-    };
-    result.reduce_ms = median(&DistributedOptimizer::StepCommunication::reduce_ms);
-    result.gather_ms = median(&DistributedOptimizer::StepCommunication::gather_ms);
-    result.reduce_bytes = static_cast<int64_t>(median(&DistributedOptimizer::StepCommunication::reduce_bytes));
-    result.gather_bytes = static_cast<int64_t>(median(&DistributedOptimizer::StepCommunication::gather_bytes));
-    return result;
-  }
-
- private:
-  void collect() {
-    auto* optimizer = plugin_.distributed_optimizer();  // made when the Trainer connects
-    if (optimizer == nullptr) return;
-    for (const auto& s : optimizer->take_communication_times()) steps_.push_back(s);
-  }
-  MixedPrecisionPlugin& plugin_;
-  std::vector<DistributedOptimizer::StepCommunication> steps_;
-};
-
-// One JSON object per step into metrics.jsonl. On a resume the file is first cut back to the
-// checkpoint's step, so steps run again after a crash are not listed twice.
-class MetricsWriter : public Callback {
- public:
-  MetricsWriter(std::string path, const LearningRateSchedule& schedule, int64_t tokens_per_step,
-                double flops_per_token_per_device, double peak_flops, const Evaluator* validation)
-      : path_(std::move(path)), schedule_(schedule), tokens_per_step_(tokens_per_step),
-        flops_per_token_per_device_(flops_per_token_per_device), peak_flops_(peak_flops),
-        validation_(validation) {}
-  void on_train_start(Trainer& trainer) override {
-    trim_metrics(path_, trainer.global_step());
-    out_.open(path_, std::ios::app);
-    TORCH_CHECK(out_.good(), "cannot write the metrics file ", path_);
-    last_ = std::chrono::steady_clock::now();
-  }
-  void on_train_batch_end(Trainer& trainer, const StepMetrics& m) override {
-    const auto now = std::chrono::steady_clock::now();
-    const double seconds = std::chrono::duration<double>(now - last_).count();
-    last_ = now;
-    nlohmann::json line = {{"step", m.step},
-                           {"loss", m.loss},
-                           {"lr", schedule_.lr()},
-                           {"loss_scale", m.loss_scale},
-                           {"skipped_steps", m.skipped_steps},
-                           {"stepped", m.stepped},
-                           {"tokens_per_s", seconds > 0 ? tokens_per_step_ / seconds : 0.0}};
-    if (std::isfinite(m.grad_norm)) line["grad_norm"] = m.grad_norm;
-    // Model TFLOP/s per GPU, and MFU against the GPU's dense bf16 peak when it is known.
-    const double tflops = seconds > 0 ? tokens_per_step_ / seconds * flops_per_token_per_device_ / 1e12 : 0.0;
-    line["model_tflops_per_gpu"] = tflops;
-    if (peak_flops_ > 0) line["mfu"] = tflops * 1e12 / peak_flops_;
-    if (validation_ != nullptr && validation_->step() == m.step) {
-      line["val_loss"] = validation_->loss();
-      line["val_ppl"] = std::exp(validation_->loss());
-    }
-    out_ << line.dump() << "\n";
-    out_.flush();
-    TORCH_CHECK(out_.good(), "writing the metrics file ", path_, " failed (is the disk full?)");
-  }
-
- private:
-  std::string path_;
-  std::ofstream out_;
-  const LearningRateSchedule& schedule_;
-  double tokens_per_step_, flops_per_token_per_device_, peak_flops_;
-  const Evaluator* validation_;  // evaluated before this writer runs (or null)
-  std::chrono::steady_clock::time_point last_;
-};
 
 // The training and validation curves of a metrics file.
 LossCurve read_curve(const std::string& name, const std::string& metrics_path) {
