@@ -166,5 +166,40 @@ TEST(Fp8AutocastTest, AFailureAtScopeExitIsRethrownByTheNextRegion) {
   EXPECT_TRUE(Fp8Autocast::is_enabled());
 }
 
+// The recipe's strings are read once, by resolve(); every knob reaches its enum or field.
+TEST(Fp8AutocastTest, RecipeOptionsResolveToEnumsOnce) {
+  const auto defaults = Fp8RecipeOptions().resolve();
+  EXPECT_EQ(defaults.forward_format, Fp8Format::kE4M3);
+  EXPECT_EQ(defaults.backward_format, Fp8Format::kE5M2);
+  EXPECT_EQ(defaults.margin, 0);
+  EXPECT_EQ(defaults.amax_history_len, 1024);
+  EXPECT_EQ(defaults.amax_compute_algo, AmaxComputeAlgo::kMax);
+  EXPECT_TRUE(defaults.delayed());
+
+  const auto custom = Fp8RecipeOptions()
+                          .fp8("e4m3")
+                          .fp8_margin(3)
+                          .fp8_amax_history_len(16)
+                          .fp8_amax_compute_algo("most_recent")
+                          .fp8_recipe("tensorwise")
+                          .resolve();
+  EXPECT_EQ(custom.forward_format, Fp8Format::kE4M3);
+  EXPECT_EQ(custom.backward_format, Fp8Format::kE4M3);
+  EXPECT_EQ(custom.margin, 3);
+  EXPECT_EQ(custom.amax_history_len, 16);
+  EXPECT_EQ(custom.amax_compute_algo, AmaxComputeAlgo::kMostRecent);
+  EXPECT_EQ(custom.scaling, Fp8Scaling::kTensorwise);
+  EXPECT_FALSE(custom.delayed());
+
+  // A region opened from options runs the recipe they resolve to.
+  {
+    Fp8Autocast region(Fp8RecipeOptions().fp8("e4m3").fp8_recipe("tensorwise"));
+    EXPECT_EQ(Fp8Autocast::current_recipe(),
+              Fp8RecipeOptions().fp8("e4m3").fp8_recipe("tensorwise").resolve());
+  }
+  EXPECT_THROW(Fp8RecipeOptions().fp8_recipe("scaled").resolve(), c10::Error);
+  EXPECT_THROW(Fp8RecipeOptions().fp8_amax_compute_algo("mean").resolve(), c10::Error);
+}
+
 }  // namespace
 }  // namespace amp8

@@ -18,7 +18,7 @@ namespace amp8 {
 
 struct Fp8Autocast::Region {
   bool enabled;
-  Fp8RecipeOptions recipe;
+  Fp8Recipe recipe;
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::vector<DelayedScalingGroup> forward_groups;
   std::unordered_set<const void*> owners;
@@ -77,9 +77,12 @@ thread_local std::exception_ptr deferred_close_error;
 }  // namespace
 
 Fp8Autocast::Fp8Autocast(const Fp8RecipeOptions& recipe, bool enabled,
+                         c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group)
+    : Fp8Autocast(enabled ? recipe.resolve() : Fp8Recipe{}, enabled, std::move(amax_reduction_group)) {}
+
+Fp8Autocast::Fp8Autocast(const Fp8Recipe& recipe, bool enabled,
                          c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group) {
   if (deferred_close_error) std::rethrow_exception(std::exchange(deferred_close_error, nullptr));
-  if (enabled) recipe.validate();
   region_ = std::make_unique<Region>(Region{enabled, recipe, std::move(amax_reduction_group), {}, {},
                                             std::uncaught_exceptions(), false});
   region_stack.push_back(region_.get());
@@ -116,12 +119,12 @@ void Fp8Autocast::close() {
   const auto& r = region_->recipe;
   if (region_->group) detail::reduce_amaxes(region_->forward_groups, *region_->group);
   delayed_scaling_update(region_->forward_groups,
-                         {r.forward_format(), r.fp8_margin(), r.amax_compute_algo()});
+                         {r.forward_format, r.margin, r.amax_compute_algo});
 }
 
 bool Fp8Autocast::is_enabled() { return !region_stack.empty() && region_stack.back()->enabled; }
 
-const Fp8RecipeOptions& Fp8Autocast::current_recipe() {
+const Fp8Recipe& Fp8Autocast::current_recipe() {
   TORCH_CHECK(is_enabled(), "Fp8Autocast::current_recipe: no enabled Fp8Autocast region");
   return region_stack.back()->recipe;
 }
@@ -156,7 +159,7 @@ void register_forward_group(const void* owner, const DelayedScalingGroup& group)
 }
 
 void register_backward_group(const void* owner, const DelayedScalingGroup& group,
-                             const Fp8RecipeOptions& recipe,
+                             const Fp8Recipe& recipe,
                              const c10::intrusive_ptr<c10d::ProcessGroup>& process_group) {
   const int graph_task = current_backward_pass();
   bool queue = false;
@@ -166,8 +169,8 @@ void register_backward_group(const void* owner, const DelayedScalingGroup& group
     auto [it, first] = all.by_graph_task.try_emplace(graph_task);
     auto& pending = it->second;
     if (pending.owners.insert(owner).second) {
-      const PendingKey key{static_cast<int>(recipe.backward_format()), recipe.fp8_margin(),
-                           static_cast<int>(recipe.amax_compute_algo()), process_group.get()};
+      const PendingKey key{static_cast<int>(recipe.backward_format), recipe.margin,
+                           static_cast<int>(recipe.amax_compute_algo), process_group.get()};
       pending.groups[key].push_back(group);
       if (process_group) pending.process_groups[key] = process_group;
     }

@@ -37,6 +37,10 @@ class Fp8Autocast {
  public:
   explicit Fp8Autocast(const Fp8RecipeOptions& recipe = {}, bool enabled = true,
                        c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group = {});
+  /// With a recipe resolved beforehand (Fp8RecipeOptions::resolve), as MixedPrecisionPlugin
+  /// opens one region per step.
+  explicit Fp8Autocast(const Fp8Recipe& recipe, bool enabled = true,
+                       c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group = {});
   ~Fp8Autocast();
   /// Ends the region: pops it, then (delayed scaling, FP8 on) all-reduces the forward amaxes
   /// over the group and updates the forward scales. Throws what they throw; the region is
@@ -48,7 +52,7 @@ class Fp8Autocast {
   /// Whether FP8 is on for modules running now on this thread.
   static bool is_enabled();
   /// The recipe of the innermost enabled region; throws outside one.
-  static const Fp8RecipeOptions& current_recipe();
+  static const Fp8Recipe& current_recipe();
   /// The amax reduction group of the innermost enabled region (null when none was given).
   static c10::intrusive_ptr<c10d::ProcessGroup> current_group();
 

@@ -22,7 +22,7 @@ void Fp8RecipeOptions::validate() const {
               "zero; use a margin in [0, ", kMaxFp8Margin, "] (NeMo's presets: 0)");
   TORCH_CHECK(fp8_amax_history_len_ >= 1 && fp8_amax_history_len_ <= (1 << 20),
               "fp8_amax_history_len must be in [1, 1048576], got ", fp8_amax_history_len_);
-  amax_compute_algo();
+  amax_compute_algo_from_string(fp8_amax_compute_algo_, "fp8_amax_compute_algo");
   TORCH_CHECK(fp8_recipe_ != "mxfp8", "fp8_recipe \"mxfp8\" (MXFP8 block scaling, TE's "
               "MXFP8BlockScaling) needs GPUs with MXFP8 tensor cores: NVIDIA Blackwell (compute "
               "capability 10.0 or later); amp8 trains on Hopper: use \"delayed\" or \"tensorwise\"");
@@ -32,14 +32,16 @@ void Fp8RecipeOptions::validate() const {
               "fp8_recipe must be \"delayed\" or \"tensorwise\", got \"", fp8_recipe_, "\"");
 }
 
-Fp8Format Fp8RecipeOptions::forward_format() const { return Fp8Format::kE4M3; }
-
-Fp8Format Fp8RecipeOptions::backward_format() const {
-  return fp8_ == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
-}
-
-AmaxComputeAlgo Fp8RecipeOptions::amax_compute_algo() const {
-  return amax_compute_algo_from_string(fp8_amax_compute_algo_, "fp8_amax_compute_algo");
+Fp8Recipe Fp8RecipeOptions::resolve() const {
+  validate();
+  Fp8Recipe recipe;
+  recipe.forward_format = Fp8Format::kE4M3;
+  recipe.backward_format = fp8_ == "e4m3" ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  recipe.margin = fp8_margin_;
+  recipe.amax_history_len = fp8_amax_history_len_;
+  recipe.amax_compute_algo = amax_compute_algo_from_string(fp8_amax_compute_algo_, "fp8_amax_compute_algo");
+  recipe.scaling = fp8_recipe_ == "delayed" ? Fp8Scaling::kDelayed : Fp8Scaling::kTensorwise;
+  return recipe;
 }
 
 std::ostream& operator<<(std::ostream& os, const Fp8RecipeOptions& r) {

@@ -19,6 +19,26 @@ inline constexpr int64_t kDefaultFp8MinGemmSize = int64_t{1} << 36;
 /// smallest subnormal 2^-9; with 2^19 every value rounds to zero.
 inline constexpr int kMaxFp8Margin = 18;
 
+/// How each FP8 tensor's scale is chosen.
+enum class Fp8Scaling {
+  kDelayed,     ///< from the tensor's amax history (TE's DelayedScaling)
+  kTensorwise,  ///< from the tensor's own amax, just before it is quantized (current scaling)
+};
+
+/// An Fp8RecipeOptions parsed and validated once (Fp8RecipeOptions::resolve): what regions,
+/// modules and backward passes read on every call, without strings.
+struct Fp8Recipe {
+  Fp8Format forward_format = Fp8Format::kE4M3;   ///< activations and weights
+  Fp8Format backward_format = Fp8Format::kE5M2;  ///< gradients: E5M2 under "hybrid", else E4M3
+  int margin = 0;
+  int64_t amax_history_len = 1024;
+  AmaxComputeAlgo amax_compute_algo = AmaxComputeAlgo::kMax;
+  Fp8Scaling scaling = Fp8Scaling::kDelayed;
+
+  bool delayed() const { return scaling == Fp8Scaling::kDelayed; }
+  bool operator==(const Fp8Recipe&) const = default;
+};
+
 /// The FP8 recipe: Transformer Engine's DelayedScaling knobs under NeMo's names. Defaults are
 /// TE's and NeMo's FP8 presets; Megatron's MixedPrecisionPlugin defaults (history 1,
 /// "most_recent") are the documented alternative.
@@ -42,10 +62,8 @@ struct Fp8RecipeOptions {
  public:
   /// Throws c10::Error naming the first bad knob and its accepted values.
   void validate() const;
-  Fp8Format forward_format() const;   ///< E4M3
-  Fp8Format backward_format() const;  ///< E5M2 under "hybrid", E4M3 under "e4m3"
-  AmaxComputeAlgo amax_compute_algo() const;
-  bool delayed() const { return fp8_recipe_ == "delayed"; }
+  /// validate(), then the knobs as enums: the only place their strings are read.
+  Fp8Recipe resolve() const;
 };
 
 std::ostream& operator<<(std::ostream& os, const Fp8RecipeOptions& recipe);

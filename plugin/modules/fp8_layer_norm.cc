@@ -48,7 +48,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
                                const detail::Fp8LinearCall& call, double eps) {
     const int64_t hidden = ln_weight.size(0);
     const auto& recipe = call.recipe;
-    const auto format = recipe.forward_format();
+    const auto format = recipe.forward_format;
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
     const auto& slots = detail::Fp8LinearInternals::slots(*linear);
@@ -105,7 +105,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     const LayerNormStats stats{tensors[1], tensors[2]};
     const auto& ln_weight = tensors[3];
     const auto& ln_bias = tensors[4];
-    const auto format = recipe.forward_format();
+    const auto format = recipe.forward_format;
     const auto w = detail::load_dgrad_weight(ctx, tensors[8], tensors[9], format);
 
     const bool need_ln =

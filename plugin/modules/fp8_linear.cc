@@ -33,7 +33,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     auto x = detail::pad_rows(x2d, detail::padded_rows(rows));
 
     const auto& slots = Fp8LinearInternals::slots(*module);
-    auto x_q = detail::quantize_for(x, recipe, recipe.forward_format(), slots.input_scale,
+    auto x_q = detail::quantize_for(x, recipe, recipe.forward_format, slots.input_scale,
                                     slots.input_amax);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
@@ -59,7 +59,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
     const auto tensors = ctx->get_saved_variables();
-    const auto format = saved.recipe.forward_format();
+    const auto format = saved.recipe.forward_format;
     const auto w = detail::load_dgrad_weight(ctx, tensors[0], tensors[1], format);
     auto grads = detail::fp8_linear_backward(
         saved, grad_outputs[0].reshape({-1, saved.linear->options.out_features()}),
@@ -291,7 +291,7 @@ const Fp8LinearImpl::SlotViews& Fp8LinearImpl::slot_views() {
   return slot_views_;
 }
 
-Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe) {
+Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8Recipe& recipe) {
   if (options.fp8_params()) {
     // Already FP8. The transpose dgrad needs is a byte transpose, made by the backward itself
     // (fp8_linear_backward): made here, every layer's would stay alive from its forward to
@@ -305,7 +305,7 @@ Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8RecipeOptions& recipe)
   }
   torch::NoGradGuard no_grad;
   const auto& slots = slot_views();
-  auto q = detail::quantize_for(weight, recipe, recipe.forward_format(), slots.weight_scale,
+  auto q = detail::quantize_for(weight, recipe, recipe.forward_format, slots.weight_scale,
                                 slots.weight_amax);
   if (options.cache_fp8_weight()) {
     weight_cache_ = q;
@@ -360,7 +360,7 @@ std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
               "Fp8Linear: in an FP8 region the input must be float32, bfloat16 or float16, got ",
               compute);
   const auto& recipe = Fp8Autocast::current_recipe();
-  linear.ensure_history_len(recipe.fp8_amax_history_len());
+  linear.ensure_history_len(recipe.amax_history_len);
   linear.amax_reduction_group_ = Fp8Autocast::current_group();
   if (recipe.delayed()) {
     register_forward_group(

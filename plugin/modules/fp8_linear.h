@@ -169,7 +169,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
 
  private:
   void ensure_history_len(int64_t history_len);
-  Fp8CastTranspose quantized_weight(const Fp8RecipeOptions& recipe);
+  Fp8CastTranspose quantized_weight(const Fp8Recipe& recipe);
 
   friend struct detail::Fp8LinearInternals;
   void accumulate_main_grad(const torch::Tensor& grad);

@@ -35,7 +35,7 @@ MixedPrecisionPlugin::MixedPrecisionPlugin(const MixedPrecisionOptions& options)
                         .growth_interval(options_.fp16_loss_scale_window())
                         .hysteresis(options_.fp16_hysteresis()));
   }
-  if (options_.fp8_enabled()) fp8_recipe_ = options_.fp8_recipe_options();
+  if (options_.fp8_enabled()) fp8_recipe_ = options_.fp8_recipe_options().resolve();
 }
 
 std::string MixedPrecisionPlugin::name() const {

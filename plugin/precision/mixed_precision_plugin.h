@@ -178,7 +178,7 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
 
   MixedPrecisionOptions options_;
   std::optional<LossScaler> scaler_;
-  Fp8RecipeOptions fp8_recipe_;
+  Fp8Recipe fp8_recipe_;  // resolved once, from options_
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   DistributedOptimizerOptions distributed_options_;
   std::unique_ptr<DistributedOptimizer> distributed_;

@@ -15,7 +15,7 @@ void register_forward_group(const void* owner, const DelayedScalingGroup& group)
 // Called from a backward function after its gradient amax was recorded: adds `group` to the
 // bulk update that runs when the current backward pass ends (queued on the autograd engine).
 void register_backward_group(const void* owner, const DelayedScalingGroup& group,
-                             const Fp8RecipeOptions& recipe,
+                             const Fp8Recipe& recipe,
                              const c10::intrusive_ptr<c10d::ProcessGroup>& group_to_reduce_over);
 
 // One all-reduce MAX over `group` of row 0 (this step's amaxes) of every history in `groups`,

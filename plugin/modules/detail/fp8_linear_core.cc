@@ -31,13 +31,13 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
   return input.scalar_type();
 }
 
-Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
+Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot) {
   if (recipe.delayed())
     return cast_transpose(x, scale, format, amax_slot, /*accumulate_amax=*/true);
   auto amax = compute_amax(x);
   amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
-  return cast_transpose(x, compute_current_scale(amax, format, recipe.fp8_margin()), format);
+  return cast_transpose(x, compute_current_scale(amax, format, recipe.margin), format);
 }
 
 void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx) const {
@@ -46,11 +46,12 @@ void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx) const {
                                  has_bias,
                                  static_cast<int64_t>(input_dtype),
                                  static_cast<int64_t>(weight_dtype),
-                                 recipe.backward_format() == Fp8Format::kE5M2,
-                                 recipe.fp8_margin(),
-                                 recipe.amax_compute_algo() == AmaxComputeAlgo::kMostRecent,
-                                 recipe.delayed(),
-                                 recipe.fp8_amax_history_len()};
+                                 static_cast<int64_t>(recipe.forward_format),
+                                 static_cast<int64_t>(recipe.backward_format),
+                                 recipe.margin,
+                                 static_cast<int64_t>(recipe.amax_compute_algo),
+                                 static_cast<int64_t>(recipe.scaling),
+                                 recipe.amax_history_len};
   ctx->saved_data["fp8_linear"] = std::move(packed);
   ctx->saved_data["input_sizes"] = input_sizes;
 }
@@ -63,12 +64,12 @@ Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx) {
   saved.has_bias = packed[2] != 0;
   saved.input_dtype = static_cast<at::ScalarType>(packed[3]);
   saved.weight_dtype = static_cast<at::ScalarType>(packed[4]);
-  saved.recipe = Fp8RecipeOptions()
-                     .fp8(packed[5] ? "hybrid" : "e4m3")
-                     .fp8_margin(static_cast<int>(packed[6]))
-                     .fp8_amax_compute_algo(packed[7] ? "most_recent" : "max")
-                     .fp8_recipe(packed[8] ? "delayed" : "tensorwise")
-                     .fp8_amax_history_len(packed[9]);
+  saved.recipe.forward_format = static_cast<Fp8Format>(packed[5]);
+  saved.recipe.backward_format = static_cast<Fp8Format>(packed[6]);
+  saved.recipe.margin = static_cast<int>(packed[7]);
+  saved.recipe.amax_compute_algo = static_cast<AmaxComputeAlgo>(packed[8]);
+  saved.recipe.scaling = static_cast<Fp8Scaling>(packed[9]);
+  saved.recipe.amax_history_len = packed[10];
   saved.input_sizes = ctx->saved_data["input_sizes"].toIntVector();
   return saved;
 }
@@ -139,7 +140,7 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
     g = g.to(at::kFloat);
   }
   const auto& slots = Fp8LinearInternals::slots(module);
-  auto g_q = quantize_for(g, recipe, recipe.backward_format(), slots.grad_scale, slots.grad_amax);
+  auto g_q = quantize_for(g, recipe, recipe.backward_format, slots.grad_scale, slots.grad_amax);
   g = at::Tensor();
   if (recipe.delayed()) {
     register_backward_group(

@@ -18,7 +18,7 @@ struct Fp8LinearCall {
   /// The FP8 weight and its transpose (cached or fresh); under fp8_params no transpose (the
   /// backward makes it).
   Fp8CastTranspose weight_q;
-  Fp8RecipeOptions recipe;
+  Fp8Recipe recipe;
   at::ScalarType out_dtype;  ///< the autocast dtype, else the input's
 };
 
@@ -53,7 +53,7 @@ at::ScalarType compute_dtype(const at::Tensor& input);
 
 /// Quantizes x for the recipe: delayed scaling uses `scale` and max-merges max|x| into
 /// `amax_slot`; tensorwise scaling derives the scale from x itself.
-Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8RecipeOptions& recipe, Fp8Format format,
+Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot);
 
 struct Fp8LinearGrads {
@@ -66,7 +66,7 @@ struct Fp8LinearGrads {
 /// stored in the context as integers (no strings on the hot path).
 struct Fp8LinearSaved {
   Fp8LinearImpl* linear = nullptr;
-  Fp8RecipeOptions recipe;
+  Fp8Recipe recipe;
   int64_t rows = 0;  ///< rows of the flattened input, before padding
   bool has_bias = false;
   at::ScalarType input_dtype = at::kFloat;
