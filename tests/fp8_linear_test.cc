@@ -477,13 +477,22 @@ TEST_F(Fp8LinearTest, ModelInitKeepsWeightsOnlyInFp8) {
   EXPECT_FALSE(
       make_fp8_params_layer(32, 32, /*preserve=*/false)->high_precision_init_val().defined());
   EXPECT_FALSE(Fp8Linear(32, 32)->options.fp8_params()) << "outside the guard";
-  try {
-    make_fp8_params_layer(30, 20);
-    ADD_FAILURE();
-  } catch (const c10::Error& e) {
-    EXPECT_THAT(
-        e.what_without_backtrace(),
-        HasSubstr("fp8_params needs in_features and out_features divisible by 16, got 30 and 20"));
+  // A shape FP8 GEMMs cannot take (an output head of 10 classes) is no error under
+  // Fp8ModelInit: the layer keeps its weight in high precision and computes like nn::Linear.
+  for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{{30, 20}, {64, 10}}) {
+    auto head = make_fp8_params_layer(in, out);
+    EXPECT_FALSE(head->options.fp8_params()) << in << "x" << out;
+    EXPECT_EQ(head->weight.scalar_type(), at::kFloat);
+    EXPECT_TRUE(head->weight.requires_grad());
+    auto linear = torch::nn::Linear(in, out);
+    {
+      torch::NoGradGuard no_grad;
+      linear->weight.copy_(head->weight);
+      linear->bias.copy_(head->bias);
+    }
+    const auto x = torch::randn({5, in});
+    Fp8Autocast region;
+    EXPECT_TRUE(BytesEqual(head->forward(x), linear->forward(x)));
   }
 }
 

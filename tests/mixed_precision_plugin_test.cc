@@ -14,6 +14,7 @@
 #include "plugin/precision/autocast_guard.h"
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
+#include "plugin/training/export.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
 #include "tests/test_util.h"
@@ -452,6 +453,59 @@ TEST_F(MasterParamsTest, Fp8ParamsMastersAreTheHighPrecisionValues) {
   EXPECT_LE(testing::relative_error(dequantized, masters[0]), testing::kE4M3Rms * 1.5);
   EXPECT_EQ(first->weight.scalar_type(), at::kFloat8_e4m3fn);
   expect_optimizer_sees_only_fp32(optimizer);
+}
+
+// Back to plain LibTorch: the trained model's FP32 masters, written under the model's names,
+// load into the unmodified fp32 architecture (torch::nn::Linear where FP8 swapped in
+// Fp8Linear; FP8 weights under fp8_params).
+TEST_F(MasterParamsTest, ExportedFp32ModelLoadsIntoTheUnmodifiedModel) {
+  struct Case {
+    const char* name;
+    MixedPrecisionOptions options;
+  };
+  const std::vector<Case> cases = {
+      {"bf16-mixed", recipes::bf16_mixed()},
+      {"fp16-mixed", recipes::fp16_mixed().fp16_initial_loss_scale(256)},
+      {"bf16 + FP8, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0)},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto model = testing::make_mlp();
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    MixedPrecisionPlugin plugin = c.options;
+    plugin.connect(*model, optimizer);
+    MlpData data(11);
+    torch::Tensor loss;
+    for (int step = 0; step < 4; ++step) {
+      auto [x, y] = data.batch(step, 0, 32);
+      loss = forward_backward(plugin, model, x, y);
+      plugin.optimizer_step(optimizer);
+    }
+    const auto path = testing::scratch_path("export", "model.pt").string();
+    export_fp32_model(*model, plugin, path);
+
+    auto plain = testing::make_mlp();  // the architecture as the user wrote it, float32
+    torch::load(plain, path);
+    const auto masters = plugin.master_params();
+    const auto params = plain->parameters();
+    ASSERT_EQ(params.size(), masters.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i].scalar_type(), at::kFloat);
+      EXPECT_TRUE(BytesEqual(params[i], masters[i])) << "parameter " << i << " is its FP32 master";
+    }
+    // The masters, not the half copies: they differ after a few steps of AdamW.
+    EXPECT_FALSE(BytesEqual(masters[0], model->parameters()[0].detach().to(at::kFloat)));
+    // The plain model computes what the trained one does, to the precision's rounding.
+    auto [x, y] = data.batch(100, 0, 32);
+    torch::NoGradGuard no_grad;
+    const double plain_loss = torch::mse_loss(plain->forward(x), y).item<double>();
+    torch::Tensor trained_loss;
+    {
+      auto context = plugin.forward_context();
+      trained_loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+    }
+    EXPECT_NEAR(plain_loss, trained_loss.item<double>(), 0.05 * plain_loss);
+  }
 }
 
 // ---- fp16 loss scaling inside the loop ----

@@ -14,7 +14,7 @@ CXX=clang++ cmake -S "$ROOT/fuzz" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Releas
   -DCMAKE_PREFIX_PATH="$PREFIX;$TORCH_PREFIX" >"$BUILD.configure.log" 2>&1 || { cat "$BUILD.configure.log"; exit 1; }
 cmake --build "$BUILD" -j"$(nproc)" >/dev/null
 status=0
-for target in fuzz_precision_options fuzz_checkpoint_load fuzz_text_data; do
+for target in fuzz_precision_options fuzz_checkpoint_load fuzz_text_data fuzz_indexed_dataset; do
   work="$BUILD/run_$target"
   rm -rf "$work" && mkdir -p "$work/new"
   rc=0

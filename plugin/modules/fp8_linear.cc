@@ -104,9 +104,14 @@ void Fp8LinearImpl::reset() {
               options.in_features(), " and ", options.out_features());
   TORCH_CHECK(options.fp8_amax_history_len() >= 1,
               "Fp8Linear: fp8_amax_history_len must be >= 1, got ", options.fp8_amax_history_len());
-  TORCH_CHECK(!options.fp8_params() || fp8_eligible(),
-              "Fp8Linear: fp8_params needs in_features and out_features divisible by 16, got ",
-              options.in_features(), " and ", options.out_features());
+  if (options.fp8_params() && !fp8_eligible()) {
+    // The one rule for shapes FP8 GEMMs cannot take: the layer stays in high precision, its
+    // weight included (an output head of 10 classes inside Fp8ModelInit is fine).
+    TORCH_WARN("Fp8Linear(", options.in_features(), ", ", options.out_features(),
+               "): FP8 needs in_features and out_features divisible by 16; this layer keeps its "
+               "weight in high precision (fp8_params off for it) and computes in high precision");
+    options.fp8_params(false);
+  }
   weight =
       register_parameter("weight", torch::empty({options.out_features(), options.in_features()}),
                          /*requires_grad=*/!options.fp8_params());

@@ -49,7 +49,9 @@ struct Fp8LinearOptions {
   TORCH_ARG(bool, cache_fp8_weight) = false;
   /// Keep the weight only in FP8 (E4M3, 1 byte per element, with its own scale_inv) —
   /// TE's fp8_model_init. Set by constructing the module under an Fp8ModelInit guard. See
-  /// Fp8LinearImpl for how gradients and updates reach such a weight. Default: false.
+  /// Fp8LinearImpl for how gradients and updates reach such a weight. A layer whose shape FP8
+  /// cannot take (a dimension not divisible by 16) keeps its weight in high precision: the
+  /// module turns this off for itself, with a warning. Default: false.
   TORCH_ARG(bool, fp8_params) = false;
 };
 

@@ -409,6 +409,18 @@ std::vector<torch::Tensor> MixedPrecisionPlugin::master_params() const {
   return masters;
 }
 
+at::Tensor MixedPrecisionPlugin::fp32_value(const at::Tensor& param) const {
+  TORCH_CHECK(!distributed_, "MixedPrecisionPlugin::fp32_value: with a process group each rank holds "
+              "only its shard of the FP32 masters (ZeRO-1); gathering them for an export is not "
+              "built yet");
+  for (const auto& entry : masters_) {
+    if (entry.model.is_same(param)) return entry.master.detach().clone();
+  }
+  TORCH_CHECK(!isFloat8Type(param.scalar_type()), "MixedPrecisionPlugin::fp32_value: an FP8 parameter "
+              "of ", param.sizes(), " has no FP32 master here (not a parameter of the connected model?)");
+  return param.detach().to(at::kFloat);
+}
+
 void MixedPrecisionPlugin::save(torch::serialize::OutputArchive& archive) const {
   archive.write("precision", c10::IValue(name()));
   archive.write("skipped_steps", torch::tensor({skipped_steps_}, at::kLong));

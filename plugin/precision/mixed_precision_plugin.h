@@ -162,6 +162,9 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   const std::optional<LossScaler>& scaler() const { return scaler_; }
   /// The FP32 masters the optimizer steps, in the optimizer's parameter order.
   std::vector<torch::Tensor> master_params() const;
+  /// A copy of `param`'s FP32 master (the parameter itself, cast, when it has none). Throws
+  /// with a process group: the masters are sharded over the ranks.
+  at::Tensor fp32_value(const at::Tensor& param) const override;
 
  private:
   struct Master {

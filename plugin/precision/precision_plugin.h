@@ -140,6 +140,11 @@ class PrecisionPlugin {
   /// Steps skipped since the start of training (non-finite gradients).
   virtual int64_t skipped_steps() const { return 0; }
 
+  /// The float32 value training holds for `param`, one of the model's parameters: its FP32
+  /// master where the optimizer steps one (MixedPrecisionPlugin), else the parameter itself.
+  /// What export_fp32_model (plugin/training/export.h) writes.
+  virtual at::Tensor fp32_value(const at::Tensor& param) const { return param.detach().to(at::kFloat); }
+
   /// Everything of the plugin that changes during training.
   virtual void save(torch::serialize::OutputArchive& archive) const {}
   virtual void load(torch::serialize::InputArchive& archive) {}

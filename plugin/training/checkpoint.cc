@@ -327,7 +327,7 @@ void check_pickle_bounds(const uint8_t* data, size_t size, const std::string& wh
   }
 }
 
-void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
+void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path, bool trailer) {
   namespace fs = std::filesystem;
   TORCH_CHECK(!path.empty(), "save_atomically: path must not be empty");
   const fs::path target(path);
@@ -356,15 +356,15 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
     length += size;
     return size;
   });
-  const std::string trailer = make_trailer(length, checksum.finish());
-  if (write_error.empty()) write_error = write_all(fd, trailer.data(), trailer.size());
+  const std::string tail = trailer ? make_trailer(length, checksum.finish()) : std::string();
+  if (write_error.empty() && !tail.empty()) write_error = write_all(fd, tail.data(), tail.size());
   if (write_error.empty() && ::fsync(fd) != 0) write_error = "fsync failed: " + system_error();
   if (::close(fd) != 0 && write_error.empty()) write_error = "close failed: " + system_error();
   if (!write_error.empty()) {
     std::remove(temporary.c_str());
     const auto space = fs::space(folder, error);
     TORCH_CHECK(false, "save_atomically: writing ", path, " failed (", write_error, "): the checkpoint needs ",
-                length + trailer.size(), " bytes, ", written, " were written before the failure",
+                length + tail.size(), " bytes, ", written, " were written before the failure",
                 error ? std::string() : ", the folder " + folder.string() + " has " +
                                             std::to_string(space.available) + " bytes free",
                 "; the temporary file was removed and ", path, " is unchanged");

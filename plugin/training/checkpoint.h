@@ -24,7 +24,9 @@ constexpr uint32_t kCheckpointFormatVersion = 1;
 /// c10::Error naming the path, the system error, the bytes the checkpoint needs and the bytes
 /// free in the folder; the temporary file is removed and `path` keeps its previous content. The
 /// archive is left as it was, so the caller's state is intact and a later save can succeed.
-void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
+/// `trailer` false writes the bare archive (no trailer, no checksum): a file torch::load reads
+/// (export_fp32_model), with the same all-or-nothing write.
+void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path, bool trailer = true);
 
 /// What is wrong with the checkpoint file at `path`, or "" when it is complete: a missing or
 /// non-regular file, no trailer, a truncated file, another format version or a checksum

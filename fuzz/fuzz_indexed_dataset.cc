@@ -1,0 +1,63 @@
+// Fuzzes Megatron's indexed-dataset reader (recipes/data/indexed_dataset.cc): any bytes as the
+// .idx beside a fixed .bin, then every sequence read whole and in part. What it asserts: a file
+// is either refused with c10::Error when opened, or every read it then allows stays inside the
+// .bin and returns what the index says.
+#include "recipes/data/indexed_dataset.cc"  // the reader under test, instrumented
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace {
+
+constexpr int64_t kBinBytes = 8192;  // larger than the seeds' .bin files (tests/data/megatron_indexed/)
+
+void write_file(const std::string& path, const void* data, size_t size) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const std::string prefix = "/tmp/amp8_fuzz_indexed_" + std::to_string(getpid());
+  static const bool bin_written = [] {
+    std::string bin(kBinBytes, '\0');
+    for (int64_t i = 0; i < kBinBytes; ++i) bin[i] = static_cast<char>(i * 131 % 251);
+    write_file(prefix + ".bin", bin.data(), bin.size());
+    return true;
+  }();
+  (void)bin_written;
+  write_file(prefix + ".idx", data, size);
+  std::optional<amp8::recipes::IndexedDataset> dataset;
+  try {
+    dataset.emplace(prefix);
+  } catch (const c10::Error&) {
+    return 0;  // refused when opened: the expected outcome for almost every input
+  }
+  const auto& lengths = dataset->sequence_lengths();
+  const auto& pointers = dataset->sequence_pointers();
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dataset->dtype()));
+  // Opening promised every sequence inside the .bin and document indices rising from 0 to S.
+  for (int64_t s = 0; s < dataset->num_sequences(); ++s) {
+    if (lengths[s] < 0 || pointers[s] < 0 || pointers[s] + lengths[s] * item > kBinBytes) __builtin_trap();
+  }
+  const auto& documents = dataset->document_indices();
+  if (documents.empty() || documents.front() != 0 || documents.back() != dataset->num_sequences()) __builtin_trap();
+  for (int64_t s = 0; s < std::min<int64_t>(dataset->num_sequences(), 64); ++s) {
+    const auto whole = dataset->get(s);
+    if (whole.numel() != lengths[s]) __builtin_trap();
+    if (lengths[s] >= 2) {
+      const auto part = dataset->get(s, 1, lengths[s] - 1);
+      if (!part.equal(whole.narrow(0, 1, lengths[s] - 1))) __builtin_trap();
+    }
+    try {
+      dataset->get(s, 0, static_cast<int64_t>(lengths[s]) + 1);  // one token past the end
+      __builtin_trap();
+    } catch (const c10::Error&) {
+    }
+  }
+  return 0;
+}
