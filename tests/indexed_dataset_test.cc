@@ -256,6 +256,44 @@ TEST_F(MalformedIndexedDatasetTest, DocumentIndicesOutOfOrder) {
   expect_rejected(idx_path(), "non-decreasing document indices");
 }
 
+TEST_F(MalformedIndexedDatasetTest, DocumentIndicesEndBeforeTheLastSequence) {
+  // Found by fuzz_indexed_dataset: the last entry must be S, or the sequences after it belong to
+  // no document.
+  const auto num_sequences = expected()["datasets"][0]["sequence_count"].get<int64_t>();
+  const auto document_count = expected()["datasets"][0]["document_count"].get<size_t>();
+  write_idx_field<int64_t>(34 + 12 * static_cast<size_t>(num_sequences) + 8 * (document_count - 1),
+                           num_sequences - 1);
+  expect_rejected(idx_path(), "to end at the sequence count");
+}
+
+TEST_F(MalformedIndexedDatasetTest, NonIntegralFloatTokensAreRefusedWhenRead) {
+  // Found by fuzz_indexed_dataset: a float32 dataset opens (its .idx is sound) and refuses, with
+  // an error naming the .bin, the first read of a token that is not an integer.
+  bin_.assign(bin_.size(), 0);
+  const float not_an_id = 2.5f;
+  std::memcpy(bin_.data(), &not_an_id, sizeof(float));
+  write_bytes(bin_path(), bin_);
+  // float32, and every sequence one token long, so each lies inside the .bin and the .idx opens;
+  // sequence 0 starts at byte 0 and reads the 2.5 written above.
+  std::vector<char> idx = idx_;
+  idx[17] = 7;
+  const auto num_sequences = expected()["datasets"][0]["sequence_count"].get<size_t>();
+  const int32_t one_token = 1;
+  for (size_t s = 0; s < num_sequences; ++s) std::memcpy(idx.data() + 34 + 4 * s, &one_token, 4);
+  ASSERT_EQ(expected()["datasets"][0]["sequence_pointers"][0].get<int64_t>(), 0);
+  write_bytes(idx_path(), idx);
+  IndexedDataset dataset(prefix_);
+  ASSERT_EQ(dataset.dtype(), c10::ScalarType::Float);
+  try {
+    dataset.get(0);
+    ADD_FAILURE() << "read a non-integral float token as a token id";
+  } catch (const c10::Error& error) {
+    const std::string message = error.what_without_backtrace();
+    EXPECT_NE(message.find(bin_path()), std::string::npos) << message;
+    EXPECT_NE(message.find("expected integral token ids, got 2.5"), std::string::npos) << message;
+  }
+}
+
 TEST_F(MalformedIndexedDatasetTest, FifoInsteadOfAFile) {
   ASSERT_EQ(std::remove(bin_path().c_str()), 0);
   ASSERT_EQ(::mkfifo(bin_path().c_str(), 0600), 0);

@@ -181,6 +181,9 @@ IndexedDataset::IndexedDataset(const std::string& path_prefix) : path_prefix_(pa
                 idx, ": expected non-decreasing document indices within [0, ", num_sequences,
                 "], got ", document_indices_[document], " after ", document_indices_[document - 1]);
   }
+  TORCH_CHECK(document_indices_.back() == num_sequences, idx,
+              ": expected the document indices to end at the sequence count ", num_sequences,
+              ", got ", document_indices_.back());
 }
 
 torch::Tensor IndexedDataset::get(int64_t sequence_index, int64_t offset, int64_t length) const {
