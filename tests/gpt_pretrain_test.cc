@@ -245,6 +245,28 @@ TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
   EXPECT_NE(bad.err.find("data-prefix needs the tokenizer's vocabulary size: --vocab-size"), std::string::npos) << bad.err;
 }
 
+// Megatron's unweighted blend ("a b") is one epoch of each prefix blended by size: the train
+// micro-batches are its samples in order, and a run that would draw more is refused up front.
+TEST(GptPretrainTest, AnUnweightedBlendServesOneEpochOfEachPrefix) {
+  const std::string a = "tests/data/megatron_indexed/gpt_uint16", b = "tests/data/megatron_indexed/gpt_int32";
+  const auto options = GptDatasetOptions(16).random_seed(99).split("80,20");
+  const BlendedGptDataset reference({{std::nullopt, a}, {std::nullopt, b}}, DatasetSplit::kTrain, 40, options);
+  const MegatronData data(a + " " + b, "80,20", 16, 99, 40, 262144);
+  for (int64_t index : {0, 3, 9}) {
+    const auto [tokens, labels] = data.batch(index, 4, torch::kCPU);
+    for (int64_t row = 0; row < 4; ++row) {
+      const auto [t, l] = reference.tokens_and_labels(index * 4 + row);
+      EXPECT_TRUE(tokens[row].equal(t)) << "micro-batch " << index << " row " << row;
+      EXPECT_TRUE(labels[row].equal(l)) << "micro-batch " << index << " row " << row;
+    }
+  }
+  // One epoch of both train splits holds 145 + 66 samples (the fixture's unweighted blend).
+  EXPECT_NO_THROW(MegatronData(a + " " + b, "80,20", 16, 99, 211, 262144));
+  ExpectErrorContaining([&] { MegatronData(a + " " + b, "80,20", 16, 99, 212, 262144); },
+                        "the unweighted blend holds 211 train samples (one epoch of each prefix), fewer than the "
+                        "212 the run draws");
+}
+
 TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
   const auto dir = scratch("compare");
   const auto run = gpt_pretrain(with(kTiny, {"--steps", "6", "--log-every", "0", "--save-dir",

@@ -20,14 +20,6 @@
 #include "tests/test_models.h"
 #include "tests/test_util.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define AMP8_UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define AMP8_UNDER_ASAN 1
-#endif
-#endif
-
 namespace amp8 {
 namespace {
 

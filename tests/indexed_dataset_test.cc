@@ -33,6 +33,7 @@ namespace amp8::recipes {
 namespace {
 
 using nlohmann::json;
+using testing::ExpectErrorContaining;
 
 const json& expected() {
   static const json parsed = [] {
@@ -439,33 +440,57 @@ TEST(GptDatasetTest, EmptySplitIsRejectedNamingTheDataset) {
 
 // ---- BlendedDataset ----
 
-TEST(BlendedGptDatasetTest, ParsesWeightedBlends) {
+TEST(BlendedGptDatasetTest, ParsesWeightedAndUnweightedBlendsAsMegatronDoes) {
   const std::vector<BlendComponent> blend = parse_blend(" 0.3 path/a\t70 path/b ");
   ASSERT_EQ(blend.size(), 2u);
   EXPECT_EQ(blend[0].weight, 0.3);
   EXPECT_EQ(blend[0].path_prefix, "path/a");
   EXPECT_EQ(blend[1].weight, 70.0);
   EXPECT_EQ(blend[1].path_prefix, "path/b");
-  for (const std::string bad : {"", "path/a", "0.3 a 0.7", "x a", "0 a", "-1 a"}) {
-    EXPECT_THROW(parse_blend(bad), c10::Error) << "\"" << bad << "\"";
+  // get_blend_from_list: prefixes only, an odd word count, or pairs without a single numeric
+  // first word are unweighted prefixes.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> unweighted = {
+      {"path/a", {"path/a"}},
+      {"path/a path/b", {"path/a", "path/b"}},
+      {"0.3 a 0.7", {"0.3", "a", "0.7"}},
+      {"a 0.7 b 0.3", {"a", "0.7", "b", "0.3"}}};
+  for (const auto& [text, prefixes] : unweighted) {
+    const auto parsed = parse_blend(text);
+    ASSERT_EQ(parsed.size(), prefixes.size()) << text;
+    for (size_t i = 0; i < parsed.size(); ++i) {
+      EXPECT_FALSE(parsed[i].weight.has_value()) << text;
+      EXPECT_EQ(parsed[i].path_prefix, prefixes[i]) << text;
+    }
+  }
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"", "expected prefixes"},
+      {"0 a", "expected a positive weight before prefix \"a\""},
+      {"-1 a", "expected a positive weight"},
+      {"inf a", "expected a positive weight"},
+      {"0.3 a x b", "give every prefix a weight, or none"}};
+  for (const auto& [text, message] : bad) {
+    ExpectErrorContaining([&] { parse_blend(text); }, message);
   }
 }
 
-TEST(BlendedGptDatasetTest, IndicesAndSamplesMatchMegatron) {
-  const json& described = expected()["blend"];
+// The weighted and the unweighted blend of the fixture, as BlendedMegatronDatasetBuilder built them.
+class BlendMatchesMegatronTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BlendMatchesMegatronTest, IndicesAndSamplesMatchMegatron) {
+  const json& described = expected()[GetParam()];
   std::string blend_string;
   for (size_t i = 0; i < described["prefixes"].size(); ++i) {
-    blend_string += std::to_string(described["weights"][i].get<double>()) + " " +
-                    AMP8_MEGATRON_FIXTURE_DIR + "/" + described["prefixes"][i].get<std::string>() +
-                    " ";
+    if (!described["weights"].is_null()) blend_string += std::to_string(described["weights"][i].get<double>()) + " ";
+    blend_string += std::string(AMP8_MEGATRON_FIXTURE_DIR) + "/" + described["prefixes"][i].get<std::string>() + " ";
   }
+  const std::vector<BlendComponent> blend = parse_blend(blend_string);
+  ASSERT_EQ(blend.front().weight.has_value(), !described["weights"].is_null());
   const GptDatasetOptions options = GptDatasetOptions(described["sequence_length"].get<int64_t>())
                                         .random_seed(described["random_seed"].get<int64_t>())
                                         .split(described["split"].get<std::string>());
   for (const auto& [split_name, split] : described["splits"].items()) {
     SCOPED_TRACE(split_name);
-    const BlendedGptDataset dataset(parse_blend(blend_string), split_named(split_name),
-                                    split["size"].get<int64_t>(), options,
+    const BlendedGptDataset dataset(blend, split_named(split_name), split["size"].get<int64_t>(), options,
                                     described["mid_level_dataset_surplus"].get<double>());
     EXPECT_EQ(dataset.size(), split["length"].get<int64_t>());
     const auto mid_level_lengths = split["mid_level_lengths"].get<std::vector<int64_t>>();
@@ -487,6 +512,18 @@ TEST(BlendedGptDatasetTest, IndicesAndSamplesMatchMegatron) {
     }
     EXPECT_THROW(dataset.sample(dataset.size()), c10::Error);
   }
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightedAndUnweighted, BlendMatchesMegatronTest,
+                         ::testing::Values("blend", "unweighted_blend"));
+
+TEST(BlendedGptDatasetTest, WeightsMustBeGivenForEveryComponentOrNone) {
+  const std::string prefix = std::string(AMP8_MEGATRON_FIXTURE_DIR) + "/gpt_uint16";
+  ExpectErrorContaining(
+      [&] {
+        BlendedGptDataset({{0.5, prefix}, {std::nullopt, prefix}}, DatasetSplit::kTrain, 10, GptDatasetOptions(16));
+      },
+      "expected a weight for every component or for none; " + prefix + " has none");
 }
 
 }  // namespace

@@ -14,6 +14,8 @@
 #include "plugin/precision/autocast_guard.h"
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
+
+#include <optional>
 #include "plugin/training/export.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
@@ -269,6 +271,35 @@ TEST_F(ConvertModuleTest, KnobsReachTheModelsOwnFp8Modules) {
   EXPECT_GT(layers[2]->fp8_fwd_amax_history.abs().sum().item<float>(), 0.0f) << "ran in FP8";
 }
 
+// fp8_params cannot reach Fp8Linear modules the model built itself outside Fp8ModelInit: the
+// plugin once still named itself "fp8_params" and trained their bf16 weights. Now connect names
+// them; built under Fp8ModelInit (or with fp8_params off) they connect.
+TEST_F(ConvertModuleTest, Fp8ParamsThatCannotReachTheModelsOwnModulesAreNamed) {
+  auto build = [] {
+    return torch::nn::Sequential(Fp8Linear(32, 32), torch::nn::ReLU(), Fp8Linear(32, 16));
+  };
+  {
+    auto model = build();
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed();
+    ExpectErrorContaining([&] { plugin.connect(*model, optimizer); },
+                          "fp8_params is set, but the model's own Fp8Linear modules 0, 2 hold high-precision "
+                          "weights");
+  }
+  {
+    std::optional<Fp8ModelInit> init(std::in_place);
+    auto model = build();
+    init.reset();
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed();
+    EXPECT_NO_THROW(plugin.connect(*model, optimizer));
+  }
+  auto model = build();
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false);
+  EXPECT_NO_THROW(plugin.connect(*model, optimizer));
+}
+
 // The modules convert_module swaps out held float32 parameters (4 bytes per parameter); once
 // the optimizer is pointed at the masters nothing may keep them alive.
 TEST_F(ConvertModuleTest, ConnectReleasesTheSwappedOutParameters) {
@@ -303,7 +334,7 @@ TEST_F(ConvertModuleTest, IneligibleShapesStayAndAreReported) {
 }
 
 // A model that calls a typed torch::nn::Linear member: a swap cannot reach it; the plugin says
-// so at the first step instead of silently training in bf16.
+// so at the first step instead of silently training in bf16 or failing inside the forward.
 struct TypedMemberNetImpl : torch::nn::Module {
   TypedMemberNetImpl() { fc = register_module("fc", torch::nn::Linear(32, 32)); }
   torch::Tensor forward(const torch::Tensor& x) { return fc->forward(x); }
@@ -318,8 +349,9 @@ TEST_F(ConvertModuleTest, ASwapTheForwardNeverCallsIsReported) {
   plugin.connect(*model, optimizer);
   ASSERT_EQ(plugin.conversion().modules.size(), 1u);
   EXPECT_FALSE(plugin.conversion().modules[0].parent_is_container);
-  model->fc->weight = model->fc->weight.detach().to(at::kBFloat16).requires_grad_(true);
-  model->fc->bias = model->fc->bias.detach().to(at::kBFloat16).requires_grad_(true);
+  // The typed member's old Linear was cast with the model: the forward runs (it once failed
+  // inside LibTorch with "mat1 and mat2 must have the same dtype"), and the step names it.
+  EXPECT_EQ(model->fc->weight.scalar_type(), at::kBFloat16);
   torch::Tensor loss;
   { auto context = plugin.forward_context(); loss = model->forward(plugin.convert_input(torch::randn({4, 32}))).to(at::kFloat).sum(); }
   plugin.backward(loss);
@@ -586,6 +618,33 @@ TEST_F(LossScalingTest, GradientsReachTheOptimizerUnscaled) {
   for (const auto& m : masters) clipped += m.grad().pow(2).sum().item<double>();
   EXPECT_NEAR(std::sqrt(clipped), 1e-3, 1e-5) << "clipped to the global norm";
   EXPECT_TRUE(plugin.optimizer_step(optimizer));
+}
+
+TEST_F(LossScalingTest, GradientsFromLossBackwardInsteadOfThePluginsAreNamed) {
+  // A common slip under 16-mixed: loss.backward() leaves the gradients unscaled, and the step
+  // would divide them by the loss scale. It is an error at the step, every step it happens.
+  auto model = testing::make_mlp();
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::fp16_mixed().fp16_loss_scale(1024.0);
+  plugin.connect(*model, optimizer);
+  auto [x, y] = MlpData(9).batch(0, 0, 16);
+  auto loss_of = [&] { return torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y); };
+  const std::string slip = "MixedPrecisionPlugin (16-mixed): this step's gradients did not come from "
+                           "plugin.backward(loss). loss.backward() does not multiply them by the loss scale (1024)";
+  loss_of().backward();
+  ExpectErrorContaining([&] { plugin.optimizer_step(optimizer); }, slip);
+  plugin.discard_gradients(optimizer);
+  plugin.backward(loss_of());
+  EXPECT_TRUE(plugin.optimizer_step(optimizer)) << "plugin.backward(loss) steps";
+  loss_of().backward();
+  ExpectErrorContaining([&] { plugin.clip_gradients(optimizer, 1.0); }, slip);
+  // bf16-mixed does not scale: loss.backward() is what plugin.backward does there.
+  auto bf16_model = testing::make_mlp();
+  torch::optim::SGD bf16_optimizer(bf16_model->parameters(), 0.1);
+  MixedPrecisionPlugin bf16 = recipes::bf16_mixed();
+  bf16.connect(*bf16_model, bf16_optimizer);
+  torch::mse_loss(bf16.convert_output(bf16_model->forward(bf16.convert_input(x))), y).backward();
+  EXPECT_TRUE(bf16.optimizer_step(bf16_optimizer));
 }
 
 // ---- autocast ----

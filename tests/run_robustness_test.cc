@@ -388,5 +388,51 @@ TEST(RunRobustnessTest, ANonFiniteStopSavesTheWeightsItSaysItKeeps) {
   EXPECT_TRUE(b.model->parameters()[0].equal(weight_after_2));
 }
 
+// ---- a micro-batch that does not fit ----
+
+// An address-space limit (RLIMIT_AS) of what the process maps now plus `headroom` makes a large
+// CPU allocation fail as it does on a full machine: the allocator gets ENOMEM and LibTorch's
+// DefaultCPUAllocator throws, without this test needing (or touching) that much memory.
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(rlim_t headroom) {
+    ::getrlimit(RLIMIT_AS, &previous_);
+    std::ifstream status("/proc/self/status");
+    rlim_t mapped_kib = 0;
+    for (std::string line; std::getline(status, line);) {
+      if (line.rfind("VmSize:", 0) == 0) mapped_kib = std::stoull(line.substr(7));
+    }
+    rlimit limit = previous_;
+    limit.rlim_cur = mapped_kib * 1024 + headroom;
+    EXPECT_EQ(::setrlimit(RLIMIT_AS, &limit), 0);
+  }
+  ~AddressSpaceLimit() { ::setrlimit(RLIMIT_AS, &previous_); }
+
+ private:
+  rlimit previous_{};
+};
+
+TEST(RunRobustnessTest, AMicroBatchThatCannotBeAllocatedOnTheCpuNamesTheFlag) {
+#ifdef AMP8_UNDER_ASAN
+  GTEST_SKIP() << "AddressSanitizer maps terabytes of shadow memory and aborts on a failed allocation";
+#endif
+  const auto dir = scratch("cpu_out_of_memory");
+  // 131072 x 32 tokens: each [tokens, hidden 64] float32 activation is 1 GiB, beyond the headroom.
+  testing::CliRun run{};  // (inside a TEST, Run is testing::Test::Run)
+  {
+    AddressSpaceLimit limit(rlim_t{512} << 20);
+    run = gpt_pretrain(tiny(dir, {"--micro-batch", "131072", "--steps", "1"}));
+  }
+  EXPECT_EQ(run.code, 2) << run.err;
+  EXPECT_EQ(run.err.rfind("gpt_pretrain: error: out of memory with micro-batches of 131072 x 32 tokens; lower "
+                          "--micro-batch (and raise --grad-accum for the same batch): ", 0),
+            0u)
+      << run.err;
+  EXPECT_NE(run.err.find("DefaultCPUAllocator: can't allocate memory"), std::string::npos) << run.err;
+  // With room again, the same flags but a small micro-batch train.
+  const auto again = gpt_pretrain(tiny(scratch("cpu_out_of_memory_after"), {"--steps", "1"}));
+  EXPECT_EQ(again.code, 0) << again.err;
+}
+
 }  // namespace
 }  // namespace amp8::recipes

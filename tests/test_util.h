@@ -18,6 +18,16 @@
 #include <string>
 #include <unordered_map>
 
+// Defined in a build with AddressSanitizer (gcc's and clang's spellings), for the few tests whose
+// subject ASan changes: resident memory, address-space limits.
+#if defined(__SANITIZE_ADDRESS__)
+#define AMP8_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define AMP8_UNDER_ASAN 1
+#endif
+#endif
+
 namespace amp8::testing {
 
 // Removes a folder and everything in it (a missing one is fine). Not std::filesystem::remove_all:

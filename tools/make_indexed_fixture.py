@@ -4,7 +4,7 @@
 The .bin/.idx pairs are written by megatron-core's own IndexedDatasetBuilder, and every expected
 value in expected.json (header fields, each sequence's tokens, the document, sample and shuffle
 indices, and the tokens/labels of the first samples of the train and validation splits, for two
-single datasets and a weighted blend of both) is read back through megatron-core's IndexedDataset,
+single datasets, and a weighted and an unweighted blend of both) is read back through megatron-core's IndexedDataset,
 GPTDataset and BlendedDataset, built by BlendedMegatronDatasetBuilder as pretrain_gpt.py builds
 them. tests/indexed_dataset_test.cc checks amp8's C++ reader (recipes/data/) against it. The
 output is deterministic: rerunning rewrites the same bytes.
@@ -150,10 +150,12 @@ def describe_dataset(folder, name, token_dtype, vocab_size, gpt_config, sizes, c
 
 
 def describe_blend(folder, prefixes, weights, gpt_config, sizes, cache_folder):
-    """A weighted blend ("0.3 gpt_uint16 0.7 gpt_int32"), as BlendedMegatronDatasetBuilder builds
-    it: one GPTDataset per prefix and split with a 0.5% sample surplus, blended by
-    build_blending_indices. BlendedDataset asks torch.distributed for its rank when it caches its
-    indices, so a one-process gloo group stands in for the training job."""
+    """A blend as BlendedMegatronDatasetBuilder builds it. Weighted ("0.3 gpt_uint16 0.7
+    gpt_int32"): one GPTDataset per prefix and split with a 0.5% sample surplus, blended by
+    build_blending_indices. Unweighted (weights None, "gpt_uint16 gpt_int32"): one epoch of each
+    prefix's split, blended in proportion to their lengths, the size capped at their sum.
+    BlendedDataset asks torch.distributed for its rank when it caches its indices, so a
+    one-process gloo group stands in for the training job."""
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             "gloo", init_method="file://" + os.path.join(cache_folder, "rendezvous"), rank=0,
@@ -164,7 +166,7 @@ def describe_blend(folder, prefixes, weights, gpt_config, sizes, cache_folder):
         sequence_length=gpt_config["sequence_length"],
         blend=([os.path.join(folder, prefix) for prefix in prefixes], weights),
         split=gpt_config["split"],
-        path_to_cache=os.path.join(cache_folder, "blend"),
+        path_to_cache=os.path.join(cache_folder, "blend" if weights else "unweighted_blend"),
         tokenizer=FixtureTokenizer(262144, eod=0),
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -271,6 +273,16 @@ def main():
             [60, 20, 0],
             cache_folder,
         )
+        # Unweighted: train asks for fewer samples than one epoch of both holds, valid for more
+        # (so Megatron caps it at their sum).
+        unweighted_blend = describe_blend(
+            folder,
+            ["gpt_uint16", "gpt_int32"],
+            None,
+            {"random_seed": 99, "sequence_length": 16, "split": "80,20"},
+            [60, 1000, 0],
+            cache_folder,
+        )
     expected = {
         "generator": "tools/make_indexed_fixture.py",
         "megatron_core_version": installed,
@@ -279,6 +291,7 @@ def main():
         "random_state": describe_random_state(),
         "datasets": datasets,
         "blend": blend,
+        "unweighted_blend": unweighted_blend,
     }
     torch.distributed.destroy_process_group()
     with open(os.path.join(folder, "expected.json"), "w") as stream:

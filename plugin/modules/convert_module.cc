@@ -139,6 +139,7 @@ class Converter {
           result_.kept_in_high_precision.push_back(path + " (bf16 layer)");
         } else if (fp8->fp8_eligible()) {
           ++result_.fp8_linear_count;
+          if (options_.fp8_params() && !fp8->options.fp8_params()) without_fp8_params_.push_back(path);
         }
       } else {
         visit(*child, path, keep_child);
@@ -147,6 +148,9 @@ class Converter {
   }
 
   Fp8Conversion take() { return std::move(result_); }
+  /// The model's own Fp8Linear modules that run FP8 GEMMs on high-precision weights although
+  /// fp8_params is set (they were built outside an Fp8ModelInit guard).
+  const std::vector<std::string>& without_fp8_params() const { return without_fp8_params_; }
 
  private:
   Fp8Linear convert_linear(torch::nn::LinearImpl& old) {
@@ -186,12 +190,13 @@ class Converter {
               const std::shared_ptr<torch::nn::Module>& old,
               const std::shared_ptr<torch::nn::Module>& replacement, torch::nn::AnyModule any) {
     const bool in_container = replace_child(parent, name, old, replacement, std::move(any));
-    result_.modules.push_back({path, replacement, in_container});
+    result_.modules.push_back({path, replacement, in_container, old});
   }
 
   Fp8ConversionOptions options_;
   std::unordered_set<const torch::nn::Module*> kept_layers_;
   Fp8Conversion result_;
+  std::vector<std::string> without_fp8_params_;
 };
 
 }  // namespace
@@ -219,6 +224,12 @@ Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOption
   }
   Converter converter(options, std::move(kept));
   converter.visit(model, "", false);
+  std::string own_modules;
+  for (const auto& path : converter.without_fp8_params()) own_modules += (own_modules.empty() ? "" : ", ") + path;
+  TORCH_CHECK(own_modules.empty(), "fp8_params is set, but the model's own Fp8Linear modules ", own_modules,
+              " hold high-precision weights: fp8_params reaches the modules convert_to_fp8 swaps in, and "
+              "those built inside an amp8::Fp8ModelInit guard (TE's fp8_model_init). Build the model "
+              "inside one, or set fp8_params(false)");
   auto result = converter.take();
   TORCH_CHECK(result.fp8_linear_count > 0,
               "fp8 is on but the model has no linear layer FP8 can run: FP8 needs a "

@@ -40,6 +40,9 @@ struct ConvertedModule {
   /// module in a typed member that a swap cannot reach; MixedPrecisionPlugin then checks that
   /// the replacement is the module that actually runs.
   bool parent_is_container = false;
+  /// The module swapped out. Alive after convert_to_fp8 only while something outside the
+  /// registry holds it: in practice a typed member of the parent, which its forward calls.
+  std::weak_ptr<torch::nn::Module> original;
 };
 
 struct Fp8Conversion {
@@ -68,8 +71,10 @@ struct Fp8Conversion {
 /// (a GPT's blocks) — or, when the model has none, each eligible linear layer in registration
 /// order. Everything inside a kept layer (linear and LayerNorm) stays as it is.
 ///
-/// Throws when the model has no linear layer FP8 could run (naming the knobs), or when more
-/// layers are kept in bf16 than the model has.
+/// Throws when the model has no linear layer FP8 could run (naming the knobs), when more
+/// layers are kept in bf16 than the model has, and, with fp8_params, when Fp8Linear modules
+/// already in the model that run FP8 hold high-precision weights (naming them; they were not
+/// built under Fp8ModelInit, and fp8_params cannot reach them).
 Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOptions& options = {});
 
 }  // namespace amp8

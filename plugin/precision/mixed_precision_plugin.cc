@@ -74,6 +74,18 @@ void MixedPrecisionPlugin::convert_module(torch::nn::Module& model) {
                                                         /*copy=*/true));
     param.set_data(param.detach().to(params_dtype));
   }
+  // A swapped-out module that a typed member still holds gets the same dtype (a copy; it no
+  // longer trains), so the forward that calls it runs and the first step names it
+  // (check_swapped_modules_ran) instead of LibTorch failing inside the forward on mixed dtypes.
+  for (const auto& converted : conversion_.modules) {
+    const auto original = converted.original.lock();
+    if (!original) continue;
+    for (auto& param : original->parameters()) {
+      if (param.is_floating_point() && param.scalar_type() != params_dtype) {
+        param.set_data(param.detach().to(params_dtype));
+      }
+    }
+  }
 }
 
 void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer) {
@@ -207,6 +219,7 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
               loss.defined() ? loss.sizes() : at::IntArrayRef{});
   if (scaler_) {
     loss.to(at::kFloat).mul(scaler_->scale()).backward();
+    scaled_backward_since_step_ = true;
   } else {
     loss.backward();
   }
@@ -216,6 +229,16 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
   if (gradients_ready_) return;
   TORCH_CHECK(model_ != nullptr && (!masters_.empty() || distributed_ || optimizer.param_groups().empty()),
               "MixedPrecisionPlugin: connect(model, optimizer) before stepping");
+  // Under loss scaling, gradients from loss.backward() instead of plugin.backward(loss) are not
+  // multiplied by the scale, and unscaling would divide them by it: the model would barely train.
+  if (scaler_ && !scaled_backward_since_step_) {
+    for (const auto& entry : masters_) {
+      TORCH_CHECK(!entry.model.defined() || !entry.model.grad().defined(), "MixedPrecisionPlugin (", name(),
+                  "): this step's gradients did not come from plugin.backward(loss). loss.backward() does not "
+                  "multiply them by the loss scale (", scaler_->scale(),
+                  ") and unscaling divides them by it, so the model would barely train: call plugin.backward(loss)");
+    }
+  }
   torch::NoGradGuard no_grad;
   fused_step_ = use_fused_step(optimizer);
   if (fused_step_) {
@@ -373,6 +396,7 @@ void MixedPrecisionPlugin::clear_gradients() {
   fused_step_ = false;
   gradients_ready_ = false;
   found_inf_ = false;
+  scaled_backward_since_step_ = false;
 }
 
 void MixedPrecisionPlugin::check_swapped_modules_ran() {

@@ -197,6 +197,7 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   double grad_multiplier_ = 1.0;
   bool gradients_ready_ = false;
   bool found_inf_ = false;
+  bool scaled_backward_since_step_ = false;  // plugin.backward() ran under loss scaling since the last step
   bool swapped_modules_checked_ = false;
   int64_t skipped_steps_ = 0;
 };

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
@@ -42,16 +43,34 @@ std::vector<BlendComponent> parse_blend(const std::string& blend) {
   std::istringstream stream(blend);
   std::vector<std::string> words;
   for (std::string word; stream >> word;) words.push_back(word);
-  TORCH_CHECK(!words.empty() && words.size() % 2 == 0, "blend \"", blend,
-              "\": expected weight/prefix pairs such as \"0.3 path/a 0.7 path/b\"");
-  std::vector<BlendComponent> components;
-  for (size_t i = 0; i < words.size(); i += 2) {
+  TORCH_CHECK(!words.empty(), "blend \"", blend,
+              "\": expected prefixes (\"path/a path/b\") or weight/prefix pairs (\"0.3 path/a 0.7 path/b\")");
+
+  // Megatron reads the first word of each pair as a weight when it is a number.
+  auto number = [](const std::string& word) -> std::optional<double> {
     char* end = nullptr;
-    const double weight = std::strtod(words[i].c_str(), &end);
-    TORCH_CHECK(end == words[i].c_str() + words[i].size() && std::isfinite(weight) && weight > 0,
-                "blend \"", blend, "\": expected a positive weight before prefix \"", words[i + 1],
-                "\", got \"", words[i], "\"");
-    components.push_back({weight, words[i + 1]});
+    const double value = std::strtod(word.c_str(), &end);
+    if (end != word.c_str() + word.size()) return std::nullopt;
+    return value;
+  };
+  size_t numeric = 0;
+  if (words.size() % 2 == 0) {
+    for (size_t i = 0; i < words.size(); i += 2) numeric += number(words[i]).has_value();
+  }
+  std::vector<BlendComponent> components;
+  if (numeric == 0) {
+    for (const std::string& word : words) components.push_back({std::nullopt, word});
+  } else {
+    for (size_t i = 0; i < words.size(); i += 2) {
+      const std::optional<double> weight = number(words[i]);
+      TORCH_CHECK(weight.has_value(), "blend \"", blend, "\": expected a weight before prefix \"",
+                  words[i + 1], "\" as before the others, got \"", words[i],
+                  "\" (give every prefix a weight, or none)");
+      TORCH_CHECK(std::isfinite(*weight) && *weight > 0, "blend \"", blend,
+                  "\": expected a positive weight before prefix \"", words[i + 1], "\", got \"",
+                  words[i], "\"");
+      components.push_back({weight, words[i + 1]});
+    }
   }
   TORCH_CHECK(components.size() < 32767, "blend \"", blend,
               "\": expected fewer than 32767 prefixes (Megatron's int16 dataset index), got ",
@@ -101,25 +120,47 @@ BlendedGptDataset::BlendedGptDataset(const std::vector<BlendComponent>& blend, D
   TORCH_CHECK(mid_level_dataset_surplus >= 0.0, "mid_level_dataset_surplus must be >= 0, got ",
               mid_level_dataset_surplus);
 
-  // First, the builder's normalized weights and the samples it plans (target) and builds
-  // (target plus surplus) per prefix.
-  std::vector<double> weights;
-  for (const BlendComponent& component : blend) weights.push_back(component.weight);
-  const std::vector<double> builder_weights = normalize_blend_weights(weights);
+  const bool weighted = blend.front().weight.has_value();
+  for (const BlendComponent& component : blend) {
+    TORCH_CHECK(component.weight.has_value() == weighted, "BlendedGptDataset: expected a weight for every ",
+                "component or for none; ", component.path_prefix, (weighted ? " has none" : " has one"));
+  }
+  std::vector<double> blending_weights;
   int64_t blended_size = 0;
-  for (size_t i = 0; i < blend.size(); ++i) {
-    const double target = std::ceil(static_cast<double>(size) * builder_weights[i]);
-    const auto buffered =
-        static_cast<int64_t>(std::ceil(target * (1.0 + mid_level_dataset_surplus)));
-    blended_size += static_cast<int64_t>(target);
-    datasets_.push_back(std::make_shared<const GptDataset>(
-        std::make_shared<const IndexedDataset>(blend[i].path_prefix), split, buffered, options));
+  if (weighted) {
+    // First, the builder's normalized weights and the samples it plans (target) and builds
+    // (target plus surplus) per prefix.
+    std::vector<double> weights;
+    for (const BlendComponent& component : blend) weights.push_back(*component.weight);
+    const std::vector<double> builder_weights = normalize_blend_weights(weights);
+    for (size_t i = 0; i < blend.size(); ++i) {
+      const double target = std::ceil(static_cast<double>(size) * builder_weights[i]);
+      const auto buffered =
+          static_cast<int64_t>(std::ceil(target * (1.0 + mid_level_dataset_surplus)));
+      blended_size += static_cast<int64_t>(target);
+      datasets_.push_back(std::make_shared<const GptDataset>(
+          std::make_shared<const IndexedDataset>(blend[i].path_prefix), split, buffered, options));
+    }
+    // BlendedDataset normalizes the (already normalized) weights once more, which can move
+    // their last bits, so this does too.
+    blending_weights = builder_weights;
+  } else {
+    // First, one epoch of each prefix's split; their sample counts are the weights.
+    std::vector<double> epoch_sizes;
+    int64_t total = 0;
+    for (const BlendComponent& component : blend) {
+      datasets_.push_back(std::make_shared<const GptDataset>(
+          std::make_shared<const IndexedDataset>(component.path_prefix), split, std::nullopt, options));
+      epoch_sizes.push_back(static_cast<double>(datasets_.back()->size()));
+      total += datasets_.back()->size();
+    }
+    blending_weights = epoch_sizes;
+    blended_size = std::min(size, total);
   }
 
-  // Next, the blending indices: BlendedDataset normalizes the (already normalized) weights once
-  // more, which can move their last bits, so this does too.
+  // Next, the blending indices.
   std::tie(dataset_index_, dataset_sample_index_) =
-      build_blending_indices(normalize_blend_weights(builder_weights), blended_size);
+      build_blending_indices(normalize_blend_weights(blending_weights), blended_size);
 
   // Finally, no component may be asked for more samples than it holds.
   std::vector<int64_t> requested(datasets_.size(), 0);

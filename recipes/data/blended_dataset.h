@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,16 +14,17 @@
 
 namespace amp8::recipes {
 
-/// One weighted prefix of a blend.
+/// One prefix of a blend, with its weight in a weighted blend.
 struct BlendComponent {
-  double weight = 0.0;
+  std::optional<double> weight;  // nullopt in an unweighted blend: every component's or none
   std::string path_prefix;
 };
 
-/// Megatron's weighted blend list (--data-path "0.3 path/a 0.7 path/b", utils.py
-/// get_blend_from_list): whitespace-separated weight/prefix pairs. Throws naming `blend` unless
-/// it holds at least one pair, every weight is a positive number and every prefix is non-empty.
-/// (Megatron's unweighted form, prefixes only, blended by dataset size, is not supported.)
+/// Megatron's blend list (--data-path, utils.py get_blend_from_list), whitespace-separated:
+/// weight/prefix pairs ("0.3 path/a 0.7 path/b"), or prefixes only ("path/a path/b", blended by
+/// their sizes; one prefix is a plain dataset). Like Megatron, an odd number of words or pairs
+/// whose first words are all non-numbers are prefixes. Throws naming `blend` when it is empty,
+/// when some pairs have a weight and others do not, or when a weight is not positive and finite.
 std::vector<BlendComponent> parse_blend(const std::string& blend);
 
 /// numpy's `normalize` (megatron/core/datasets/utils.py): weights / numpy.sum(weights), with
@@ -36,10 +38,13 @@ std::pair<std::vector<int16_t>, std::vector<int64_t>> build_blending_indices(
     const std::vector<double>& normalized_weights, int64_t size);
 
 /// Megatron-Core's BlendedDataset over GPTDatasets for one split, built the way
-/// BlendedMegatronDatasetBuilder builds a weighted blend with a sample count: each prefix gets a
-/// GptDataset (same options, its own split range) of ceil(ceil(size * weight) * (1 + surplus))
-/// samples, the blend holds sum(ceil(size * weight)) samples, and blended sample i is sample
-/// dataset_sample_index[i] of dataset dataset_index[i].
+/// BlendedMegatronDatasetBuilder builds a blend with a sample count `size`, and blended sample i
+/// is sample dataset_sample_index[i] of dataset dataset_index[i]:
+/// - weighted: each prefix gets a GptDataset (same options, its own split range) of
+///   ceil(ceil(size * weight) * (1 + surplus)) samples, and the blend holds
+///   sum(ceil(size * weight)) samples;
+/// - unweighted: each prefix gets one epoch of its split, the blend's weights are those epochs'
+///   sample counts, and it holds min(size, their sum) samples (so it may hold fewer than `size`).
 class BlendedGptDataset {
  public:
   /// Opens every prefix of `blend`. Throws when a component's GptDataset would be asked for

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <new>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -26,6 +27,18 @@ namespace amp8::recipes {
 namespace {
 
 namespace fs = std::filesystem;
+
+// LibTorch reports a failed CUDA allocation as c10::OutOfMemoryError but a failed CPU one as a
+// plain c10::Error from DefaultCPUAllocator (c10/core/impl/alloc_cpu.cpp); both mean the same to
+// the user of a --device cpu or --device cuda run.
+bool is_cpu_allocation_failure(const c10::Error& error) {
+  return error.msg().find("DefaultCPUAllocator: can't allocate memory") != std::string::npos;
+}
+
+std::string out_of_memory_advice(const std::string& batch_shape) {
+  return "out of memory with micro-batches of " + batch_shape +
+         " tokens; lower --micro-batch (and raise --grad-accum for the same batch): ";
+}
 
 std::vector<std::string> split(const std::string& list) {
   std::vector<std::string> items;
@@ -194,7 +207,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--eval-iters", eval_iters, "held-out micro-batches per validation (default: 10)")
       ->check(whole_number(1, kMaxBatch));
   app.add_option("--data-prefix", data_prefix,
-                 "Megatron-Core indexed data instead of bytes: a .bin/.idx path prefix, or a weighted blend \"0.3 a 0.7 b\"");
+                 "Megatron-Core indexed data instead of bytes: a .bin/.idx path prefix, or a blend \"0.3 a 0.7 b\" (by size: \"a b\")");
   app.add_option("--split", data_split, "with --data-prefix: train/valid/test weights, Megatron's split string")
       ->capture_default_str();
   app.add_option("--vocab-size", vocab_size,
@@ -417,13 +430,14 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                   "); the others are in ", (fs::path(base) / "compare.jsonl").string());
     }
     return 0;
-  } catch (const c10::OutOfMemoryError& e) {
-    err << "gpt_pretrain: error: out of memory with micro-batches of " << batch_shape
-        << " tokens; lower --micro-batch (and raise --grad-accum for the same batch): "
-        << escape_control_characters(e.what_without_backtrace()) << std::endl;
-    return 2;
   } catch (const c10::Error& e) {
-    err << "gpt_pretrain: error: " << escape_control_characters(e.what_without_backtrace()) << std::endl;
+    const bool out_of_memory = dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr || is_cpu_allocation_failure(e);
+    err << "gpt_pretrain: error: ";
+    if (out_of_memory) err << out_of_memory_advice(batch_shape);
+    err << escape_control_characters(e.what_without_backtrace()) << std::endl;
+    return 2;
+  } catch (const std::bad_alloc& e) {
+    err << "gpt_pretrain: error: " << out_of_memory_advice(batch_shape) << e.what() << std::endl;
     return 2;
   } catch (const std::exception& e) {
     err << "gpt_pretrain: error: " << escape_control_characters(e.what()) << std::endl;

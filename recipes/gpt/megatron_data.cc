@@ -7,36 +7,28 @@
 #include <vector>
 
 namespace amp8::recipes {
-namespace {
-
-bool is_weighted(const std::string& blend) {
-  std::istringstream words(blend);
-  std::string first;
-  words >> first;
-  char* end = nullptr;
-  std::strtod(first.c_str(), &end);
-  return !first.empty() && end == first.c_str() + first.size();
-}
-
-}  // namespace
 
 MegatronData::MegatronData(const std::string& blend, const std::string& split, int64_t seq,
                            uint64_t seed, int64_t num_samples, int64_t vocab_size, DatasetSplit part)
     : blend_(blend), split_(split), vocab_size_(vocab_size), part_(part) {
   TORCH_CHECK(vocab_size >= 1, "vocab-size must be >= 1 with --data-prefix, got ", vocab_size);
   const auto options = GptDatasetOptions(seq).random_seed(static_cast<int64_t>(seed)).split(split);
-  std::vector<std::string> prefixes;
-  if (is_weighted(blend)) {
-    const auto components = parse_blend(blend);
-    for (const auto& c : components) prefixes.push_back(c.path_prefix);
-    blended_ = std::make_shared<BlendedGptDataset>(components, part, num_samples, options);
+  const std::vector<BlendComponent> components = parse_blend(blend);
+  if (components.size() == 1 && !components.front().weight) {
+    single_ = std::make_shared<GptDataset>(std::make_shared<IndexedDataset>(components.front().path_prefix), part,
+                                           num_samples, options);
   } else {
-    prefixes.push_back(blend);
-    single_ = std::make_shared<GptDataset>(std::make_shared<IndexedDataset>(blend), part, num_samples, options);
+    blended_ = std::make_shared<BlendedGptDataset>(components, part, num_samples, options);
   }
+  // Only an unweighted blend can hold fewer: it is one epoch of each prefix.
+  TORCH_CHECK(size() >= num_samples, "data-prefix \"", blend, "\": the unweighted blend holds ", size(), " ",
+              dataset_split_name(part), " samples (one epoch of each prefix), fewer than the ", num_samples,
+              " the run draws: weight the prefixes (\"0.5 a 0.5 b\") or draw fewer (--steps, --micro-batch, ",
+              "--eval-iters)");
   std::ostringstream identity;
   identity << blend << " split " << split;
-  for (const auto& prefix : prefixes) {
+  for (const auto& component : components) {
+    const std::string& prefix = component.path_prefix;
     std::error_code error;
     identity << "; " << std::filesystem::path(prefix).filename().string() << ": "
              << std::filesystem::file_size(prefix + ".bin", error) << " + "

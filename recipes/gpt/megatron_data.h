@@ -13,16 +13,17 @@
 namespace amp8::recipes {
 
 /// gpt_pretrain's data from Megatron-Core indexed datasets (--data-prefix): one split (train or
-/// validation) of one prefix (GptDataset) or of a weighted blend "0.3 a 0.7 b"
+/// validation) of one prefix (GptDataset) or of a blend, weighted "0.3 a 0.7 b" or by size "a b"
 /// (BlendedGptDataset), with Megatron's sample order. Micro-batches take consecutive samples as Megatron's
 /// MegatronPretrainingSampler hands them out: micro-batch i of the run (over steps, then
 /// micro-batches, then ranks) is samples [i * batch_size, (i + 1) * batch_size).
 class MegatronData {
  public:
-  /// `blend`: a path prefix (`.bin` / `.idx`), or weight/prefix pairs. `num_samples`: the
-  /// samples the run draws (steps x global batch). Throws naming the prefix, the split or the
-  /// vocabulary when the data cannot serve the run, or holds a token id >= vocab_size (checked
-  /// per batch).
+  /// `blend`: Megatron's blend list (parse_blend): path prefixes (`.bin` / `.idx`), or
+  /// weight/prefix pairs. `num_samples`: the samples the run draws (steps x global batch).
+  /// Throws naming the prefix, the split or the vocabulary when the data cannot serve the run
+  /// (an unweighted blend holds one epoch of each prefix), or holds a token id >= vocab_size
+  /// (checked per batch).
   MegatronData(const std::string& blend, const std::string& split, int64_t seq, uint64_t seed,
                int64_t num_samples, int64_t vocab_size, DatasetSplit part = DatasetSplit::kTrain);
 
