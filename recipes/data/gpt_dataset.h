@@ -93,7 +93,7 @@ struct GptDatasetOptions {
 /// needs (one epoch when nullopt), shuffled into the document index, cut into samples by the
 /// sample index, and the samples shuffled by the shuffle index, all with one numpy RandomState.
 ///
-/// A weighted blend of prefixes is BlendedGptDataset (blended_dataset.h). Not covered: the
+/// A blend of prefixes (weighted, or by size) is BlendedGptDataset (blended_dataset.h). Not covered: the
 /// on-disk index cache, and multimodal sequence modes.
 class GptDataset {
  public:
