@@ -13,11 +13,11 @@
 namespace example {
 
 // NeMo's preset for a precision name: "32", "bf16-mixed" or "16-mixed" (CPU and GPU), or
-// "bf16-fp8" (NeMo's bf16_with_fp8_mixed, an NVIDIA Hopper GPU).
+// "bf16-mixed+fp8" (NeMo's bf16_with_fp8_mixed, an NVIDIA Hopper GPU; gpt_pretrain --compare's spelling).
 inline amp8::MixedPrecisionOptions preset(const std::string& name) {
   if (name == "bf16-mixed") return amp8::recipes::bf16_mixed();
   if (name == "16-mixed") return amp8::recipes::fp16_mixed();
-  if (name == "bf16-fp8") return amp8::recipes::bf16_with_fp8_mixed();
+  if (name == "bf16-mixed+fp8") return amp8::recipes::bf16_with_fp8_mixed();
   return amp8::MixedPrecisionOptions(name);  // "32"; anything else is refused, naming the knob
 }
 

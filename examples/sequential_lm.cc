@@ -3,7 +3,7 @@
 // "amp8"). It learns the rule next = (3 * token + 1) mod 64 for 80 steps in the precision named
 // by its argument and exits non-zero unless the loss falls below a tenth of ln(64) and the
 // exported FP32 model loads into the plain one.
-//   sequential_lm [32|bf16-mixed|16-mixed|bf16-fp8] [cpu|cuda]
+//   sequential_lm [32|bf16-mixed|16-mixed|bf16-mixed+fp8] [cpu|cuda]
 #include <torch/torch.h>
 
 #include <cmath>

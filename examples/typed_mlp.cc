@@ -2,7 +2,7 @@
 // its own loop, with amp8 added (the lines marked "amp8"). It learns a fixed random teacher for
 // 60 steps in the precision named by its argument and exits non-zero unless the loss falls to a
 // quarter and the exported FP32 model loads into the plain one.
-//   typed_mlp [32|bf16-mixed|16-mixed|bf16-fp8] [cpu|cuda]
+//   typed_mlp [32|bf16-mixed|16-mixed|bf16-mixed+fp8] [cpu|cuda]
 #include <torch/torch.h>
 
 #include <cmath>

@@ -205,6 +205,21 @@ TEST(GptPretrainTest, Fp8RecipeTensorwiseTrainsAndIsRecordedInTheCheckpoint) {
   EXPECT_NE(mxfp8.err.find("NVIDIA Blackwell"), std::string::npos) << mxfp8.err;
 }
 
+// Micro-batches `indices` (of 4 samples) of `data` are samples [4 i, 4 i + 4) of `reference`
+// (a GptDataset or BlendedGptDataset), tokens and labels.
+template <typename Reference>
+void expect_batches_are_samples_in_order(const MegatronData& data, const Reference& reference,
+                                         std::initializer_list<int64_t> indices) {
+  for (int64_t index : indices) {
+    const auto [tokens, labels] = data.batch(index, 4, torch::kCPU);
+    for (int64_t row = 0; row < 4; ++row) {
+      const auto [t, l] = reference.tokens_and_labels(index * 4 + row);
+      EXPECT_TRUE(tokens[row].equal(t)) << "micro-batch " << index << " row " << row;
+      EXPECT_TRUE(labels[row].equal(l)) << "micro-batch " << index << " row " << row;
+    }
+  }
+}
+
 // Megatron-Core indexed data: micro-batch i is Megatron's samples [i * B, (i + 1) * B) of the
 // train split, and gpt_pretrain trains on it with the padded vocabulary.
 TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
@@ -212,14 +227,7 @@ TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
   const MegatronData data(prefix, "80,20", 16, 1234, 24, 65536);
   const GptDataset reference(std::make_shared<IndexedDataset>(prefix), DatasetSplit::kTrain, 24,
                              GptDatasetOptions(16).random_seed(1234).split("80,20"));
-  for (int64_t index : {0, 1, 5}) {
-    const auto [tokens, labels] = data.batch(index, 4, torch::kCPU);
-    for (int64_t b = 0; b < 4; ++b) {
-      const auto [t, l] = reference.tokens_and_labels(index * 4 + b);
-      EXPECT_TRUE(tokens[b].equal(t)) << "micro-batch " << index << " row " << b;
-      EXPECT_TRUE(labels[b].equal(l)) << "micro-batch " << index << " row " << b;
-    }
-  }
+  expect_batches_are_samples_in_order(data, reference, {0, 1, 5});
   ExpectErrorContaining([&] { MegatronData(prefix, "80,20", 16, 1234, 24, 1000).batch(0, 4, torch::kCPU); },
                         "is not below the vocabulary size 1000");
 
@@ -252,14 +260,7 @@ TEST(GptPretrainTest, AnUnweightedBlendServesOneEpochOfEachPrefix) {
   const auto options = GptDatasetOptions(16).random_seed(99).split("80,20");
   const BlendedGptDataset reference({{std::nullopt, a}, {std::nullopt, b}}, DatasetSplit::kTrain, 40, options);
   const MegatronData data(a + " " + b, "80,20", 16, 99, 40, 262144);
-  for (int64_t index : {0, 3, 9}) {
-    const auto [tokens, labels] = data.batch(index, 4, torch::kCPU);
-    for (int64_t row = 0; row < 4; ++row) {
-      const auto [t, l] = reference.tokens_and_labels(index * 4 + row);
-      EXPECT_TRUE(tokens[row].equal(t)) << "micro-batch " << index << " row " << row;
-      EXPECT_TRUE(labels[row].equal(l)) << "micro-batch " << index << " row " << row;
-    }
-  }
+  expect_batches_are_samples_in_order(data, reference, {0, 3, 9});
   // One epoch of both train splits holds 145 + 66 samples (the fixture's unweighted blend).
   EXPECT_NO_THROW(MegatronData(a + " " + b, "80,20", 16, 99, 211, 262144));
   ExpectErrorContaining([&] { MegatronData(a + " " + b, "80,20", 16, 99, 212, 262144); },
