@@ -3,6 +3,9 @@
 // fp16-mixed, bf16 + FP8 (hybrid, delayed; with and without fp8_params), plus a bare bf16 loop
 // without the plugin (bf16 params stepped by AdamW directly) to bound the plugin's overhead.
 // One JSON line per case: step time, tokens/s, peak memory, speedup against fp32 and bf16-mixed.
+// AMP8_PROFILE_DIR=DIR also records three steps of the bf16-mixed and FP8 cases with the Kineto
+// profiler (amp8::StepRecorder) into DIR/stack_<case>/: trace.json and the device time by
+// category (step_profile.txt / .json).
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -10,12 +13,15 @@
 #include <ATen/cuda/CUDAEvent.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <functional>
 #include <vector>
 #include <string>
 
 #include "bench/bench_util.h"
 #include "plugin/precision/mixed_precision_plugin.h"
+#include "plugin/training/step_profiler.h"
 #include "recipes/precision.h"
 
 namespace {
@@ -100,8 +106,24 @@ torch::Tensor forward_backward(amp8::MixedPrecisionPlugin& plugin, Stack& model,
   return loss.detach();
 }
 
+// With AMP8_PROFILE_DIR set: three steps recorded into $AMP8_PROFILE_DIR/stack_<name>/, the
+// table printed to stderr (stdout carries the JSON rows).
+void profile_steps(const std::string& name, const std::function<torch::Tensor()>& step) {
+  const char* dir = std::getenv("AMP8_PROFILE_DIR");
+  if (dir == nullptr || name.empty()) return;
+  amp8::StepRecorder recorder;
+  recorder.start();
+  for (int64_t i = 0; i < 3; ++i) {
+    recorder.begin_step(i);
+    step();
+    recorder.end_step();
+  }
+  const auto profile = recorder.stop(std::string(dir) + "/stack_" + name);
+  std::cerr << "gpt_stack_bench " << name << ": " << profile.table();
+}
+
 Measured plugin_case(const amp8::MixedPrecisionOptions& precision, const torch::Tensor& x,
-                     const torch::Tensor& y, int warmup, int reps) {
+                     const torch::Tensor& y, int warmup, int reps, const std::string& profile_name = "") {
   auto model = make_stack();
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
   amp8::MixedPrecisionPlugin plugin = precision;
@@ -121,6 +143,7 @@ Measured plugin_case(const amp8::MixedPrecisionOptions& precision, const torch::
   }
   const auto skipped_before = plugin.skipped_steps();
   auto result = measure(step, warmup, reps);
+  profile_steps(profile_name, step);
   result.settle_skipped = skipped_before;
   result.skipped_while_timed = plugin.skipped_steps() - skipped_before;
   return result;
@@ -218,7 +241,7 @@ int main(int argc, char** argv) {
   at::globalContext().setAllowTF32CuDNN(false);
   const auto fp32 = plugin_case(amp8::MixedPrecisionOptions("32"), x, y, 2, 5);
   c10::cuda::CUDACachingAllocator::emptyCache();
-  const auto bf16 = plugin_case(amp8::recipes::bf16_mixed(), x, y, 3, 10);
+  const auto bf16 = plugin_case(amp8::recipes::bf16_mixed(), x, y, 3, 10, "bf16_mixed");
   c10::cuda::CUDACachingAllocator::emptyCache();
 
   auto emit = [&](const std::string& name, const Measured& m, const std::string& baseline,
@@ -239,7 +262,7 @@ int main(int argc, char** argv) {
   c10::cuda::CUDACachingAllocator::emptyCache();
   emit("gpt_stack_step_fp16_mixed", fp16, "bf16-mixed", bf16.step_ms);
 
-  const auto fp8 = plugin_case(amp8::recipes::bf16_with_fp8_mixed(), x, y, 3, 10);
+  const auto fp8 = plugin_case(amp8::recipes::bf16_with_fp8_mixed(), x, y, 3, 10, "bf16_fp8_params");
   c10::cuda::CUDACachingAllocator::emptyCache();
   emit("gpt_stack_step_bf16_fp8_params", fp8, "bf16-mixed", bf16.step_ms);
 

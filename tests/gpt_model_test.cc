@@ -67,6 +67,30 @@ TEST_F(GptModelTest, BadConfigsAreNamed) {
   ExpectErrorContaining([&] { model->forward(torch::zeros({1, 3})); }, "tokens must be int64");
 }
 
+// The guard puts the asked kernel first, keeps the others in PyTorch's order, and restores.
+TEST(AttentionBackendGuardTest, PutsTheBackendFirstAndRestores) {
+  const auto before = at::globalContext().sDPPriorityOrder();
+  {
+    AttentionBackendGuard cudnn("cudnn");
+    const auto order = at::globalContext().sDPPriorityOrder();
+    EXPECT_EQ(order[0], at::SDPBackend::cudnn_attention);
+    std::vector<at::SDPBackend> rest(order.begin() + 1, order.end()), expected;
+    for (auto b : before) {
+      if (b != at::SDPBackend::cudnn_attention) expected.push_back(b);
+    }
+    EXPECT_EQ(rest, expected);
+    {
+      AttentionBackendGuard untouched("auto");
+      EXPECT_EQ(at::globalContext().sDPPriorityOrder(), order);
+    }
+    EXPECT_EQ(at::globalContext().sDPPriorityOrder(), order);
+  }
+  EXPECT_EQ(at::globalContext().sDPPriorityOrder(), before);
+  testing::ExpectErrorContaining([] { AttentionBackendGuard("fa9"); },
+                                 "attention-backend must be \"auto\", \"cudnn\", \"flash\" or "
+                                 "\"efficient\", got \"fa9\"");
+}
+
 TEST(ByteDatasetTest, BatchesAreShiftedWindowsDrawnFromTheSeed) {
   const auto data = ByteDataset::builtin(1 << 16);
   EXPECT_EQ(data.size(), 1 << 16);

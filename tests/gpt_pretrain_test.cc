@@ -61,6 +61,25 @@ TEST(GptPretrainTest, TrainsWritesMetricsPictureAndCheckpoint) {
   EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step_00000030.ckpt"));
 }
 
+// --profile: steps 1..2 recorded, the trace and the table written and printed.
+TEST(GptPretrainTest, ProfileRecordsTheAskedSteps) {
+  const auto dir = scratch("profile");
+  const auto profile = dir / "profile";
+  const auto run = gpt_pretrain(with(kTiny, {"--steps", "4", "--save-dir", (dir / "run").string(), "--profile",
+                                             profile.string(), "--profile-first-step", "1", "--profile-steps", "2"}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("profile of steps 1..2 (0-based) in " + profile.string()), std::string::npos) << run.out;
+  const auto table = nlohmann::json::parse(read(profile / "step_profile.json"));
+  EXPECT_EQ(table["steps"].get<int>(), 2);
+  EXPECT_GT(table["wall_ms"].get<double>(), 0.0);
+  EXPECT_TRUE(table["categories"].contains("gemm"));
+  const auto trace = read(profile / "trace.json");
+  EXPECT_NE(trace.find("\"amp8::step 1\""), std::string::npos);
+  EXPECT_NE(trace.find("\"amp8::step 2\""), std::string::npos);
+  EXPECT_EQ(trace.find("\"amp8::step 3\""), std::string::npos);
+  EXPECT_EQ(metrics(dir / "run").size(), 4u);
+}
+
 TEST(GptPretrainTest, ResumeContinuesExactlyWhereTheRunStopped) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> precisions = {
       {"32", {"--precision", "32"}},
@@ -162,6 +181,9 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--seq", "1000"}, "seq must be in [1, 256]"},
       {{"--compare", "32,bf16-mixed+fp9"}, "unknown part \"fp9\""},
       {{"--compare", "bf16-mixed+fp8-params"}, "need +fp8"},
+      {{"--profile", (dir / "p").string(), "--profile-first-step", "2"}, "profile-first-step must be in [0, steps) = [0, 2), got 2"},
+      {{"--profile", (dir / "p").string(), "--profile-steps", "0"}, "--profile-steps"},
+      {{"--attention-backend", "fa9"}, "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"fa9\""},
   };
   for (const auto& c : cases) {
     auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);

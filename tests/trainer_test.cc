@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "plugin/training/checkpoint.h"
+#include "plugin/training/step_profiler.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
 #include "tests/test_util.h"
@@ -557,6 +558,178 @@ TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
   ExpectErrorContaining([&] {
     no_dir.fit(*other, other_optimizer, [](const TrainStepInput&) { return torch::zeros({1}); });
   }, "every_n_train_steps = 5 needs a checkpoint_dir");
+}
+
+// ---- StepProfiler: device time of a few steps, by category ----
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Kernel names as Kineto reports them on an H200 (cuBLASLt, flash attention, NCCL, ATen, amp8).
+TEST(StepProfilerTest, CategorizesKernelsByName) {
+  const std::vector<std::pair<std::string, KernelCategory>> cases = {
+      {"nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN", KernelCategory::kGemm},
+      {"sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_"
+       "execute_segment_k_off_kernel__5x_cublas", KernelCategory::kGemm},
+      {"void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_"
+       "align8>(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8::Params)",
+       KernelCategory::kGemm},
+      {"void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, "
+       "false, cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, "
+       "false, true, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)",
+       KernelCategory::kAttention},
+      {"void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<"
+       "64, 128, 128, 8, 2, 4, 2, false, false, cutlass::bfloat16_t>, true, true, false, false, "
+       "false, false, false>(pytorch_flash::Flash_bwd_params)", KernelCategory::kAttention},
+      {"fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+       "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+       KernelCategory::kAttention},
+      {"ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+       KernelCategory::kCommunication},
+      {"void amp8::cuda::(anonymous namespace)::layer_norm_fwd_kernel<__nv_bfloat16, 128, 8, 1>("
+       "amp8::cuda::(anonymous namespace)::LayerNormFwdParams)", KernelCategory::kNorm},
+      {"void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, "
+       "float, false>(int, float, c10::BFloat16 const*, c10::BFloat16 const*, c10::BFloat16 "
+       "const*, float*, float*, c10::BFloat16*)", KernelCategory::kNorm},
+      {"void amp8::cuda::(anonymous namespace)::cast_transpose_kernel<__nv_bfloat16, "
+       "__nv_fp8_e5m2, 128>(amp8::cuda::(anonymous namespace)::CastTransposeParams)",
+       KernelCategory::kQuantize},
+      {"void amp8::cuda::(anonymous namespace)::delayed_scaling_kernel<8>(amp8::cuda::"
+       "ScalingGroupPointers const*, int, long, bool, float, float)", KernelCategory::kQuantize},
+      {"void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::"
+       "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+       "{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul> >(int, "
+       "at::native::(anonymous namespace)::direct_copy_kernel_cuda(at::TensorIteratorBase&)::"
+       "{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, "
+       "std::array<char*, 2ul>)", KernelCategory::kQuantize},
+      {"void amp8::cuda::(anonymous namespace)::fused_adam_kernel<__nv_bfloat16, "
+       "__nv_bfloat16>(amp8::cuda::(anonymous namespace)::FusedAdamChunk)",
+       KernelCategory::kOptimizer},
+      {"void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
+       "(anonymous namespace)::TensorListMetadata<1>, at::native::(anonymous namespace)::"
+       "LpNormFunctor<float, (at::native::(anonymous namespace)::NormType)1, float, float>, "
+       "float*, int>(at::native::(anonymous namespace)::TensorListMetadata<1>, ...)",
+       KernelCategory::kOptimizer},
+      {"void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl("
+       "at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::"
+       "{lambda()#4}::operator()() const::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >"
+       "(int, ...)", KernelCategory::kElementwise},
+      {"void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, "
+       "at::native::func_wrapper_t<c10::BFloat16, at::native::sum_functor<c10::BFloat16, float, "
+       "c10::BFloat16>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned "
+       "int, c10::BFloat16, 4, 4> >(...)", KernelCategory::kElementwise},
+      {"void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+       "(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)",
+       KernelCategory::kElementwise},
+      {"Memcpy DtoD (Device -> Device)", KernelCategory::kMemory},
+  };
+  for (const auto& [name, expected] : cases) {
+    EXPECT_STREQ(to_string(categorize_kernel(name)), to_string(expected)) << name;
+  }
+}
+
+// Two steps in a 10 ms window: overlapping kernels count once in busy, fully in their
+// categories; work outside the window is clipped; everything is per step.
+TEST(StepProfilerTest, SummarizesTheWindowPerStep) {
+  constexpr uint64_t ms = 1000000;
+  const std::vector<DeviceActivity> activities = {
+      {"nvjet_gemm_a", 1 * ms, 4 * ms},                 // 3 ms
+      {"ncclDevKernel_AllReduce", 3 * ms, 7 * ms},      // 4 ms, 1 of them beside the GEMM
+      {"nvjet_gemm_a", 7 * ms, 8 * ms},                 // 1 ms
+      {"fused_adam_kernel", 9 * ms, 12 * ms},           // clipped to 1 ms
+      {"gelu_kernel", 0, 2 * ms},                       // before the window: nothing counts
+      {"Memcpy HtoD", 8 * ms + ms / 2, 9 * ms, /*is_memory=*/true},
+  };
+  const auto p = summarize_steps(activities, 2 * ms, 10 * ms, 2);
+  EXPECT_EQ(p.steps, 2);
+  EXPECT_DOUBLE_EQ(p.wall_ms, 4.0);
+  // Union: [2, 8) + [8.5, 10) = 7.5 ms over 2 steps.
+  EXPECT_DOUBLE_EQ(p.busy_ms, 3.75);
+  EXPECT_DOUBLE_EQ(p.idle_ms, 0.25);
+  // The GEMM before the window starts at 1 ms: 2 of its 3 ms fall inside.
+  EXPECT_DOUBLE_EQ(p.category_ms[static_cast<int>(KernelCategory::kGemm)], 1.5);
+  EXPECT_DOUBLE_EQ(p.category_ms[static_cast<int>(KernelCategory::kCommunication)], 2.0);
+  EXPECT_DOUBLE_EQ(p.category_ms[static_cast<int>(KernelCategory::kOptimizer)], 0.5);
+  EXPECT_DOUBLE_EQ(p.category_ms[static_cast<int>(KernelCategory::kMemory)], 0.25);
+  EXPECT_DOUBLE_EQ(p.category_ms[static_cast<int>(KernelCategory::kElementwise)], 0.0);
+  EXPECT_DOUBLE_EQ(p.kernels, 2.5);  // five activities touch the window
+  ASSERT_FALSE(p.top_kernels.empty());
+  EXPECT_EQ(p.top_kernels[0].first, "ncclDevKernel_AllReduce");
+  EXPECT_NE(p.json().find("\"busy_ms\": 3.75"), std::string::npos) << p.json();
+  EXPECT_NE(p.table().find("idle"), std::string::npos);
+  ExpectErrorContaining([&] { summarize_steps(activities, 2 * ms, 10 * ms, 0); },
+                        "steps must be >= 1, got 0");
+  ExpectErrorContaining([&] { summarize_steps(activities, 10 * ms, 10 * ms, 1); },
+                        "the window must end after it starts");
+}
+
+// Trains a small MLP with the profiler on steps 2..4: the trace holds exactly those steps, the
+// summary and the log say so. On a GPU the device time is there too.
+void profile_mlp_steps(const torch::Device& device) {
+  auto model = testing::make_mlp();
+  model->to(device);
+  torch::optim::AdamW optimizer(model->parameters(), 1e-3);
+  Trainer trainer(TrainerOptions().max_steps(6).log_every_n_steps(0), recipes::bf16_mixed());
+  std::ostringstream log;
+  trainer.log = &log;
+  const auto dir = testing::scratch_path("trainer_test", "profile_" + device.str());
+  auto profiler = std::make_shared<StepProfiler>(dir.string(), 2, 3);
+  trainer.callbacks.push_back(profiler);
+  testing::MlpData data(3);
+  trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+    auto [x, y] = data.batch(in.step, in.micro_batch);
+    auto out = model->forward(in.precision.convert_input(x.to(device)));
+    return torch::mse_loss(in.precision.convert_output(out), y.to(device));
+  });
+  ASSERT_TRUE(profiler->profile().has_value());
+  const auto& p = *profiler->profile();
+  EXPECT_EQ(p.steps, 3);
+  EXPECT_GT(p.wall_ms, 0.0);
+  EXPECT_GE(p.busy_ms, 0.0);
+  EXPECT_LE(p.busy_ms, p.wall_ms);
+  EXPECT_NEAR(p.idle_ms, p.wall_ms - p.busy_ms, 1e-9);
+  const auto trace = read_text(dir / "trace.json");
+  for (int step : {2, 3, 4}) {
+    EXPECT_NE(trace.find("\"amp8::step " + std::to_string(step) + "\""), std::string::npos)
+        << "step " << step;
+  }
+  EXPECT_EQ(trace.find("\"amp8::step 1\""), std::string::npos);
+  EXPECT_EQ(trace.find("\"amp8::step 5\""), std::string::npos);
+  EXPECT_NE(trace.find("aten::addmm"), std::string::npos);  // the CPU ops are recorded
+  EXPECT_EQ(read_text(dir / "step_profile.json"), p.json() + "\n");
+  EXPECT_EQ(read_text(dir / "step_profile.txt"), p.table());
+  EXPECT_NE(log.str().find("profile of steps 2..4 (0-based) in " + dir.string()), std::string::npos)
+      << log.str();
+  if (device.is_cuda()) {
+    EXPECT_GT(p.busy_ms, 0.0);
+    EXPECT_GT(p.category_ms[static_cast<int>(KernelCategory::kGemm)], 0.0);
+    EXPECT_GT(p.category_ms[static_cast<int>(KernelCategory::kOptimizer)], 0.0);
+    // One stream: nothing overlaps, so the categories add up to the busy time.
+    double sum = 0;
+    for (double ms : p.category_ms) sum += ms;
+    EXPECT_NEAR(sum, p.busy_ms, 0.01 * p.busy_ms);
+  } else {
+    EXPECT_EQ(p.kernels, 0.0);
+    EXPECT_EQ(p.busy_ms, 0.0);
+  }
+}
+
+TEST(StepProfilerTest, ProfilesTrainerSteps) { profile_mlp_steps(torch::kCPU); }
+
+TEST(StepProfilerTest, ProfilesTrainerSteps_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  profile_mlp_steps(torch::kCUDA);
+}
+
+TEST(StepProfilerTest, BadArgumentsAreNamed) {
+  ExpectErrorContaining([] { StepProfiler("", 1, 1); }, "dir must name a folder");
+  ExpectErrorContaining([] { StepProfiler("x", -1, 1); }, "first_step must be >= 0, got -1");
+  ExpectErrorContaining([] { StepProfiler("x", 0, 0); }, "steps must be >= 1, got 0");
+  StepRecorder recorder;
+  ExpectErrorContaining([&] { recorder.begin_step(0); }, "not recording");
+  ExpectErrorContaining([&] { recorder.stop("x"); }, "not recording");
 }
 
 }  // namespace

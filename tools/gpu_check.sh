@@ -6,6 +6,9 @@
 #   OUTDIR/ctest.xml                JUnit report of ctest
 #   OUTDIR/<benchmark>.jsonl        one JSON object per benchmark case (with gpt_stack_bench,
 #                                   OUTDIR/pytorch_gpt_stack.jsonl: the PyTorch baseline)
+#   OUTDIR/traces.tar               Kineto traces (trace.json.gz) of the profiled steps:
+#                                   gpt_stack_bench's bf16-mixed and FP8 cases (their tables
+#                                   in the log), and the AMP8_GPT_STEP runs
 # AMP8_BENCHMARKS="gpt_stack_bench ..." limits the benchmarks run (default: all of them);
 # AMP8_SKIP_TESTS=1 skips ctest; AMP8_TEST_REGEX limits it (ctest -R, e.g. _CUDA).
 # AMP8_GPT_COMPARE="--config 125m --steps 1000 --compare 32,bf16-mixed" also runs gpt_pretrain
@@ -21,6 +24,11 @@
 # own appended (GPUS 1: on GPU 0; 2: under torchrun; 2x1: two independent single-GPU runs at
 # once, on GPU 0 and GPU 1, to see what sharing the host costs), e.g.
 #   "one_350m|1|--config 350m --grad-accum 2;two_350m|2|--config 350m --bucket-size 10000000".
+# AMP8_GPT_STEP="name|flags;..." runs gpt_pretrain per entry through bench/gpt_compare_rows.py
+# (flags must hold a --compare list) on real text (the Python standard library's sources,
+# concatenated), each run profiled (--profile, steps 10-12 unless the flags say otherwise):
+# rows in OUTDIR/gpt_step_bench.jsonl, and OUTDIR/gpt_step.tar.gz with every run's log,
+# metrics, step_profile.txt / .json and trace.json (gzipped).
 # The tests run four at a time with one OpenMP thread each: the CPU cases are small, and 4
 # processes × all cores of OpenMP threads made them 100× slower on the GPU machine.
 # GoogleTest comes from a source copy at .gtest/ (cp -r /usr/src/googletest .gtest on Debian),
@@ -62,12 +70,37 @@ if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 fi
 echo "build took $((SECONDS - start)) s" | tee -a "$LOG"
 
+# Kineto traces of the profiled steps (trace.json under $1) into OUTDIR/traces.tar (gzipped files), added to
+# what earlier calls packed; the largest are left out while the archive would pass 15 MB (the
+# most a file can be to come back from the GPU machine is 16 MiB).
+TRACES="${TMPDIR:-/tmp}/amp8_traces"
+rm -rf "$TRACES" && mkdir -p "$TRACES"
+pack_traces() {
+  (cd "$1" && find . -name trace.json -print0 | while IFS= read -r -d '' f; do
+     mkdir -p "$TRACES/$(basename "$1")/$(dirname "$f")" && gzip -c "$f" >"$TRACES/$(basename "$1")/$f.gz"; done)
+  while :; do
+    (cd "$TRACES" && tar -cf "$OUT/traces.tar" .)
+    (( $(stat -c %s "$OUT/traces.tar") < 15000000 )) && break
+    largest="$(find "$TRACES" -name '*.gz' -printf '%s %p\n' | sort -n | tail -1 | cut -d' ' -f2-)"
+    [[ -z "$largest" ]] && break
+    echo "traces.tar: left out $largest ($(stat -c %s "$largest") bytes)" | tee -a "$LOG"
+    rm -f "$largest"
+  done
+}
+
 echo "== benchmarks" | tee -a "$LOG"
 # AMP8_BENCHMARKS="a b" runs only those (default: all).
 BENCHMARKS="${AMP8_BENCHMARKS:-cast_transpose_bench fp8_gemm_bench fp8_linear_bench gpt_stack_bench layer_norm_bench scale_update_bench}"
 for bench in $BENCHMARKS; do
   if [[ -x "$BUILD/$bench" ]]; then
-    "$BUILD/$bench" | tee "$OUT/$bench.jsonl" || status=1
+    if [[ "$bench" == gpt_stack_bench ]]; then
+      # Three steps of its bf16-mixed and FP8 cases profiled (the tables go to the log).
+      rm -rf "${TMPDIR:-/tmp}/amp8_stack_profile"
+      AMP8_PROFILE_DIR="${TMPDIR:-/tmp}/amp8_stack_profile" "$BUILD/$bench" 2>>"$LOG" | tee "$OUT/$bench.jsonl" || status=1
+      pack_traces "${TMPDIR:-/tmp}/amp8_stack_profile"
+    else
+      "$BUILD/$bench" | tee "$OUT/$bench.jsonl" || status=1
+    fi
   else
     echo "missing $BUILD/$bench" | tee -a "$LOG"; status=1
   fi
@@ -87,6 +120,27 @@ if [[ -n "${AMP8_GPT_COMPARE:-}" ]]; then
   cp "$OUT/gpt_compare.log" "$SCRATCH/" && rm "$OUT/gpt_compare.log"
   (cd "$SCRATCH" && find . \( -name '*.jsonl' -o -name '*.svg' -o -name '*.log' \) -print0 |
      tar -czf "$OUT/gpt_compare.tar.gz" --null -T -) || status=1
+fi
+if [[ -n "${AMP8_GPT_STEP:-}" ]]; then
+  STEP="${TMPDIR:-/tmp}/amp8_gpt_step"
+  rm -rf "$STEP" && mkdir -p "$STEP"
+  find /usr/lib/python3* -name '*.py' 2>/dev/null | sort | xargs cat >"$STEP/stdlib.txt"
+  echo "== gpt_pretrain step runs on $(wc -c <"$STEP/stdlib.txt") bytes of text" | tee -a "$LOG"
+  IFS=';' read -ra step_runs <<<"$AMP8_GPT_STEP"
+  for entry in "${step_runs[@]}"; do
+    [[ -z "${entry// }" ]] && continue
+    IFS='|' read -r name flags <<<"$entry"
+    name="${name// /}"
+    echo "== gpt_step $name: $flags" | tee -a "$LOG"
+    # shellcheck disable=SC2086
+    python3 bench/gpt_compare_rows.py --case gpt_step --binary "$BUILD/gpt_pretrain" -- $flags \
+      --data "$STEP/stdlib.txt" --save-dir "$STEP/$name" --save-last false --profile "$STEP/$name/profile" \
+      2>"$STEP/$name.log" | tee -a "$OUT/gpt_step_bench.jsonl" || status=1
+    grep -E "^gpt_pretrain: .*final loss|^  [a-z_ ()]+ +[0-9.]+ ms" "$STEP/$name.log" | tee -a "$LOG"
+  done
+  (cd "$STEP" && find . \( -name '*.log' -o -name '*.jsonl' -o -name 'step_profile.*' -o -name '*.svg' \) \
+     -print0 | tar -czf "$OUT/gpt_step.tar.gz" --null -T -) || status=1
+  pack_traces "$STEP"
 fi
 if [[ -n "${AMP8_GPT_DP:-}" ]]; then
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

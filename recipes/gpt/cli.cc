@@ -152,6 +152,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
+  std::string profile_dir;
+  std::string attention_backend = "auto";
+  int64_t profile_first_step = 10, profile_steps = 3;
   int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
   double lr = -1;
   int64_t seed = 1234;
@@ -240,6 +243,17 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
       "reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
       "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
+  app.add_option("--attention-backend", attention_backend,
+                 "the fused attention kernel tried first: auto (PyTorch's order: flash, memory-efficient, "
+                 "math, cuDNN), cudnn, flash or efficient")->capture_default_str()->transform(lower_case());
+  app.add_option("--profile", profile_dir,
+                 "record a few steps with the Kineto profiler into this folder: trace.json "
+                 "(chrome://tracing, ui.perfetto.dev) and the device time by category "
+                 "(step_profile.txt / .json, also printed); with --compare, a folder per run");
+  app.add_option("--profile-first-step", profile_first_step, "with --profile: the first step recorded (0-based)")
+      ->capture_default_str()->check(whole_number(0, kMaxCount));
+  app.add_option("--profile-steps", profile_steps, "with --profile: how many steps are recorded")
+      ->capture_default_str()->check(whole_number(1, kMaxCount));
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
                  "e.g. 32,bf16-mixed,bf16-mixed+fp8; per run +fp8=e4m3, +fp8-params or +bf16-params "
@@ -278,6 +292,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.overlap_grad_reduce = overlap_grad_reduce;
     recipe.bucket_size = bucket_size;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
+    recipe.attention_backend = attention_backend;
+    recipe.profile_dir = profile_dir;
+    recipe.profile_first_step = profile_first_step;
+    recipe.profile_steps = profile_steps;
     // Only "auto" precision looks at the device: bf16-mixed on a GPU, 32 on the CPU.
     const bool on_cuda = device == "auto" ? torch::cuda::is_available() : device.rfind("cuda", 0) == 0;
     const torch::Device precision_device = on_cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
@@ -327,7 +345,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         return 128 + (result.stop_signal > 0 ? result.stop_signal : SIGTERM);
       }
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s
-          << " tokens/s (steady state " << result.steady_tokens_per_s << "); metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
+          << " tokens/s (steady state " << result.steady_tokens_per_s << ")"
+          << (result.peak_memory_bytes > 0 ? ", peak memory " + c10::str(result.peak_memory_bytes / 1e9) + " GB" : "")
+          << "; metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
       return 0;
     }
 
@@ -367,6 +387,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       auto run = recipe;
       run.precision = options;
       run.save_dir = (fs::path(base) / folder_name(name)).string();
+      if (!recipe.profile_dir.empty()) run.profile_dir = (fs::path(recipe.profile_dir) / folder_name(name)).string();
       PretrainResult result;
       try {
         result = run_pretraining(run, out);

@@ -1,5 +1,6 @@
 #include "recipes/gpt/gpt_model.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/dropout.h>
@@ -7,6 +8,31 @@
 #include <torch/nn/init.h>
 
 namespace amp8::recipes {
+
+AttentionBackendGuard::AttentionBackendGuard(const std::string& backend)
+    : previous_(at::globalContext().sDPPriorityOrder()) {
+  at::SDPBackend first = at::SDPBackend::error;
+  if (backend == "cudnn") first = at::SDPBackend::cudnn_attention;
+  if (backend == "flash") first = at::SDPBackend::flash_attention;
+  if (backend == "efficient") first = at::SDPBackend::efficient_attention;
+  TORCH_CHECK(backend == "auto" || first != at::SDPBackend::error,
+              "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"",
+              backend, "\"");
+  if (first == at::SDPBackend::error) return;
+  std::vector<int64_t> order{static_cast<int64_t>(first)};
+  for (auto b : previous_) {
+    if (b != first) order.push_back(static_cast<int64_t>(b));
+  }
+  at::globalContext().setSDPPriorityOrder(order);
+}
+
+AttentionBackendGuard::~AttentionBackendGuard() {
+  std::vector<int64_t> order;
+  for (auto b : previous_) order.push_back(static_cast<int64_t>(b));
+  at::globalContext().setSDPPriorityOrder(order);
+}
+
+std::vector<std::string> AttentionBackendGuard::names() { return {"auto", "cudnn", "flash", "efficient"}; }
 
 GptConfig GptConfig::named(const std::string& name) {
   if (name == "tiny") return GptConfig().hidden(64).layers(2).heads(4).max_seq_len(256);

@@ -7,6 +7,9 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <ATen/SDPBackend.h>
+
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -42,6 +45,23 @@ struct GptConfig {
   static GptConfig named(const std::string& name);
   static std::vector<std::string> names();
   void validate() const;
+};
+
+/// The order in which at::scaled_dot_product_attention tries its fused kernels (a process-wide
+/// setting of LibTorch), for the life of the guard: "auto" keeps PyTorch's (flash,
+/// memory-efficient, math, cuDNN); "cudnn", "flash" or "efficient" puts that kernel first, and
+/// inputs it cannot take go to the next one in PyTorch's order. The previous order comes back
+/// when the guard ends.
+class AttentionBackendGuard {
+ public:
+  explicit AttentionBackendGuard(const std::string& backend);
+  ~AttentionBackendGuard();
+  AttentionBackendGuard(const AttentionBackendGuard&) = delete;
+  AttentionBackendGuard& operator=(const AttentionBackendGuard&) = delete;
+  static std::vector<std::string> names();
+
+ private:
+  std::array<at::SDPBackend, at::num_sdp_backends> previous_;
 };
 
 /// Pre-LayerNorm transformer block: x + proj(attn(ln1·qkv(x))), then x + fc2(gelu(ln2·fc1(x))).

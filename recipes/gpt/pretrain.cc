@@ -22,6 +22,7 @@
 #include "plugin/training/checkpoint.h"
 #include "plugin/distributed/process_group.h"
 #include "plugin/training/files.h"
+#include "plugin/training/step_profiler.h"
 #include "plugin/training/throughput.h"
 #include "recipes/gpt/callbacks.h"
 #include "recipes/gpt/data.h"
@@ -141,6 +142,17 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   TORCH_CHECK(recipe.min_lr >= 0 && recipe.min_lr <= recipe.lr, "min_lr must be in [0, lr], got ",
               recipe.min_lr);
   TORCH_CHECK(recipe.trainer.max_steps() >= 1, "steps must be >= 1, got ", recipe.trainer.max_steps());
+  TORCH_CHECK(recipe.profile_dir.empty() ||
+                  (recipe.profile_first_step >= 0 && recipe.profile_first_step < recipe.trainer.max_steps()),
+              "profile-first-step must be in [0, steps) = [0, ", recipe.trainer.max_steps(), "), got ",
+              recipe.profile_first_step);
+  TORCH_CHECK(recipe.profile_steps >= 1, "profile-steps must be >= 1, got ", recipe.profile_steps);
+  {
+    const auto names = AttentionBackendGuard::names();
+    TORCH_CHECK(std::find(names.begin(), names.end(), recipe.attention_backend) != names.end(),
+                "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"",
+                recipe.attention_backend, "\"");
+  }
   TORCH_CHECK(recipe.trainer.accumulate_grad_batches() >= 1, "grad-accum must be >= 1, got ",
               recipe.trainer.accumulate_grad_batches());
   auto data = recipe.data.empty() ? ByteDataset::builtin() : ByteDataset::from_file(recipe.data);
@@ -277,6 +289,11 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
     communication = std::make_shared<CommunicationTimer>(*plugin);
     trainer.callbacks.push_back(communication);
   }
+  if (!recipe.profile_dir.empty()) {
+    const auto dir = rank == 0 ? fs::path(recipe.profile_dir) : fs::path(recipe.profile_dir) / ("rank" + std::to_string(rank));
+    trainer.callbacks.push_back(
+        std::make_shared<StepProfiler>(dir.string(), recipe.profile_first_step, recipe.profile_steps));
+  }
   std::shared_ptr<Evaluator> evaluator;
   if (byte_validation || megatron_validation) {
     const auto heldout = heldout_bytes;
@@ -313,6 +330,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
 #endif
 
+  const AttentionBackendGuard attention_backend(recipe.attention_backend);
   const auto vocab = model_config.vocab_size();
   const auto start = std::chrono::steady_clock::now();
   trainer.fit(*model, optimizer,

@@ -64,6 +64,16 @@ struct PretrainRecipe {
   bool overlap_grad_reduce = true;
   /// Data-parallel: elements per gradient bucket (DistributedOptimizerOptions::bucket_size).
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
+  /// The fused attention kernel tried first (AttentionBackendGuard): "auto" (PyTorch's order),
+  /// "cudnn", "flash" or "efficient".
+  std::string attention_backend = "auto";
+  /// Record optimizer steps [profile_first_step, profile_first_step + profile_steps) with the
+  /// Kineto profiler (StepProfiler) into this folder: trace.json and the device time by
+  /// category (step_profile.json / .txt, also printed); under torchrun, rank r > 0 writes
+  /// into <profile_dir>/rank<r>. "" = no profile.
+  std::string profile_dir;
+  int64_t profile_first_step = 10;
+  int64_t profile_steps = 3;
 };
 
 /// The default recipe for a named model config (see GptConfig::named): batch, sequence and
