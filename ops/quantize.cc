@@ -108,10 +108,19 @@ Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
 }
 
 Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                                const at::Tensor& amax_out, bool accumulate_amax) {
+                                const at::Tensor& amax_out, bool accumulate_amax,
+                                const at::Tensor& dbias_out) {
   check_quantize_args(x, scale, amax_out, "cast_transpose");
   TORCH_CHECK(x.dim() == 2, "cast_transpose: x must be 2-D [rows, cols], got shape ", x.sizes());
   const int64_t rows = x.size(0), cols = x.size(1);
+  if (dbias_out.defined()) {
+    TORCH_CHECK(dbias_out.scalar_type() == at::kFloat && dbias_out.dim() == 1 &&
+                    dbias_out.size(0) == cols && dbias_out.is_contiguous() &&
+                    dbias_out.device() == x.device(),
+                "cast_transpose: dbias_out must be a contiguous float32 [", cols, "] tensor on ",
+                x.device(), ", got ", dbias_out.scalar_type(), " ", dbias_out.sizes(), " on ",
+                dbias_out.device());
+  }
   auto options = x.options().dtype(fp8_dtype(format));
   auto out = at::empty({rows, cols}, options);
   auto scale_inv = at::empty({1}, scale.options());
@@ -120,7 +129,7 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
 #ifdef AMP8_WITH_CUDA
     out_t = at::empty({cols, rows}, options);
     detail::cast_transpose_cuda(x, scale, format, out, out_t, scale_inv, amax_ptr(amax_out),
-                                accumulate_amax);
+                                accumulate_amax, dbias_out);
 #else
     detail::no_cuda("cast_transpose");
 #endif
@@ -130,6 +139,10 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
     out_t = out.t().contiguous();
     scale_inv.fill_(1.0f / s);
     record_amax(amax_out, m, accumulate_amax);
+    if (dbias_out.defined()) {
+      at::Tensor dbias = dbias_out;  // a handle to the caller's storage
+      at::sum_out(dbias, x, {0}, /*keepdim=*/false, at::kFloat);
+    }
   }
   return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
 }

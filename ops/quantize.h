@@ -35,8 +35,12 @@ struct Fp8CastTranspose {
 
 /// Fused cast + transpose + amax of a 2-D `x` [rows, cols]: what Hopper's TN-only FP8 GEMMs
 /// need to compute both y = x·Wᵀ and the backward GEMMs without a separate transpose.
+/// `dbias_out`, when defined (float32 [cols], on x's device), receives Σ_rows x (TE's
+/// cast_transpose_dbias: a layer's bias gradient from the read that quantizes its output
+/// gradient; on the GPU in the same kernel where the shape allows).
 Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                                const at::Tensor& amax_out = {}, bool accumulate_amax = false);
+                                const at::Tensor& amax_out = {}, bool accumulate_amax = false,
+                                const at::Tensor& dbias_out = {});
 
 /// max|x| as a float32 tensor of one element on x's device (NaN if x holds a NaN).
 at::Tensor compute_amax(const at::Tensor& x);

@@ -236,6 +236,22 @@ TEST_F(QuantizeTest, CastTransposeOnCpuMatchesQuantizeAndItsTranspose) {
   }
 }
 
+// dbias_out: the column sums (the bias gradient of a gradient), beside the unchanged cast.
+TEST_F(QuantizeTest, CastTransposeDbiasIsTheColumnSum) {
+  auto x = testing::random_wide({77, 45}, at::kBFloat16);
+  auto dbias = at::full({45}, 7.0f);
+  auto ct = cast_transpose(x, scalar(0.5f), Fp8Format::kE4M3, {}, false, dbias);
+  EXPECT_TRUE(BytesEqual(dbias, x.sum(0, false, at::kFloat)));
+  EXPECT_TRUE(BytesEqual(ct.data.data, quantize(x, scalar(0.5f), Fp8Format::kE4M3).data));
+  for (const auto& [bad, what] : std::vector<std::pair<at::Tensor, std::string>>{
+           {at::zeros({44}), "float32 [45]"}, {at::zeros({45}, at::kBFloat16), "got BFloat16"},
+           {at::zeros({2, 45}), "got Float [2, 45]"}}) {
+    auto call = [&] { cast_transpose(x, scalar(0.5f), Fp8Format::kE4M3, {}, false, bad); };
+    testing::ExpectErrorContaining(call, "cast_transpose: dbias_out must be a contiguous float32 [45] tensor");
+    testing::ExpectErrorContaining(call, what);
+  }
+}
+
 }  // namespace
 }  // namespace amp8
 
@@ -258,7 +274,7 @@ std::string case_name(const ::testing::TestParamInfo<GpuCase>& info) {
 std::vector<GpuCase> gpu_cases() {
   std::vector<GpuCase> cases;
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 3221}, {1481, 677}, {2333, 1}, {8192, 8192}, {16, 8}, {48, 136}, {1000, 1024}};
+      {1, 3221}, {1481, 677}, {2333, 1}, {8192, 8192}, {16, 8}, {48, 136}, {1000, 1024}, {400, 264}};
   for (auto [rows, cols] : shapes) {
     for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
@@ -309,6 +325,28 @@ TEST_P(QuantizeGpuTest, CastTransposeMatchesCpu_CUDA) {
     EXPECT_TRUE(SameFloat(item(slot_gpu), item(slot_cpu)));
     EXPECT_TRUE(SameFloat(item(slot_gpu), std::max(before, m)));
   }
+}
+
+// The fused dbias (per-tile column sums, then a fixed-order sum over the tiles) against the CPU's
+// column sum, and the cast next to it byte for byte the CPU's. Normal data: a lost or doubled
+// tile of 128 rows moves a column sum by ~11, far outside the rounding bound used here.
+TEST_P(QuantizeGpuTest, CastTransposeDbiasMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto x = at::randn({p.rows, p.cols}).to(p.dtype);
+  auto scale = scalar(fp8_max(p.format) / x.to(at::kFloat).abs().max().item<float>() * 4.0f);
+  auto dbias_cpu = at::empty({p.cols}), dbias_gpu = at::full({p.cols}, NAN, at::kCUDA);
+  auto amax_cpu = at::zeros({1}), amax_gpu = at::zeros({1}, at::kCUDA);
+  auto cpu = cast_transpose(x, scale, p.format, amax_cpu, false, dbias_cpu);
+  auto gpu = cast_transpose(x.cuda(), scale.cuda(), p.format, amax_gpu, false, dbias_gpu);
+  EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data));
+  EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data));
+  EXPECT_TRUE(SameFloat(item(amax_gpu), item(amax_cpu)));
+  const auto bound = x.to(at::kFloat).abs().sum(0) * 1e-5f + 1e-6f;
+  const auto error = (dbias_gpu.cpu() - dbias_cpu).abs();
+  EXPECT_TRUE((error <= bound).all().item<bool>())
+      << "largest error " << error.max().item<float>() << " at column "
+      << error.argmax().item<int64_t>() << "; bound there " << bound[error.argmax()].item<float>();
 }
 
 TEST_P(QuantizeGpuTest, CurrentScalingMatchesCpu_CUDA) {

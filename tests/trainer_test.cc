@@ -14,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "plugin/optim/grad_clip.h"
 #include "plugin/training/checkpoint.h"
 #include "plugin/training/step_profiler.h"
 #include "recipes/precision.h"
@@ -721,6 +722,54 @@ TEST(StepProfilerTest, ProfilesTrainerSteps) { profile_mlp_steps(torch::kCPU); }
 TEST(StepProfilerTest, ProfilesTrainerSteps_CUDA) {
   AMP8_REQUIRE_CUDA();
   profile_mlp_steps(torch::kCUDA);
+}
+
+// A list of FP32 and bf16 gradients of awkward sizes (a mixed-precision step's main grads
+// beside half ones): the norm is the float32 norm of all of them, clipping scales each.
+std::vector<at::Tensor> mixed_gradients(const torch::Device& device) {
+  std::vector<at::Tensor> grads;
+  for (int i = 0; i < 30; ++i) {
+    grads.push_back(torch::randn({7 + 13 * i}, device));
+    grads.push_back(torch::randn({5 + 11 * i, 3}, device).to(torch::kBFloat16));
+  }
+  return grads;
+}
+
+void expect_mixed_norm_and_clip(const torch::Device& device) {
+  torch::manual_seed(3);
+  auto grads = mixed_gradients(device);
+  double expected_sq = 0;
+  for (const auto& g : grads) expected_sq += g.to(torch::kDouble).pow(2).sum().item<double>();
+  const double expected = std::sqrt(expected_sq);
+  EXPECT_NEAR(global_grad_norm(grads), expected, 1e-5 * expected);
+  std::vector<at::Tensor> before;
+  for (const auto& g : grads) before.push_back(g.clone());
+  const double norm = clip_grad_norm_(grads, expected / 4);
+  EXPECT_NEAR(norm, expected, 1e-5 * expected);
+  const double coef = clip_coefficient(norm, expected / 4);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(grads[i].to(torch::kFloat), (before[i] * coef).to(torch::kFloat), 1e-2, 1e-6))
+        << "gradient " << i << " (" << grads[i].scalar_type() << ")";
+  }
+}
+
+TEST(GradClipTest, MixedDtypeNormAndClip) { expect_mixed_norm_and_clip(torch::kCPU); }
+
+// On the GPU the mixed list takes the multi-tensor kernels (a few launches per dtype), not one
+// norm per tensor: counted with the profiler.
+TEST(GradClipTest, MixedDtypeNormAndClip_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  expect_mixed_norm_and_clip(torch::kCUDA);
+  auto grads = mixed_gradients(torch::kCUDA);
+  global_grad_norm(grads);  // warm-up
+  StepRecorder recorder;
+  recorder.start();
+  recorder.begin_step(0);
+  global_grad_norm(grads);
+  recorder.end_step();
+  const auto profile = recorder.stop(testing::scratch_path("trainer_test", "norm_profile").string());
+  EXPECT_GT(profile.kernels, 0.0);
+  EXPECT_LT(profile.kernels, 20.0) << "60 gradients, two dtypes: " << profile.table();
 }
 
 TEST(StepProfilerTest, BadArgumentsAreNamed) {

@@ -50,8 +50,25 @@ void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
 
 void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                          const at::Tensor& out, const at::Tensor& out_t,
-                         const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax) {
+                         const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax,
+                         const at::Tensor& dbias_out) {
   const c10::cuda::CUDAGuard guard(x.device());
+  if (dbias_out.defined()) {
+    auto part = at::empty({cuda::cast_transpose_dbias_parts(x.size(0)), x.size(1)},
+                          x.options().dtype(at::kFloat));
+    const int err = cuda::launch_cast_transpose_dbias(
+        x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
+        x.size(0), x.size(1), scale.const_data_ptr<float>(),
+        scale_inv_out.mutable_data_ptr<float>(), amax, accumulate_amax,
+        format == Fp8Format::kE5M2, part.mutable_data_ptr<float>(),
+        dbias_out.mutable_data_ptr<float>(), current_stream());
+    if (err != cuda::kUnsupportedShape) {
+      AMP8_CUDA_CHECK(err);
+      return;
+    }
+    at::Tensor dbias = dbias_out;  // a handle to the caller's storage
+    at::sum_out(dbias, x, {0}, /*keepdim=*/false, at::kFloat);
+  }
   AMP8_CUDA_CHECK(cuda::launch_cast_transpose(
       x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
       x.size(0), x.size(1), scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(),

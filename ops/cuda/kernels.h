@@ -10,6 +10,10 @@ namespace amp8::cuda {
 
 using Stream = CUstream_st*;
 
+// Returned by a launcher whose fused kernel does not take this shape / alignment (it launched
+// nothing); the caller then computes with ATen.
+inline constexpr int kUnsupportedShape = -1;
+
 enum class InputType { kFloat, kBFloat16, kHalf };
 
 // amax (when non-null) is overwritten with max|x|, or max-merged into when accumulate_amax
@@ -27,6 +31,23 @@ inline constexpr int kDefaultCastTransposeTileCols = 128;  // measured: bench/re
 int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
                                 bool accumulate_amax, bool e5m2, int tile_cols, Stream stream);
+
+// Rows of the float32 partial-sum workspace launch_cast_transpose_dbias needs ([parts, cols]).
+int64_t cast_transpose_dbias_parts(int64_t rows);
+
+// launch_cast_transpose that also writes dbias[c] = Σ_r x[r, c] (float32 [cols]) from the same
+// read of x (TE's cast_transpose_dbias: a gradient's bias gradient): per-tile column sums into
+// `part` [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast
+// shape (cols % 8 == 0, rows % 16 == 0, 16-byte aligned pointers); otherwise it launches nothing
+// and returns kUnsupportedShape.
+int launch_cast_transpose_dbias(const void* x, InputType type, void* out, void* out_t,
+                                int64_t rows, int64_t cols, const float* scale, float* scale_inv,
+                                float* amax, bool accumulate_amax, bool e5m2, float* part,
+                                float* dbias, Stream stream);
+
+// out[c] = Σ_p part[p, c] over `parts` rows of float32 partial sums [parts, cols], in a fixed
+// order (layer_norm_kernels.cu).
+int launch_column_sum(const float* part, int parts, int64_t cols, float* out, Stream stream);
 
 int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream stream);
 
@@ -46,10 +67,9 @@ int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_gr
                                   float margin_divisor, Stream stream);
 
 // ---- LayerNorm (layer_norm_kernels.cu) ----
-// Returned by a launcher whose fused kernel does not take this row length / alignment; the
-// caller then computes with ATen. The row must fit in the registers of one block: up to 16384
-// elements forward and 8192 backward when rows are 16-byte aligned, 4096 otherwise.
-inline constexpr int kUnsupportedShape = -1;
+// The LayerNorm launchers return kUnsupportedShape when the row does not fit in the registers
+// of one block: up to 16384 elements forward and 8192 backward when rows are 16-byte aligned,
+// 4096 otherwise.
 
 // Threads per row the forward prefers (a multiple of 32, at most 512; more when the row does
 // not fit in their registers). Measured: bench/results/layer_norm_bench.jsonl.

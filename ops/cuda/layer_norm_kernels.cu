@@ -481,18 +481,19 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
       }
     });
     if (err != 0) return err;
-    const dim3 block(32, 8);
-    const int grid = static_cast<int>((hidden + 31) / 32);
     if (dgamma != nullptr) {
-      column_sum_kernel<<<grid, block, 0, stream>>>(dgamma_part, parts, static_cast<int>(hidden),
-                                                    dgamma);
+      if (auto e = launch_column_sum(dgamma_part, parts, hidden, dgamma, stream)) return e;
     }
-    if (dbeta != nullptr) {
-      column_sum_kernel<<<grid, block, 0, stream>>>(dbeta_part, parts, static_cast<int>(hidden),
-                                                    dbeta);
-    }
-    return static_cast<int>(cudaGetLastError());
+    if (dbeta != nullptr) return launch_column_sum(dbeta_part, parts, hidden, dbeta, stream);
+    return 0;
   });
+}
+
+int launch_column_sum(const float* part, int parts, int64_t cols, float* out, Stream stream) {
+  const dim3 block(32, 8);
+  const int grid = static_cast<int>((cols + 31) / 32);
+  column_sum_kernel<<<grid, block, 0, stream>>>(part, parts, static_cast<int>(cols), out);
+  return static_cast<int>(cudaGetLastError());
 }
 
 int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream) {

@@ -81,12 +81,14 @@ __device__ __forceinline__ int swizzled(int t_row, int t_col) {
   return t_row * kTileRows + ((((t_col >> 4) ^ (t_row >> 3)) & 7) << 4) + (t_col & 15);
 }
 
-template <typename T, bool kE5M2, int kTileCols>
+// With kDbias, each tile also sums its columns (the bias gradient of a gradient tile, TE's
+// cast_transpose_dbias) into dbias_part[blockIdx.y, col], from the registers the cast reads.
+template <typename T, bool kE5M2, int kTileCols, bool kDbias = false>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
-                          float* __restrict__ amax) {
+                          float* __restrict__ amax, float* __restrict__ dbias_part = nullptr) {
   constexpr int kChunksPerRow = kTileCols / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   constexpr int kLoadPasses = kTileRows / kRowsPerPass;
@@ -110,6 +112,29 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
     if (gr < rows && gc < cols)
       packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+  }
+  if constexpr (kDbias) {
+    // Per thread: its 8 columns over its kLoadPasses rows; then the kRowsPerPass threads of a
+    // column chunk add up through shared memory, in a fixed order.
+    __shared__ float column_sums[kRowsPerPass][kTileCols];
+    float sums[8] = {};
+#pragma unroll
+    for (int pass = 0; pass < kLoadPasses; ++pass) {
+      const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
+      if (gr < rows && gc < cols) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sums[j] += to_float(packs[pass].v[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) column_sums[row_in_pass][chunk * 8 + j] = sums[j];
+    __syncthreads();
+    if (threadIdx.x < kTileCols && col0 + threadIdx.x < cols) {
+      float total = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRowsPerPass; ++r) total += column_sums[r][threadIdx.x];
+      dbias_part[static_cast<int64_t>(blockIdx.y) * cols + col0 + threadIdx.x] = total;
+    }
   }
 #pragma unroll
   for (int pass = 0; pass < kLoadPasses; ++pass) {
@@ -260,6 +285,39 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
     }
     return static_cast<int>(cudaGetLastError());
   });
+}
+
+int64_t cast_transpose_dbias_parts(int64_t rows) { return (rows + kTileRows - 1) / kTileRows; }
+
+int launch_cast_transpose_dbias(const void* x, InputType type, void* out, void* out_t,
+                                int64_t rows, int64_t cols, const float* scale, float* scale_inv,
+                                float* amax, bool accumulate_amax, bool e5m2, float* part,
+                                float* dbias, Stream stream) {
+  constexpr int kCols = kDefaultCastTransposeTileCols;
+  if (!(cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) && aligned16(out_t))) {
+    return kUnsupportedShape;
+  }
+  if (amax != nullptr && !accumulate_amax) {
+    if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
+  }
+  const int64_t parts = cast_transpose_dbias_parts(rows);
+  const int err = dispatch_input(type, [&](auto tag) {
+    using T = decltype(tag);
+    const auto* in = static_cast<const T*>(x);
+    auto* o = static_cast<uint8_t*>(out);
+    auto* ot = static_cast<uint8_t*>(out_t);
+    const dim3 grid((cols + kCols - 1) / kCols, static_cast<unsigned>(parts));
+    if (e5m2) {
+      cast_transpose_kernel<T, true, kCols, true>
+          <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, part);
+    } else {
+      cast_transpose_kernel<T, false, kCols, true>
+          <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, part);
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
+  if (err != 0) return err;
+  return launch_column_sum(part, static_cast<int>(parts), cols, dbias, stream);
 }
 
 int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,

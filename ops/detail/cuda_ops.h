@@ -20,9 +20,12 @@ void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
                    const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax,
                    bool accumulate_amax);
 // The same plus out_t = outᵀ for a 2-D x, from one read of x.
+// With dbias_out (float32 [cols]) also dbias_out = Σ_rows x, from the same read where the fused
+// kernel takes the shape, else by ATen after the cast.
 void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                          const at::Tensor& out, const at::Tensor& out_t,
-                         const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
+                         const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax,
+                         const at::Tensor& dbias_out = {});
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
 // scale_out[0] = scale_from_amax(amax[0], 1, fp8_max, 2^margin).
 void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,

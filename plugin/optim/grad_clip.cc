@@ -5,8 +5,28 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cmath>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace amp8 {
+
+namespace {
+
+// The _foreach_* ops' multi-tensor kernels take one dtype and device per list; a mixed list (FP32
+// main grads beside half gradients) falls back to one op per tensor, one launch and a few host
+// ops each (profiled: 292 norms, ~7 ms of host time per 350m step). So: one list per
+// (device, dtype), in a deterministic order.
+std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::Tensor>& tensors) {
+  std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
+  for (const auto& t : tensors) groups[{t.device().str(), t.scalar_type()}].push_back(t);
+  std::vector<std::vector<at::Tensor>> lists;
+  for (auto& [key, list] : groups) lists.push_back(std::move(list));
+  return lists;
+}
+
+}  // namespace
 
 double global_grad_norm(const std::vector<at::Tensor>& grads, c10d::ProcessGroup* group,
                         at::Device device) {
@@ -16,9 +36,12 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, c10d::ProcessGroup
   if (grads.empty()) {
     sum_of_squares = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
   } else {
-    auto norms = at::_foreach_norm(grads, 2, at::kFloat);
-    for (auto& n : norms) n = n.reshape({1}).to(grads.front().device());
-    sum_of_squares = at::cat(norms).square().sum().reshape({1});
+    const auto home = grads.front().device();
+    std::vector<at::Tensor> per_list;
+    for (const auto& list : by_device_and_dtype(grads)) {
+      per_list.push_back(at::stack(at::_foreach_norm(list, 2, at::kFloat)).to(home).square().sum());
+    }
+    sum_of_squares = at::stack(per_list).sum().reshape({1});
   }
   if (group != nullptr) {
     std::vector<at::Tensor> tensors{sum_of_squares};
@@ -40,7 +63,7 @@ double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm,
   const double coef = clip_coefficient(norm, max_norm);
   if (coef < 1.0 && !grads.empty()) {
     at::NoGradGuard no_grad;
-    at::_foreach_mul_(grads, coef);
+    for (const auto& list : by_device_and_dtype(grads)) at::_foreach_mul_(list, coef);
   }
   return norm;
 }

@@ -1,7 +1,10 @@
 #include "recipes/gpt/gpt_model.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/_fused_sdp_choice.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/zeros.h>
+#include <torch/cuda.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/dropout.h>
 #include <torch/nn/functional/linear.h>
@@ -9,8 +12,7 @@
 
 namespace amp8::recipes {
 
-AttentionBackendGuard::AttentionBackendGuard(const std::string& backend)
-    : previous_(at::globalContext().sDPPriorityOrder()) {
+AttentionBackendGuard::AttentionBackendGuard(const std::string& backend) {
   at::SDPBackend first = at::SDPBackend::error;
   if (backend == "cudnn") first = at::SDPBackend::cudnn_attention;
   if (backend == "flash") first = at::SDPBackend::flash_attention;
@@ -18,17 +20,26 @@ AttentionBackendGuard::AttentionBackendGuard(const std::string& backend)
   TORCH_CHECK(backend == "auto" || first != at::SDPBackend::error,
               "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"",
               backend, "\"");
-  if (first == at::SDPBackend::error) return;
+  if (first == at::SDPBackend::error) return;  // "auto": nothing changes, nothing to restore
+  if (torch::cuda::is_available()) {
+    // PyTorch sets its CUDA default order on the first CUDA attention call (cuDNN first on
+    // Hopper and Blackwell with a recent cuDNN). Let it, so that the order read here, and
+    // restored later, is that default and not the pre-initialisation one.
+    const auto probe = at::zeros({1, 1, 16, 64}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+    at::_fused_sdp_choice(probe, probe, probe);
+  }
+  previous_ = at::globalContext().sDPPriorityOrder();
   std::vector<int64_t> order{static_cast<int64_t>(first)};
-  for (auto b : previous_) {
+  for (auto b : *previous_) {
     if (b != first) order.push_back(static_cast<int64_t>(b));
   }
   at::globalContext().setSDPPriorityOrder(order);
 }
 
 AttentionBackendGuard::~AttentionBackendGuard() {
+  if (!previous_) return;
   std::vector<int64_t> order;
-  for (auto b : previous_) order.push_back(static_cast<int64_t>(b));
+  for (auto b : *previous_) order.push_back(static_cast<int64_t>(b));
   at::globalContext().setSDPPriorityOrder(order);
 }
 

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,10 +49,10 @@ struct GptConfig {
 };
 
 /// The order in which at::scaled_dot_product_attention tries its fused kernels (a process-wide
-/// setting of LibTorch), for the life of the guard: "auto" keeps PyTorch's (flash,
-/// memory-efficient, math, cuDNN); "cudnn", "flash" or "efficient" puts that kernel first, and
-/// inputs it cannot take go to the next one in PyTorch's order. The previous order comes back
-/// when the guard ends.
+/// setting of LibTorch), for the life of the guard: "auto" changes nothing (PyTorch's own
+/// order: on Hopper and Blackwell with cuDNN > 9.15, cuDNN first, then flash, memory-efficient,
+/// math); "cudnn", "flash" or "efficient" puts that kernel first, and inputs it cannot take go to
+/// the next one in PyTorch's order. The previous order comes back when the guard ends.
 class AttentionBackendGuard {
  public:
   explicit AttentionBackendGuard(const std::string& backend);
@@ -61,7 +62,7 @@ class AttentionBackendGuard {
   static std::vector<std::string> names();
 
  private:
-  std::array<at::SDPBackend, at::num_sdp_backends> previous_;
+  std::optional<std::array<at::SDPBackend, at::num_sdp_backends>> previous_;  // what to restore
 };
 
 /// Pre-LayerNorm transformer block: x + proj(attn(ln1·qkv(x))), then x + fc2(gelu(ln2·fc1(x))).

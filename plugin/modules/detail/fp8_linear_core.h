@@ -52,9 +52,11 @@ at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows);
 at::ScalarType compute_dtype(const at::Tensor& input);
 
 /// Quantizes x for the recipe: delayed scaling uses `scale` and max-merges max|x| into
-/// `amax_slot`; tensorwise scaling derives the scale from x itself.
+/// `amax_slot`; tensorwise scaling derives the scale from x itself. `dbias_out` (float32
+/// [cols]), when defined, receives Σ_rows x from the same read (cast_transpose's).
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Format format,
-                              const at::Tensor& scale, const at::Tensor& amax_slot);
+                              const at::Tensor& scale, const at::Tensor& amax_slot,
+                              const at::Tensor& dbias_out = {});
 
 struct Fp8LinearGrads {
   at::Tensor input;  ///< [rows, in_features]
@@ -104,7 +106,8 @@ Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at
 /// once (cast_transpose) into the gradient format; wgrad from x_t (which may be undefined when
 /// no weight gradient is needed), then dgrad from `w`, what save_dgrad_weight saved (W is
 /// byte-transposed here, just before dgrad); under fp8_params the weight gradient goes to
-/// main_grad. The bias gradient is reduced first, before any of that is allocated. x_t is dropped before dgrad: pass it by std::move, holding no
+/// main_grad. The bias gradient comes from the gradient's cast_transpose (its dbias), not from a
+/// separate reduction. x_t is dropped before dgrad: pass it by std::move, holding no
 /// other reference, to free it there. need_bias is ignored for a layer without bias.
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
