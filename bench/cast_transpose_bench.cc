@@ -1,6 +1,7 @@
 // cast_transpose with amax on large bf16 matrices: effective bandwidth against a
 // device-to-device copy measured in the same run, and speedup over eager LibTorch doing
-// amax, scale+cast and transpose as separate ops. Also the plain quantize kernel.
+// amax, scale+cast and transpose as separate ops; with the fused bias gradient (dbias) against
+// cast_transpose + LibTorch's column sum. Also the plain quantize kernel.
 
 #include <ATen/ATen.h>
 
@@ -71,6 +72,24 @@ int main(int argc, char** argv) {
             .set("fraction_of_copy", bytes / ms / 1e6 / copy_gbps)
             .print();
       }
+    }
+
+    // The bias gradient from the same read (cast_transpose's dbias_out) against cast_transpose
+    // followed by LibTorch's column sum, which the FP8 linear backward did before.
+    {
+      auto dbias = at::empty({cols}, cuda.dtype(at::kFloat));
+      const double fused_ms = bench::median_ms(
+          [&] { cast_transpose(x, scale, Fp8Format::kE4M3, amax_slot, false, dbias); });
+      const double separate_ms = bench::median_ms([&] {
+        cast_transpose(x, scale, Fp8Format::kE4M3, amax_slot);
+        auto db = x.sum(0, false, at::kFloat);
+      });
+      bench::Record("cast_transpose_dbias", shape, cmd)
+          .timing(fused_ms, "cast_transpose + x.sum(0) (LibTorch)", separate_ms)
+          .set("gbps", bytes / fused_ms / 1e6)
+          .set("fraction_of_copy", bytes / fused_ms / 1e6 / copy_gbps)
+          .set("plain_cast_transpose_ms", ours_ms)
+          .print();
     }
 
     const double quant_ms =

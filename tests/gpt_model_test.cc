@@ -69,6 +69,12 @@ TEST_F(GptModelTest, BadConfigsAreNamed) {
 
 // The guard puts the asked kernel first, keeps the others in PyTorch's order, and restores.
 TEST(AttentionBackendGuardTest, PutsTheBackendFirstAndRestores) {
+  if (torch::cuda::is_available()) {
+    // PyTorch sets its CUDA default order on the first CUDA attention call; a guard lets it
+    // happen before reading the order it restores. Let it happen here too, first.
+    const auto probe = torch::zeros({1, 1, 16, 64}, torch::dtype(torch::kBFloat16).device(torch::kCUDA));
+    at::_fused_sdp_choice(probe, probe, probe);
+  }
   const auto before = at::globalContext().sDPPriorityOrder();
   {
     AttentionBackendGuard cudnn("cudnn");
