@@ -12,14 +12,25 @@
 
 namespace amp8::recipes {
 
-AttentionBackendGuard::AttentionBackendGuard(const std::string& backend) {
-  at::SDPBackend first = at::SDPBackend::error;
-  if (backend == "cudnn") first = at::SDPBackend::cudnn_attention;
-  if (backend == "flash") first = at::SDPBackend::flash_attention;
-  if (backend == "efficient") first = at::SDPBackend::efficient_attention;
-  TORCH_CHECK(backend == "auto" || first != at::SDPBackend::error,
+namespace {
+
+// The kernel a backend name puts first; SDPBackend::error for "auto". Throws on any other name.
+at::SDPBackend first_backend(const std::string& backend) {
+  if (backend == "cudnn") return at::SDPBackend::cudnn_attention;
+  if (backend == "flash") return at::SDPBackend::flash_attention;
+  if (backend == "efficient") return at::SDPBackend::efficient_attention;
+  TORCH_CHECK(backend == "auto",
               "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"",
               backend, "\"");
+  return at::SDPBackend::error;
+}
+
+}  // namespace
+
+void AttentionBackendGuard::check(const std::string& backend) { first_backend(backend); }
+
+AttentionBackendGuard::AttentionBackendGuard(const std::string& backend) {
+  const at::SDPBackend first = first_backend(backend);
   if (first == at::SDPBackend::error) return;  // "auto": nothing changes, nothing to restore
   if (torch::cuda::is_available()) {
     // PyTorch sets its CUDA default order on the first CUDA attention call (cuDNN first on
@@ -42,8 +53,6 @@ AttentionBackendGuard::~AttentionBackendGuard() {
   for (auto b : *previous_) order.push_back(static_cast<int64_t>(b));
   at::globalContext().setSDPPriorityOrder(order);
 }
-
-std::vector<std::string> AttentionBackendGuard::names() { return {"auto", "cudnn", "flash", "efficient"}; }
 
 GptConfig GptConfig::named(const std::string& name) {
   if (name == "tiny") return GptConfig().hidden(64).layers(2).heads(4).max_seq_len(256);

@@ -59,7 +59,9 @@ class AttentionBackendGuard {
   ~AttentionBackendGuard();
   AttentionBackendGuard(const AttentionBackendGuard&) = delete;
   AttentionBackendGuard& operator=(const AttentionBackendGuard&) = delete;
-  static std::vector<std::string> names();
+  /// Throws, naming the accepted values, unless `backend` is one of them (to check a setting
+  /// before anything runs).
+  static void check(const std::string& backend);
 
  private:
   std::optional<std::array<at::SDPBackend, at::num_sdp_backends>> previous_;  // what to restore

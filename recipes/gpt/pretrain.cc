@@ -147,12 +147,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
               "profile-first-step must be in [0, steps) = [0, ", recipe.trainer.max_steps(), "), got ",
               recipe.profile_first_step);
   TORCH_CHECK(recipe.profile_steps >= 1, "profile-steps must be >= 1, got ", recipe.profile_steps);
-  {
-    const auto names = AttentionBackendGuard::names();
-    TORCH_CHECK(std::find(names.begin(), names.end(), recipe.attention_backend) != names.end(),
-                "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"",
-                recipe.attention_backend, "\"");
-  }
+  AttentionBackendGuard::check(recipe.attention_backend);
   TORCH_CHECK(recipe.trainer.accumulate_grad_batches() >= 1, "grad-accum must be >= 1, got ",
               recipe.trainer.accumulate_grad_batches());
   auto data = recipe.data.empty() ? ByteDataset::builtin() : ByteDataset::from_file(recipe.data);
