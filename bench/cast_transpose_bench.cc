@@ -1,7 +1,8 @@
 // cast_transpose with amax on large bf16 matrices: effective bandwidth against a
 // device-to-device copy measured in the same run, and speedup over eager LibTorch doing
 // amax, scale+cast and transpose as separate ops; with the fused bias gradient (dbias) against
-// cast_transpose + LibTorch's column sum. Also the plain quantize kernel.
+// cast_transpose + LibTorch's column sum; with GELU / GELU's backward inside the cast against
+// LibTorch's GELU kernels before it. Also the plain quantize kernel.
 
 #include <ATen/ATen.h>
 
@@ -89,6 +90,41 @@ int main(int argc, char** argv) {
           .set("gbps", bytes / fused_ms / 1e6)
           .set("fraction_of_copy", bytes / fused_ms / 1e6 / copy_gbps)
           .set("plain_cast_transpose_ms", ours_ms)
+          .print();
+    }
+
+    // GELU inside the cast (an MLP's FC2 input) against LibTorch's GELU then cast_transpose,
+    // and GELU's backward inside the gradient's cast with dbias (FC1's output gradient)
+    // against LibTorch's gelu_backward then cast_transpose with dbias: what the MLP did before
+    // Fp8LayerNormMLP.
+    {
+      const double fused_ms =
+          bench::median_ms([&] { cast_transpose_gelu(x, scale, Fp8Format::kE4M3, amax_slot); });
+      const double separate_ms = bench::median_ms([&] {
+        cast_transpose(at::gelu(x, "tanh"), scale, Fp8Format::kE4M3, amax_slot);
+      });
+      bench::Record("cast_transpose_gelu", shape, cmd)
+          .timing(fused_ms, "at::gelu(tanh) + cast_transpose", separate_ms)
+          .set("gbps", bytes / fused_ms / 1e6)
+          .set("fraction_of_copy", bytes / fused_ms / 1e6 / copy_gbps)
+          .print();
+      auto gelu_input = at::randn({rows, cols}, cuda.dtype(at::kBFloat16));
+      auto dbias = at::empty({cols}, cuda.dtype(at::kFloat));
+      const double dgelu_ms = bench::median_ms([&] {
+        cast_transpose_dgelu(x, gelu_input, scale, Fp8Format::kE5M2, amax_slot, false, dbias);
+      });
+      const double dgelu_separate_ms = bench::median_ms([&] {
+        cast_transpose(at::gelu_backward(x, gelu_input, "tanh"), scale, Fp8Format::kE5M2,
+                       amax_slot, false, dbias);
+      });
+      const double dgelu_bytes = 2.0 * x.nbytes() + 2.0 * x.numel();  // two bf16 reads
+      const std::string dgelu_shape =
+          std::to_string(rows) + "x" + std::to_string(cols) + " bf16->e5m2";
+      bench::Record("cast_transpose_dgelu_dbias", dgelu_shape, cmd)
+          .timing(dgelu_ms, "at::gelu_backward(tanh) + cast_transpose with dbias",
+                  dgelu_separate_ms)
+          .set("gbps", dgelu_bytes / dgelu_ms / 1e6)
+          .set("fraction_of_copy", dgelu_bytes / dgelu_ms / 1e6 / copy_gbps)
           .print();
     }
 

@@ -7,6 +7,7 @@
 #include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/fp8_cpu.h"
+#include "ops/detail/gelu_formula.h"
 #include "ops/detail/scale_formula.h"
 
 namespace amp8 {
@@ -74,9 +75,42 @@ void check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const at:
   if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, op, "amax_out");
 }
 
+void check_dbias_out(const at::Tensor& dbias_out, const at::Tensor& x, std::string_view op) {
+  const int64_t cols = x.size(1);
+  TORCH_CHECK(dbias_out.scalar_type() == at::kFloat && dbias_out.dim() == 1 &&
+                  dbias_out.size(0) == cols && dbias_out.is_contiguous() &&
+                  dbias_out.device() == x.device(),
+              op, ": dbias_out must be a contiguous float32 [", cols, "] tensor on ", x.device(),
+              ", got ", dbias_out.scalar_type(), " ", dbias_out.sizes(), " on ", dbias_out.device());
+}
+
 void record_amax(const at::Tensor& amax_out, float value, bool accumulate) {
   if (!amax_out.defined()) return;
   amax_out.fill_(accumulate ? detail::nan_max(amax_out.item<float>(), value) : value);
+}
+
+// The CPU reference of the activation-fused casts: activation(x) in float32, by the formula
+// the kernels use; `gate` (GELU's input) only for the backward.
+at::Tensor gelu_values_cpu(const at::Tensor& x, const at::Tensor& gate) {
+  auto values = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  float* out = values.mutable_data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_gelu", [&] {
+    const auto* in = x.const_data_ptr<scalar_t>();
+    const auto* g = gate.defined() ? gate.const_data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = static_cast<float>(in[i]);
+        out[i] = g ? detail::gelu_tanh_backward(v, static_cast<float>(g[i])) : detail::gelu_tanh(v);
+      }
+    });
+  });
+  return values;
+}
+
+void check_activation_input(const at::Tensor& x, const at::Tensor& scale,
+                            const at::Tensor& amax_out, std::string_view op) {
+  check_quantize_args(x, scale, amax_out, op);
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [rows, cols], got shape ", x.sizes());
 }
 
 #ifdef AMP8_WITH_CUDA
@@ -113,14 +147,7 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
   check_quantize_args(x, scale, amax_out, "cast_transpose");
   TORCH_CHECK(x.dim() == 2, "cast_transpose: x must be 2-D [rows, cols], got shape ", x.sizes());
   const int64_t rows = x.size(0), cols = x.size(1);
-  if (dbias_out.defined()) {
-    TORCH_CHECK(dbias_out.scalar_type() == at::kFloat && dbias_out.dim() == 1 &&
-                    dbias_out.size(0) == cols && dbias_out.is_contiguous() &&
-                    dbias_out.device() == x.device(),
-                "cast_transpose: dbias_out must be a contiguous float32 [", cols, "] tensor on ",
-                x.device(), ", got ", dbias_out.scalar_type(), " ", dbias_out.sizes(), " on ",
-                dbias_out.device());
-  }
+  if (dbias_out.defined()) check_dbias_out(dbias_out, x, "cast_transpose");
   auto options = x.options().dtype(fp8_dtype(format));
   auto out = at::empty({rows, cols}, options);
   auto scale_inv = at::empty({1}, scale.options());
@@ -145,6 +172,63 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
     }
   }
   return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
+}
+
+Fp8CastTranspose cast_transpose_gelu(const at::Tensor& x, const at::Tensor& scale,
+                                     Fp8Format format, const at::Tensor& amax_out,
+                                     bool accumulate_amax) {
+  check_activation_input(x, scale, amax_out, "cast_transpose_gelu");
+  if (x.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    const auto options = x.options().dtype(fp8_dtype(format));
+    auto out = at::empty(x.sizes(), options);
+    auto out_t = at::empty({x.size(1), x.size(0)}, options);
+    auto scale_inv = at::empty({1}, scale.options());
+    if (detail::cast_transpose_gelu_cuda(x, scale, format, out, out_t, scale_inv,
+                                         amax_ptr(amax_out), accumulate_amax)) {
+      return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
+    }
+    return cast_transpose(at::gelu(x.to(at::kFloat), "tanh"), scale, format, amax_out,
+                          accumulate_amax);
+#else
+    detail::no_cuda("cast_transpose_gelu");
+#endif
+  }
+  return cast_transpose(gelu_values_cpu(x, {}), scale, format, amax_out, accumulate_amax);
+}
+
+Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input,
+                                      const at::Tensor& scale, Fp8Format format,
+                                      const at::Tensor& amax_out, bool accumulate_amax,
+                                      const at::Tensor& dbias_out) {
+  check_activation_input(grad, scale, amax_out, "cast_transpose_dgelu");
+  TORCH_CHECK(gelu_input.defined(), "cast_transpose_dgelu: gelu_input must be defined");
+  TORCH_CHECK(gelu_input.sizes() == grad.sizes() && gelu_input.scalar_type() == grad.scalar_type() &&
+                  gelu_input.device() == grad.device() && gelu_input.is_contiguous(),
+              "cast_transpose_dgelu: gelu_input must be a contiguous ", grad.scalar_type(), " ",
+              grad.sizes(), " tensor on ", grad.device(), " (as grad), got ",
+              gelu_input.scalar_type(), " ", gelu_input.sizes(), " on ", gelu_input.device(),
+              gelu_input.is_contiguous() ? "" : ", not contiguous");
+  if (dbias_out.defined()) check_dbias_out(dbias_out, grad, "cast_transpose_dgelu");
+  if (grad.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    const auto options = grad.options().dtype(fp8_dtype(format));
+    auto out = at::empty(grad.sizes(), options);
+    auto out_t = at::empty({grad.size(1), grad.size(0)}, options);
+    auto scale_inv = at::empty({1}, scale.options());
+    if (detail::cast_transpose_dgelu_cuda(grad, gelu_input, scale, format, out, out_t, scale_inv,
+                                          amax_ptr(amax_out), accumulate_amax, dbias_out)) {
+      return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
+    }
+    return cast_transpose(
+        at::gelu_backward(grad.to(at::kFloat), gelu_input.to(at::kFloat), "tanh"), scale, format,
+        amax_out, accumulate_amax, dbias_out);
+#else
+    detail::no_cuda("cast_transpose_dgelu");
+#endif
+  }
+  return cast_transpose(gelu_values_cpu(grad, gelu_input), scale, format, amax_out,
+                        accumulate_amax, dbias_out);
 }
 
 at::Tensor compute_amax(const at::Tensor& x) {

@@ -42,6 +42,27 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
                                 const at::Tensor& amax_out = {}, bool accumulate_amax = false,
                                 const at::Tensor& dbias_out = {});
 
+/// cast_transpose of gelu(x), GELU's tanh approximation computed in float32 from x (TE's
+/// GELU-fused cast): the FP8 input of an MLP's second GEMM and its transpose straight from the
+/// first GEMM's output, with no high-precision GELU output written. amax_out receives
+/// max|gelu(x)|. CUDA: one kernel where x's shape allows (rows % 16 == 0, cols % 8 == 0, 16-byte
+/// aligned), else LibTorch's GELU and then cast_transpose.
+Fp8CastTranspose cast_transpose_gelu(const at::Tensor& x, const at::Tensor& scale,
+                                     Fp8Format format, const at::Tensor& amax_out = {},
+                                     bool accumulate_amax = false);
+
+/// cast_transpose of grad · gelu'(gelu_input) (the tanh approximation's derivative, float32;
+/// TE's cast_transpose_dbias_dgelu): the FP8 gradient of an MLP's first GEMM output, from one
+/// read of `grad` (the gradient of GELU's output) and `gelu_input` (both 2-D, same shape, dtype
+/// and device). amax_out receives the max of |those values|; dbias_out, as cast_transpose's,
+/// their column sums (the first GEMM's bias gradient). CUDA: one kernel where the shape allows,
+/// as cast_transpose_gelu.
+Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input,
+                                      const at::Tensor& scale, Fp8Format format,
+                                      const at::Tensor& amax_out = {},
+                                      bool accumulate_amax = false,
+                                      const at::Tensor& dbias_out = {});
+
 /// max|x| as a float32 tensor of one element on x's device (NaN if x holds a NaN).
 at::Tensor compute_amax(const at::Tensor& x);
 

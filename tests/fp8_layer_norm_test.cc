@@ -268,5 +268,155 @@ TEST_F(Fp8LayerNormTest, Fp8ParamsUnderModelInit) {
   EXPECT_TRUE(layer->layer_norm->weight.grad().defined());
 }
 
+// ---- Fp8LayerNormMLP ----
+
+Fp8LayerNormMLP make_mlp(torch::Device device, int64_t hidden, int64_t ffn) {
+  Fp8LayerNormMLP mlp(
+      Fp8LayerNormMLPOptions(hidden, ffn).fp8_amax_history_len(4).fp8_min_gemm_size(0));
+  torch::NoGradGuard no_grad;
+  mlp->ln_fc1->layer_norm->weight.copy_(torch::rand({hidden}) + 0.5);
+  mlp->ln_fc1->layer_norm->bias.copy_(torch::randn({hidden}) * 0.2);
+  mlp->to(device);
+  return mlp;
+}
+
+// The fused MLP (GELU inside FC2's input cast, dGELU inside FC1's gradient cast) against its own
+// modules run one after the other (LayerNormLinear, LibTorch's GELU, Linear) on a copy of it,
+// over three steps of a region (so that the second and third use the scales the first
+// recorded): outputs, every gradient and every FP8 buffer. In float32 the two differ only in
+// how tanh is computed, which moves an FP8 rounding now and then; with bfloat16 inputs (float32
+// parameters, the GEMMs' outputs in bfloat16) the sequence also rounds GELU's output and
+// gradient to bfloat16 before their casts.
+void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
+                               const std::string& recipe_kind, double bound,
+                               int64_t batch = 5) {
+  auto fused = make_mlp(device, 64, 160);
+  auto sequence = std::dynamic_pointer_cast<Fp8LayerNormMLPImpl>(fused->clone(device));
+  const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind);
+  for (int step = 0; step < 3; ++step) {
+    const std::string where = recipe_kind + " " + c10::toString(dtype) + " " +
+                              std::to_string(batch * 9) + " rows, step " + std::to_string(step);
+    // 45 rows (padded internally to 48) or 144, a mean away from zero so that both sides of
+    // GELU are used.
+    auto x = ((torch::randn({batch, 9, 64}) + 0.3) * (step + 1)).to(device).to(dtype);
+    auto grad = torch::randn({batch, 9, 64}).to(device).to(dtype);
+    auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+    torch::Tensor y1, y2;
+    {
+      Fp8Autocast region(recipe);
+      y1 = fused->forward(x1);
+      y2 = sequence->fc2->forward(at::gelu(sequence->ln_fc1->forward(x2), "tanh"));
+    }
+    y1.backward(grad);
+    y2.backward(grad);
+    EXPECT_LT(relative_error(y1, y2), bound) << where;
+    EXPECT_LT(relative_error(x1.grad(), x2.grad()), bound) << where;
+    for (auto& p : fused->named_parameters()) {
+      const auto& other = sequence->named_parameters()[p.key()];
+      ASSERT_TRUE(p.value().grad().defined()) << p.key();
+      EXPECT_LT(relative_error(p.value().grad(), other.grad()), bound) << p.key() << " " << where;
+    }
+    for (auto& b : fused->named_buffers()) {
+      EXPECT_LT(relative_error(b.value(), sequence->named_buffers()[b.key()]), bound)
+          << b.key() << " " << where;
+    }
+  }
+  // Every slot was written (FC2's input and FC1's gradient by the fused casts).
+  for (const auto& linear : {fused->ln_fc1->linear, fused->fc2}) {
+    EXPECT_GT(linear->fp8_fwd_amax_history.select(1, 0).max().item<float>(), 0);
+    EXPECT_GT(linear->fp8_bwd_amax_history.max().item<float>(), 0);
+  }
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence) {
+  for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
+    mlp_matches_sequence_case(torch::kCPU, torch::kFloat, recipe_kind, 2e-3);
+  }
+}
+
+// OPEN (issue 16): on the H200 this fails under delayed scaling (gradients 5-12% apart, the
+// outputs equal), with 45 or 144 rows, float32 or bfloat16, whichever of the two runs first,
+// and with the two in separate regions the outputs differ too (7.6%); yet each of the two
+// matches its CPU reference within 5e-3 (LayerNormMLPOnGpuMatchesCpu_CUDA) and the CPU pair
+// agrees within 2e-3 (LayerNormMLPMatchesItsModulesInSequence). Until this is understood the
+// GPT model keeps the unfused modules.
+TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
+    mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3);
+    mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3, 16);
+    mlp_matches_sequence_case(torch::kCUDA, torch::kBFloat16, recipe_kind, 3e-2);
+  }
+}
+
+// On the GPU (its kernels) against the CPU (the references), on the same parameters and
+// inputs, float32, delayed scaling, each device in a region of its own: the fused MLP, and its
+// modules in sequence. Outputs and every gradient, over two steps. (Not under current scaling:
+// there each scale comes from the amax of values the two devices' GELUs compute a float32 ulp
+// apart, and a different scale re-rounds every element.)
+void mlp_gpu_matches_cpu_case(bool fused, const std::string& recipe_kind) {
+  auto cpu = make_mlp(torch::kCPU, 64, 160);
+  auto gpu = std::dynamic_pointer_cast<Fp8LayerNormMLPImpl>(cpu->clone(torch::kCUDA));
+  auto run = [&](Fp8LayerNormMLPImpl& mlp, const torch::Tensor& x) {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind));
+    return fused ? mlp.forward(x) : mlp.fc2->forward(at::gelu(mlp.ln_fc1->forward(x), "tanh"));
+  };
+  for (int step = 0; step < 2; ++step) {
+    const std::string where = std::string(fused ? "fused " : "sequence ") + recipe_kind +
+                              " step " + std::to_string(step);
+    auto x = (torch::randn({5, 9, 64}) + 0.3) * (step + 1);
+    auto grad = torch::randn({5, 9, 64});
+    auto x1 = x.clone().requires_grad_(true), x2 = x.cuda().requires_grad_(true);
+    auto y1 = run(*cpu, x1);
+    auto y2 = run(*gpu, x2);
+    y1.backward(grad);
+    y2.backward(grad.cuda());
+    EXPECT_LT(relative_error(y2, y1), 5e-3) << where;
+    EXPECT_LT(relative_error(x2.grad(), x1.grad()), 5e-3) << where;
+    for (auto& p : cpu->named_parameters()) {
+      EXPECT_LT(relative_error(gpu->named_parameters()[p.key()].grad(), p.value().grad()), 5e-3)
+          << p.key() << " " << where;
+    }
+  }
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormMLPOnGpuMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  for (bool fused : {true, false}) mlp_gpu_matches_cpu_case(fused, "delayed");
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormMLPOutsideARegionIsItsModules) {
+  auto mlp = make_mlp(torch::kCPU, 48, 80);
+  auto x = torch::randn({3, 7, 48});
+  EXPECT_TRUE(BytesEqual(mlp->forward(x),
+                         mlp->fc2->forward(at::gelu(mlp->ln_fc1->forward(x), "tanh"))));
+  EXPECT_THAT(c10::str(*mlp), ::testing::HasSubstr("Fp8LayerNormMLP(hidden_size=48, "
+                                                   "ffn_hidden_size=80"));
+  ExpectErrorContaining([&] { mlp->forward(torch::randn({3, 47})); },
+                        "Fp8LayerNormMLP: input must have hidden_size=48");
+  ExpectErrorContaining([] { Fp8LayerNormMLP(0, 16); }, "hidden_size and ffn_hidden_size");
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormMLPFp8ParamsFeedBothMainGrads) {
+  Fp8LayerNormMLP mlp{nullptr};
+  {
+    Fp8ModelInit init;
+    mlp = Fp8LayerNormMLP(Fp8LayerNormMLPOptions(64, 96).fp8_min_gemm_size(0));
+  }
+  EXPECT_EQ(mlp->ln_fc1->linear->weight.scalar_type(), torch::kFloat8_e4m3fn);
+  EXPECT_EQ(mlp->fc2->weight.scalar_type(), torch::kFloat8_e4m3fn);
+  auto x = torch::randn({20, 64}).requires_grad_(true);
+  {
+    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4));
+    mlp->forward(x).sum().backward();
+  }
+  for (const auto& linear : {mlp->ln_fc1->linear, mlp->fc2}) {
+    ASSERT_TRUE(linear->main_grad().defined());
+    EXPECT_GT(linear->main_grad().abs().sum().item<float>(), 0);
+  }
+  EXPECT_TRUE(x.grad().defined());
+  EXPECT_TRUE(mlp->fc2->bias.grad().defined());
+}
+
 }  // namespace
 }  // namespace amp8

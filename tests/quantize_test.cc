@@ -252,6 +252,68 @@ TEST_F(QuantizeTest, CastTransposeDbiasIsTheColumnSum) {
   }
 }
 
+// Two FP8 casts of the same values computed two ways (rounding apart in float32): every byte
+// within one FP8 step of the other, and nearly all identical. A wrong activation moves most.
+// The float32 values themselves differ by more than an ulp where GELU's derivative nearly
+// cancels (x near -0.75, where it crosses zero, and |x| large, where 1 - tanh² does), relative
+// errors up to 1e-3 there between two orderings of the same formula, measured: so up to 2% of
+// the bytes may differ by that one step.
+void expect_same_fp8_values(const Fp8Tensor& actual, const Fp8Tensor& expected,
+                            const std::string& where) {
+  auto a = actual.data.cpu().to(at::kFloat), e = expected.data.cpu().to(at::kFloat);
+  ASSERT_EQ(a.sizes(), e.sizes()) << where;
+  // One step: at most 2^-2 of the magnitude (E5M2's), or E4M3's smallest subnormal near zero.
+  const auto step = at::maximum(a.abs(), e.abs()) * 0.25 + std::ldexp(1.0, -9);
+  EXPECT_TRUE(((a - e).abs() <= step).all().item<bool>()) << where;
+  const int64_t differing = (a != e).sum().item<int64_t>();
+  EXPECT_LE(differing, 2 + a.numel() / 50) << where << ": " << differing << " of "
+                                             << a.numel() << " bytes differ";
+}
+
+// cast_transpose_gelu / _dgelu on the CPU: the casts of LibTorch's GELU and GELU backward
+// (tanh), with those values' amax and column sums.
+TEST_F(QuantizeTest, CastTransposeGeluIsTheCastOfLibTorchsGelu) {
+  auto x = at::randn({77, 45}).mul(3).to(at::kBFloat16);
+  auto values = at::gelu(x.to(at::kFloat), "tanh");
+  auto amax = at::zeros({1});
+  auto ct = cast_transpose_gelu(x, scalar(8.0f), Fp8Format::kE4M3, amax);
+  auto expected = cast_transpose(values, scalar(8.0f), Fp8Format::kE4M3);
+  expect_same_fp8_values(ct.data, expected.data, "gelu");
+  expect_same_fp8_values(ct.transposed, expected.transposed, "gelu transposed");
+  EXPECT_NEAR(item(amax), values.abs().max().item<float>(), 1e-6 * item(amax));
+  EXPECT_EQ(item(ct.data.scale_inv), 1.0f / 8.0f);
+}
+
+TEST_F(QuantizeTest, CastTransposeDgeluIsTheCastOfLibTorchsGeluBackward) {
+  auto grad = at::randn({77, 45}).to(at::kBFloat16);
+  auto gelu_input = at::randn({77, 45}).mul(3).to(at::kBFloat16);
+  auto values =
+      at::gelu_backward(grad.to(at::kFloat), gelu_input.to(at::kFloat), "tanh");
+  auto amax = at::zeros({1});
+  auto dbias = at::full({45}, 7.0f);
+  auto ct = cast_transpose_dgelu(grad, gelu_input, scalar(64.0f), Fp8Format::kE5M2, amax, false,
+                                 dbias);
+  auto expected = cast_transpose(values, scalar(64.0f), Fp8Format::kE5M2);
+  expect_same_fp8_values(ct.data, expected.data, "dgelu");
+  expect_same_fp8_values(ct.transposed, expected.transposed, "dgelu transposed");
+  EXPECT_NEAR(item(amax), values.abs().max().item<float>(), 1e-6 * item(amax));
+  EXPECT_TRUE(at::allclose(dbias, values.sum(0), 1e-5, 1e-5));
+  // gelu_input must match grad.
+  for (const auto& [bad, what] : std::vector<std::pair<at::Tensor, std::string>>{
+           {at::randn({77, 44}).to(at::kBFloat16), "got BFloat16 [77, 44]"},
+           {at::randn({77, 45}), "got Float [77, 45]"},
+           {at::randn({45, 77}).to(at::kBFloat16).t(), "not contiguous"}}) {
+    auto call = [&] { cast_transpose_dgelu(grad, bad, scalar(1.0f), Fp8Format::kE5M2); };
+    testing::ExpectErrorContaining(
+        call, "cast_transpose_dgelu: gelu_input must be a contiguous BFloat16 [77, 45] tensor");
+    testing::ExpectErrorContaining(call, what);
+  }
+  testing::ExpectErrorContaining(
+      [&] { cast_transpose_dgelu(grad, gelu_input, scalar(1.0f), Fp8Format::kE5M2, {}, false,
+                                 at::zeros({44})); },
+      "cast_transpose_dgelu: dbias_out must be a contiguous float32 [45] tensor");
+}
+
 }  // namespace
 }  // namespace amp8
 
@@ -274,7 +336,8 @@ std::string case_name(const ::testing::TestParamInfo<GpuCase>& info) {
 std::vector<GpuCase> gpu_cases() {
   std::vector<GpuCase> cases;
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 3221}, {1481, 677}, {2333, 1}, {8192, 8192}, {16, 8}, {48, 136}, {1000, 1024}, {400, 264}};
+      {1, 3221}, {1481, 677}, {2333, 1}, {8192, 8192}, {16, 8}, {48, 136}, {1000, 1024}, {400, 264},
+      {48, 160}};
   for (auto [rows, cols] : shapes) {
     for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
@@ -347,6 +410,54 @@ TEST_P(QuantizeGpuTest, CastTransposeDbiasMatchesCpu_CUDA) {
   EXPECT_TRUE((error <= bound).all().item<bool>())
       << "largest error " << error.max().item<float>() << " at column "
       << error.argmax().item<int64_t>() << "; bound there " << bound[error.argmax()].item<float>();
+}
+
+// The activation-fused casts against the CPU reference (the same float32 formula; tanh is
+// computed by each side's own library, so a rare FP8 rounding may differ by one step), fused
+// where the shape allows and through LibTorch's GELU elsewhere; dbias as above.
+TEST_P(QuantizeGpuTest, CastTransposeGeluMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto x = (at::randn({p.rows, p.cols}) * 3).to(p.dtype);
+  auto scale = scalar(fp8_max(p.format) / 12.0f);
+  auto amax_cpu = at::zeros({1}), amax_gpu = at::full({1}, -1.0f, at::kCUDA);
+  auto cpu = cast_transpose_gelu(x, scale, p.format, amax_cpu);
+  auto gpu = cast_transpose_gelu(x.cuda(), scale.cuda(), p.format, amax_gpu);
+  expect_same_fp8_values(gpu.data, cpu.data, "gelu");
+  expect_same_fp8_values(gpu.transposed, cpu.transposed, "gelu transposed");
+  EXPECT_NEAR(item(amax_gpu), item(amax_cpu), 1e-6 * item(amax_cpu));
+  EXPECT_TRUE(SameFloat(item(gpu.data.scale_inv), item(cpu.data.scale_inv)));
+}
+
+TEST_P(QuantizeGpuTest, CastTransposeDgeluMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto grad = at::randn({p.rows, p.cols}).to(p.dtype);
+  // GELU's inputs within ±4: beyond, 1 - tanh² comes within a few float32 ulps of 0 and two
+  // correct tanh implementations (CUDA's, the host's) disagree on the derivative by more than an
+  // FP8 step there (seen at 8192² float32 inputs); both are within float32's resolution of it.
+  auto gelu_input = (at::randn({p.rows, p.cols}) * 3).clamp(-4, 4).to(p.dtype);
+  auto scale = scalar(fp8_max(p.format) / 8.0f);
+  for (bool with_dbias : {true, false}) {
+    auto dbias_cpu = with_dbias ? at::empty({p.cols}) : at::Tensor();
+    auto dbias_gpu = with_dbias ? at::full({p.cols}, NAN, at::kCUDA) : at::Tensor();
+    auto amax_cpu = at::zeros({1}), amax_gpu = at::zeros({1}, at::kCUDA);
+    auto cpu = cast_transpose_dgelu(grad, gelu_input, scale, p.format, amax_cpu, false, dbias_cpu);
+    auto gpu = cast_transpose_dgelu(grad.cuda(), gelu_input.cuda(), scale.cuda(), p.format,
+                                    amax_gpu, false, dbias_gpu);
+    expect_same_fp8_values(gpu.data, cpu.data, "dgelu");
+    expect_same_fp8_values(gpu.transposed, cpu.transposed, "dgelu transposed");
+    EXPECT_NEAR(item(amax_gpu), item(amax_cpu), 1e-6 * item(amax_cpu));
+    if (with_dbias) {
+      const auto values = at::gelu_backward(grad.to(at::kFloat), gelu_input.to(at::kFloat), "tanh");
+      // The fused kernel computes the CPU's formula: only the summation order differs. Shapes it
+      // does not take go through LibTorch's gelu_backward, whose float32 values differ from the
+      // formula's by up to 1e-3 where the derivative nearly cancels (see above).
+      const bool fused = p.rows % 16 == 0 && p.cols % 8 == 0;
+      const auto bound = values.abs().sum(0) * (fused ? 1e-5f : 2e-3f) + 1e-6f;
+      EXPECT_TRUE(((dbias_gpu.cpu() - dbias_cpu).abs() <= bound).all().item<bool>());
+    }
+  }
 }
 
 TEST_P(QuantizeGpuTest, CurrentScalingMatchesCpu_CUDA) {

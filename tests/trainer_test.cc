@@ -691,6 +691,13 @@ void profile_mlp_steps(const torch::Device& device) {
   EXPECT_GE(p.busy_ms, 0.0);
   EXPECT_LE(p.busy_ms, p.wall_ms);
   EXPECT_NEAR(p.idle_ms, p.wall_ms - p.busy_ms, 1e-9);
+  // The host ran the three steps inside the window, and waited for the device at most that long.
+  EXPECT_GT(p.host_ms, 0.0);
+  EXPECT_LE(p.host_ms, p.wall_ms);
+  EXPECT_GE(p.host_wait_ms, 0.0);
+  EXPECT_LE(p.host_wait_ms, p.host_ms);
+  EXPECT_NE(p.table().find("host (step)"), std::string::npos);
+  EXPECT_NE(p.json().find("\"host_ms\": "), std::string::npos);
   const auto trace = read_text(dir / "trace.json");
   for (int step : {2, 3, 4}) {
     EXPECT_NE(trace.find("\"amp8::step " + std::to_string(step) + "\""), std::string::npos)

@@ -48,22 +48,42 @@ void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
                             amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream()));
 }
 
+namespace {
+
+// launch_cast_transpose_fused on tensors; false when it does not take the shape (it did nothing).
+bool cast_transpose_fused_cuda(const at::Tensor& x, const at::Tensor& gate,
+                               cuda::CastActivation activation, const at::Tensor& scale,
+                               Fp8Format format, const at::Tensor& out, const at::Tensor& out_t,
+                               const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax,
+                               const at::Tensor& dbias_out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor part;
+  if (dbias_out.defined()) {
+    part = at::empty({cuda::cast_transpose_dbias_parts(x.size(0)), x.size(1)},
+                     x.options().dtype(at::kFloat));
+  }
+  const int err = cuda::launch_cast_transpose_fused(
+      x.const_data_ptr(), gate.defined() ? gate.const_data_ptr() : nullptr, input_type(x),
+      activation, out.mutable_data_ptr(), out_t.mutable_data_ptr(), x.size(0), x.size(1),
+      scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(), amax,
+      accumulate_amax, format == Fp8Format::kE5M2,
+      part.defined() ? part.mutable_data_ptr<float>() : nullptr,
+      dbias_out.defined() ? dbias_out.mutable_data_ptr<float>() : nullptr, current_stream());
+  if (err == cuda::kUnsupportedShape) return false;
+  AMP8_CUDA_CHECK(err);
+  return true;
+}
+
+}  // namespace
+
 void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                          const at::Tensor& out, const at::Tensor& out_t,
                          const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax,
                          const at::Tensor& dbias_out) {
   const c10::cuda::CUDAGuard guard(x.device());
   if (dbias_out.defined()) {
-    auto part = at::empty({cuda::cast_transpose_dbias_parts(x.size(0)), x.size(1)},
-                          x.options().dtype(at::kFloat));
-    const int err = cuda::launch_cast_transpose_dbias(
-        x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
-        x.size(0), x.size(1), scale.const_data_ptr<float>(),
-        scale_inv_out.mutable_data_ptr<float>(), amax, accumulate_amax,
-        format == Fp8Format::kE5M2, part.mutable_data_ptr<float>(),
-        dbias_out.mutable_data_ptr<float>(), current_stream());
-    if (err != cuda::kUnsupportedShape) {
-      AMP8_CUDA_CHECK(err);
+    if (cast_transpose_fused_cuda(x, {}, cuda::CastActivation::kNone, scale, format, out, out_t,
+                                  scale_inv_out, amax, accumulate_amax, dbias_out)) {
       return;
     }
     at::Tensor dbias = dbias_out;  // a handle to the caller's storage
@@ -73,6 +93,21 @@ void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format
       x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
       x.size(0), x.size(1), scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(),
       amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream()));
+}
+
+bool cast_transpose_gelu_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                              const at::Tensor& out, const at::Tensor& out_t,
+                              const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax) {
+  return cast_transpose_fused_cuda(x, {}, cuda::CastActivation::kGelu, scale, format, out, out_t,
+                                   scale_inv_out, amax, accumulate_amax, {});
+}
+
+bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,
+                               const at::Tensor& scale, Fp8Format format, const at::Tensor& out,
+                               const at::Tensor& out_t, const at::Tensor& scale_inv_out,
+                               float* amax, bool accumulate_amax, const at::Tensor& dbias_out) {
+  return cast_transpose_fused_cuda(grad, gelu_input, cuda::CastActivation::kDGelu, scale, format,
+                                   out, out_t, scale_inv_out, amax, accumulate_amax, dbias_out);
 }
 
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {

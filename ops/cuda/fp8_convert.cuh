@@ -78,18 +78,26 @@ struct alignas(sizeof(T) * 8 > 16 ? 16 : sizeof(T) * 8) Pack8 {
   T v[8];
 };
 
-// Quantizes 8 elements into 8 bytes (element j in byte j), folding |v| into max_bits.
-template <bool kE5M2, typename T>
-__device__ __forceinline__ uint64_t saturating_cast8(const Pack8<T>& pack, float scale,
+// Quantizes 8 values into 8 bytes (value j in byte j), folding |v| into max_bits.
+template <bool kE5M2>
+__device__ __forceinline__ uint64_t saturating_cast8(const float (&v)[8], float scale,
                                                      uint32_t& max_bits) {
   uint64_t packed = 0;
 #pragma unroll
   for (int j = 0; j < 8; j += 2) {
-    const float v0 = to_float(pack.v[j]), v1 = to_float(pack.v[j + 1]);
-    max_bits = max(max_bits, max(abs_bits(v0), abs_bits(v1)));
-    packed |= static_cast<uint64_t>(saturating_cast2<kE5M2>(v0, v1, scale)) << (8 * j);
+    max_bits = max(max_bits, max(abs_bits(v[j]), abs_bits(v[j + 1])));
+    packed |= static_cast<uint64_t>(saturating_cast2<kE5M2>(v[j], v[j + 1], scale)) << (8 * j);
   }
   return packed;
+}
+
+template <bool kE5M2, typename T>
+__device__ __forceinline__ uint64_t saturating_cast8(const Pack8<T>& pack, float scale,
+                                                     uint32_t& max_bits) {
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = to_float(pack.v[j]);
+  return saturating_cast8<kE5M2>(v, scale, max_bits);
 }
 
 }  // namespace amp8::cuda

@@ -32,18 +32,29 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
                                 bool accumulate_amax, bool e5m2, int tile_cols, Stream stream);
 
-// Rows of the float32 partial-sum workspace launch_cast_transpose_dbias needs ([parts, cols]).
+// Rows of the float32 partial-sum workspace launch_cast_transpose_fused's dbias needs ([parts, cols]).
 int64_t cast_transpose_dbias_parts(int64_t rows);
 
-// launch_cast_transpose that also writes dbias[c] = Σ_r x[r, c] (float32 [cols]) from the same
-// read of x (TE's cast_transpose_dbias: a gradient's bias gradient): per-tile column sums into
-// `part` [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast
-// shape (cols % 8 == 0, rows % 16 == 0, 16-byte aligned pointers); otherwise it launches nothing
-// and returns kUnsupportedShape.
-int launch_cast_transpose_dbias(const void* x, InputType type, void* out, void* out_t,
-                                int64_t rows, int64_t cols, const float* scale, float* scale_inv,
-                                float* amax, bool accumulate_amax, bool e5m2, float* part,
-                                float* dbias, Stream stream);
+// What launch_cast_transpose_fused quantizes (TE's activation-fused casts; GELU is the tanh
+// approximation, computed in float32, ops/detail/gelu_formula.h):
+//   kNone  x;
+//   kGelu  gelu(x): an MLP's second GEMM input straight from the first GEMM's output;
+//   kDGelu x · gelu'(gate), `gate` being GELU's input (x's shape and type): the gradient of the
+//          first GEMM's output from the gradient of GELU's.
+enum class CastActivation { kNone, kGelu, kDGelu };
+
+// launch_cast_transpose of activation(x), with the amax of those values; with `dbias` non-null
+// also dbias[c] = Σ_r activation(x)[r, c] (float32 [cols]) from the same read (TE's
+// cast_transpose_dbias / cast_transpose_dbias_dgelu): per-tile column sums into `part`
+// [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast shape
+// (cols % 8 == 0, rows % 16 == 0, 16-byte aligned pointers) and the variants the layers use
+// (kNone with dbias, kGelu without, kDGelu either way); otherwise it launches nothing and
+// returns kUnsupportedShape.
+int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
+                                CastActivation activation, void* out, void* out_t, int64_t rows,
+                                int64_t cols, const float* scale, float* scale_inv, float* amax,
+                                bool accumulate_amax, bool e5m2, float* part, float* dbias,
+                                Stream stream);
 
 // out[c] = Σ_p part[p, c] over `parts` rows of float32 partial sums [parts, cols], in a fixed
 // order (layer_norm_kernels.cu).

@@ -9,6 +9,7 @@
 #include "ops/cuda/fp8_convert.cuh"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/launch_util.cuh"
+#include "ops/detail/gelu_formula.h"
 #include "ops/detail/scale_formula.h"
 
 namespace amp8::cuda {
@@ -81,16 +82,38 @@ __device__ __forceinline__ int swizzled(int t_row, int t_col) {
   return t_row * kTileRows + ((((t_col >> 4) ^ (t_row >> 3)) & 7) << 4) + (t_col & 15);
 }
 
+// The value the cast quantizes, from x (and, for kDGelu, the GELU's input `gate`), in float32.
+template <CastActivation kAct, typename T>
+__device__ __forceinline__ void activate8(const Pack8<T>& x, const Pack8<T>& gate, float (&v)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float xj = to_float(x.v[j]);
+    if constexpr (kAct == CastActivation::kGelu) {
+      v[j] = detail::gelu_tanh(xj);
+    } else if constexpr (kAct == CastActivation::kDGelu) {
+      v[j] = detail::gelu_tanh_backward(xj, to_float(gate.v[j]));
+    } else {
+      v[j] = xj;
+    }
+  }
+}
+
 // With kDbias, each tile also sums its columns (the bias gradient of a gradient tile, TE's
-// cast_transpose_dbias) into dbias_part[blockIdx.y, col], from the values the cast reads.
+// cast_transpose_dbias) into dbias_part[blockIdx.y, col], from the values the cast quantizes.
 // kDbias asks for four resident blocks per SM (at most 64 registers), as many as the plain
-// kernel's 48 allow at 128 columns, so that summing costs no occupancy.
-template <typename T, bool kE5M2, int kTileCols, bool kDbias = false>
-__global__ void __launch_bounds__(kThreads, kDbias ? 4 : 1)
+// kernel's 48 allow at 128 columns, so that summing costs no occupancy; kGelu four too (62
+// registers); kDGelu, which holds a second tile of loads (the GELU's input), two (three
+// spilled).
+// kAct: what is quantized (and summed, and its amax taken) is activation(x), not x (TE's
+// activation-fused casts): gelu(x), or x · gelu'(gate).
+template <typename T, bool kE5M2, int kTileCols, bool kDbias = false,
+          CastActivation kAct = CastActivation::kNone>
+__global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 : (kDbias || kAct == CastActivation::kGelu ? 4 : 1))
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
-                          float* __restrict__ amax, float* __restrict__ dbias_part = nullptr) {
+                          float* __restrict__ amax, float* __restrict__ dbias_part = nullptr,
+                          const T* __restrict__ gate = nullptr) {
   constexpr int kChunksPerRow = kTileCols / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   constexpr int kLoadPasses = kTileRows / kRowsPerPass;
@@ -108,12 +131,16 @@ __global__ void __launch_bounds__(kThreads, kDbias ? 4 : 1)
   const int chunk = threadIdx.x % kChunksPerRow;
   const int row_in_pass = threadIdx.x / kChunksPerRow;
   const int64_t gc = col0 + chunk * 8;
+  constexpr bool kGated = kAct == CastActivation::kDGelu;
   Pack8<T> packs[kLoadPasses];
+  Pack8<T> gates[kGated ? kLoadPasses : 1];
 #pragma unroll
   for (int pass = 0; pass < kLoadPasses; ++pass) {
     const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols)
+    if (gr < rows && gc < cols) {
       packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+      if constexpr (kGated) gates[pass] = *reinterpret_cast<const Pack8<T>*>(gate + gr * cols + gc);
+    }
   }
   // kDbias: this thread's 8 columns summed over its rows as the cast reads them (summing in a
   // loop of their own kept every pack and sum live at once: 103 registers instead of 48, half
@@ -126,11 +153,13 @@ __global__ void __launch_bounds__(kThreads, kDbias ? 4 : 1)
     const int64_t gr = row0 + r;
     uint64_t packed = 0;
     if (gr < rows && gc < cols) {
+      float v[8];
+      activate8<kAct>(packs[pass], gates[kGated ? pass : 0], v);
       if constexpr (kDbias) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) sums[j] += to_float(packs[pass].v[j]);
+        for (int j = 0; j < 8; ++j) sums[j] += v[j];
       }
-      packed = saturating_cast8<kE5M2>(packs[pass], scale, max_bits);
+      packed = saturating_cast8<kE5M2>(v, scale, max_bits);
       *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
     }
 #pragma unroll
@@ -290,14 +319,23 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
 
 int64_t cast_transpose_dbias_parts(int64_t rows) { return (rows + kTileRows - 1) / kTileRows; }
 
-int launch_cast_transpose_dbias(const void* x, InputType type, void* out, void* out_t,
-                                int64_t rows, int64_t cols, const float* scale, float* scale_inv,
-                                float* amax, bool accumulate_amax, bool e5m2, float* part,
-                                float* dbias, Stream stream) {
+int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
+                                CastActivation activation, void* out, void* out_t, int64_t rows,
+                                int64_t cols, const float* scale, float* scale_inv, float* amax,
+                                bool accumulate_amax, bool e5m2, float* part, float* dbias,
+                                Stream stream) {
   constexpr int kCols = kDefaultCastTransposeTileCols;
-  if (!(cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) && aligned16(out_t))) {
+  const bool gated = activation == CastActivation::kDGelu;
+  const bool with_dbias = dbias != nullptr;
+  if (!(cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) && aligned16(out_t) &&
+        (!gated || aligned16(gate)))) {
     return kUnsupportedShape;
   }
+  // The variants instantiated: what the layers use (a gradient's cast with its bias gradient;
+  // GELU's output cast; its backward with or without a bias gradient).
+  const bool instantiated = (activation == CastActivation::kNone && with_dbias) ||
+                            (activation == CastActivation::kGelu && !with_dbias) || gated;
+  if (!instantiated) return kUnsupportedShape;
   if (amax != nullptr && !accumulate_amax) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
@@ -305,19 +343,37 @@ int launch_cast_transpose_dbias(const void* x, InputType type, void* out, void* 
   const int err = dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
     const auto* in = static_cast<const T*>(x);
+    const auto* g = static_cast<const T*>(gate);
     auto* o = static_cast<uint8_t*>(out);
     auto* ot = static_cast<uint8_t*>(out_t);
     const dim3 grid((cols + kCols - 1) / kCols, static_cast<unsigned>(parts));
-    if (e5m2) {
-      cast_transpose_kernel<T, true, kCols, true>
-          <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, part);
+    auto launch = [&](auto e5m2_tag, auto dbias_tag, auto act_tag) {
+      cast_transpose_kernel<T, decltype(e5m2_tag)::value, kCols, decltype(dbias_tag)::value,
+                            decltype(act_tag)::value>
+          <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, part, g);
+    };
+    auto with_format = [&](auto dbias_tag, auto act_tag) {
+      if (e5m2) {
+        launch(std::true_type{}, dbias_tag, act_tag);
+      } else {
+        launch(std::false_type{}, dbias_tag, act_tag);
+      }
+    };
+    using None = std::integral_constant<CastActivation, CastActivation::kNone>;
+    using Gelu = std::integral_constant<CastActivation, CastActivation::kGelu>;
+    using DGelu = std::integral_constant<CastActivation, CastActivation::kDGelu>;
+    if (activation == CastActivation::kNone) {
+      with_format(std::true_type{}, None{});
+    } else if (activation == CastActivation::kGelu) {
+      with_format(std::false_type{}, Gelu{});
+    } else if (with_dbias) {
+      with_format(std::true_type{}, DGelu{});
     } else {
-      cast_transpose_kernel<T, false, kCols, true>
-          <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, part);
+      with_format(std::false_type{}, DGelu{});
     }
     return static_cast<int>(cudaGetLastError());
   });
-  if (err != 0) return err;
+  if (err != 0 || !with_dbias) return err;
   return launch_column_sum(part, static_cast<int>(parts), cols, dbias, stream);
 }
 

@@ -26,6 +26,17 @@ void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format
                          const at::Tensor& out, const at::Tensor& out_t,
                          const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax,
                          const at::Tensor& dbias_out = {});
+// cast_transpose_cuda of gelu(x) (tanh GELU in float32, amax of those values), in one kernel;
+// false, having done nothing, where that kernel does not take the shape.
+bool cast_transpose_gelu_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                              const at::Tensor& out, const at::Tensor& out_t,
+                              const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
+// The same for grad · gelu'(gelu_input), with the column sums of those values into dbias_out
+// when it is defined.
+bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,
+                               const at::Tensor& scale, Fp8Format format, const at::Tensor& out,
+                               const at::Tensor& out_t, const at::Tensor& scale_inv_out,
+                               float* amax, bool accumulate_amax, const at::Tensor& dbias_out);
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
 // scale_out[0] = scale_from_amax(amax[0], 1, fp8_max, 2^margin).
 void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,

@@ -2,6 +2,7 @@
 
 #include <torch/autograd.h>
 
+#include <array>
 #include <numeric>
 
 #include "ops/fp8_gemm.h"
@@ -39,6 +40,64 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   }
 };
 
+// The LayerNorm of x2d [rows, hidden] as `linear`'s FP8 GEMM input, padded with zero rows to
+// the GEMM's multiple of 16: under delayed scaling written straight into FP8 by the LayerNorm
+// kernel (with the linear layer's input scale, its amax max-merged into the layer's slot);
+// under current scaling normalized first, then measured and quantized, which also gives the
+// transpose (x_t) the weight gradient needs.
+struct LayerNormFp8 {
+  Fp8Tensor x_q;
+  at::Tensor x_t;  ///< current scaling only
+  LayerNormStats stats;
+};
+
+LayerNormFp8 layer_norm_fp8_for(Fp8LinearImpl& linear, const Fp8Recipe& recipe,
+                                const at::Tensor& x2d, const at::Tensor& ln_weight,
+                                const at::Tensor& ln_bias, double eps) {
+  const int64_t rows = x2d.size(0), hidden = x2d.size(1);
+  const int64_t rows_padded = detail::padded_rows(rows);
+  const auto format = recipe.forward_format;
+  const auto& slots = detail::Fp8LinearInternals::slots(linear);
+  if (recipe.delayed()) {
+    const auto fp8_options = x2d.options().dtype(fp8_dtype(format));
+    auto buffer = rows_padded == rows ? at::empty({rows, hidden}, fp8_options)
+                                      : at::zeros({rows_padded, hidden}, fp8_options);
+    auto ln = layer_norm_fp8(x2d, ln_weight, ln_bias, eps, slots.input_scale, format,
+                             slots.input_amax, /*accumulate_amax=*/true, buffer.narrow(0, 0, rows));
+    return {Fp8Tensor(buffer, ln.out.scale_inv, format), at::Tensor(), ln.stats};
+  }
+  auto ln = layer_norm(x2d, ln_weight, ln_bias, eps);
+  auto q = detail::quantize_for(detail::pad_rows(ln.out, rows_padded), recipe, format,
+                                slots.input_scale, slots.input_amax);
+  return {q.data, q.transposed.data, ln.stats};
+}
+
+// The FP8 transpose of the LayerNorm output for the weight gradient: the one current scaling
+// made (x_t), else a byte transpose of the FP8 output the forward GEMM read.
+Fp8Tensor layer_norm_output_transpose(const at::Tensor& x_q, const at::Tensor& scale_inv,
+                                      const at::Tensor& x_t, Fp8Format format) {
+  return x_t.defined() ? Fp8Tensor(x_t, scale_inv, format)
+                       : fp8_transpose(Fp8Tensor(x_q, scale_inv, format));
+}
+
+// The LayerNorm's gradients from its output's (the first GEMM's dgrad), as the function's
+// first three outputs ask for them.
+std::array<torch::Tensor, 3> layer_norm_grads(torch::autograd::AutogradContext* ctx,
+                                              const detail::Fp8LinearSaved& saved,
+                                              const at::Tensor& grad_out2d, const at::Tensor& x2d,
+                                              const LayerNormStats& stats,
+                                              const at::Tensor& ln_weight,
+                                              const at::Tensor& ln_bias) {
+  auto ln = layer_norm_backward(grad_out2d, x2d, stats, ln_weight, ln_bias);
+  return {ctx->needs_input_grad(0) ? saved.unflatten(ln.grad_input) : torch::Tensor(),
+          ctx->needs_input_grad(1) ? ln.grad_gamma : torch::Tensor(),
+          ctx->needs_input_grad(2) ? ln.grad_beta : torch::Tensor()};
+}
+
+bool needs_layer_norm_grads(torch::autograd::AutogradContext* ctx) {
+  return ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+}
+
 // LayerNorm → FP8 → GEMM in one function (see Fp8LayerNormLinearImpl).
 struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinearFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
@@ -47,46 +106,21 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
                                const torch::Tensor& grad_anchor, Fp8LinearImpl* linear,
                                const detail::Fp8LinearCall& call, double eps) {
     const int64_t hidden = ln_weight.size(0);
-    const auto& recipe = call.recipe;
-    const auto format = recipe.forward_format;
     const auto x2d = input.reshape({-1, hidden}).contiguous();
-    const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
-    const auto& slots = detail::Fp8LinearInternals::slots(*linear);
-    const auto& scale = slots.input_scale;
-    const auto& amax_slot = slots.input_amax;
-
-    Fp8Tensor x_q;
-    at::Tensor x_t;  // tensorwise only: made by cast_transpose with the quantization
-    LayerNormStats stats;
-    if (recipe.delayed()) {
-      const auto fp8_options = x2d.options().dtype(fp8_dtype(format));
-      auto buffer = rows_padded == rows ? at::empty({rows, hidden}, fp8_options)
-                                        : at::zeros({rows_padded, hidden}, fp8_options);
-      auto ln = layer_norm_fp8(x2d, ln_weight, ln_bias, eps, scale, format, amax_slot,
-                               /*accumulate_amax=*/true, buffer.narrow(0, 0, rows));
-      x_q = Fp8Tensor(buffer, ln.out.scale_inv, format);
-      stats = ln.stats;
-    } else {
-      // Current scaling needs the output's amax before its scale: two passes.
-      auto ln = layer_norm(x2d, ln_weight, ln_bias, eps);
-      auto q = detail::quantize_for(detail::pad_rows(ln.out, rows_padded), recipe, format, scale,
-                                    amax_slot);
-      x_q = q.data;
-      x_t = q.transposed.data;
-      stats = ln.stats;
-    }
+    const int64_t rows = x2d.size(0);
+    auto ln = layer_norm_fp8_for(*linear, call.recipe, x2d, ln_weight, ln_bias, eps);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
     const bool has_bias = linear->options.bias();
     if (has_bias) gemm.bias = bias;
-    auto y = fp8_gemm(x_q, call.weight_q.data, call.out_dtype, gemm);
-    if (rows_padded != rows) y = y.narrow(0, 0, rows);
+    auto y = fp8_gemm(ln.x_q, call.weight_q.data, call.out_dtype, gemm);
+    if (y.size(0) != rows) y = y.narrow(0, 0, rows);
 
     detail::save_dgrad_weight(ctx, call.weight_q,
-                              {x2d, stats.mean, stats.rstd, ln_weight, ln_bias, x_q.data,
-                               x_q.scale_inv, x_t});
+                              {x2d, ln.stats.mean, ln.stats.rstd, ln_weight, ln_bias, ln.x_q.data,
+                               ln.x_q.scale_inv, ln.x_t});
     const detail::Fp8LinearSaved saved{linear,
-                                       recipe,
+                                       call.recipe,
                                        rows,
                                        has_bias,
                                        x2d.scalar_type(),
@@ -99,37 +133,123 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
-    const auto& recipe = saved.recipe;
     const auto tensors = ctx->get_saved_variables();
-    const auto& x2d = tensors[0];
-    const LayerNormStats stats{tensors[1], tensors[2]};
-    const auto& ln_weight = tensors[3];
-    const auto& ln_bias = tensors[4];
-    const auto format = recipe.forward_format;
+    const auto format = saved.recipe.forward_format;
     const auto w = detail::load_dgrad_weight(ctx, tensors[8], tensors[9], format);
 
-    const bool need_ln =
-        ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
+    const bool need_ln = needs_layer_norm_grads(ctx);
     const bool need_weight = ctx->needs_input_grad(3) || saved.linear->options.fp8_params();
     Fp8Tensor x_t;
-    if (need_weight) {
-      x_t = tensors[7].defined() ? Fp8Tensor(tensors[7], tensors[6], format)
-                                 : fp8_transpose(Fp8Tensor(tensors[5], tensors[6], format));
-    }
+    if (need_weight) x_t = layer_norm_output_transpose(tensors[5], tensors[6], tensors[7], format);
     auto grads = detail::fp8_linear_backward(
         saved, grad_outputs[0].reshape({-1, saved.linear->options.out_features()}),
         std::move(x_t), w, need_ln, ctx->needs_input_grad(3), ctx->needs_input_grad(4));
-    torch::Tensor grad_input, grad_ln_weight, grad_ln_bias;
+    std::array<torch::Tensor, 3> ln;
     if (need_ln) {
-      auto ln = layer_norm_backward(grads.input, x2d, stats, ln_weight, ln_bias);
-      if (ctx->needs_input_grad(0)) {
-        grad_input = saved.unflatten(ln.grad_input);
-      }
-      if (ctx->needs_input_grad(1)) grad_ln_weight = ln.grad_gamma;
-      if (ctx->needs_input_grad(2)) grad_ln_bias = ln.grad_beta;
+      ln = layer_norm_grads(ctx, saved, grads.input, tensors[0], {tensors[1], tensors[2]},
+                            tensors[3], tensors[4]);
     }
-    return {grad_input,      grad_ln_weight,  grad_ln_bias,    grads.weight,   grads.bias,
+    return {ln[0],           ln[1],           ln[2],           grads.weight,   grads.bias,
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// LayerNorm → FP8 → FC1 → GELU fused into FC2's input cast → FC2, in one function (see
+// Fp8LayerNormMLPImpl). Backward: FC2's GEMMs, then GELU's backward fused into the cast of
+// FC1's output gradient (with FC1's bias gradient), FC1's GEMMs, the LayerNorm's backward.
+struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+                               const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
+                               const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
+                               const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
+                               const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
+                               Fp8LinearImpl* fc1, const detail::Fp8LinearCall& fc1_call,
+                               Fp8LinearImpl* fc2, const detail::Fp8LinearCall& fc2_call,
+                               double eps) {
+    const int64_t hidden = ln_weight.size(0);
+    const auto x2d = input.reshape({-1, hidden}).contiguous();
+    const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
+    const auto& recipe = fc1_call.recipe;
+    auto ln = layer_norm_fp8_for(*fc1, recipe, x2d, ln_weight, ln_bias, eps);
+
+    Fp8GemmOptions gemm1;
+    gemm1.use_fast_accum = true;
+    if (fc1->options.bias()) gemm1.bias = fc1_bias;
+    auto gelu_input = fp8_gemm(ln.x_q, fc1_call.weight_q.data, fc1_call.out_dtype, gemm1);
+    // The padding rows read FC1's bias; zeroed, they stay zero through GELU (gelu(0) = 0) and
+    // add nothing to FC2's input amax.
+    if (rows_padded != rows) gelu_input.narrow(0, rows, rows_padded - rows).zero_();
+    const auto& fc2_slots = detail::Fp8LinearInternals::slots(*fc2);
+    auto h_q = detail::quantize_for(gelu_input, fc2_call.recipe, recipe.forward_format,
+                                    fc2_slots.input_scale, fc2_slots.input_amax, {},
+                                    {detail::QuantizeActivation::kGelu});
+    Fp8GemmOptions gemm2;
+    gemm2.use_fast_accum = true;
+    if (fc2->options.bias()) gemm2.bias = fc2_bias;
+    auto y = fp8_gemm(h_q.data, fc2_call.weight_q.data, fc2_call.out_dtype, gemm2);
+    if (rows_padded != rows) y = y.narrow(0, 0, rows);
+
+    const auto w1 = detail::dgrad_weight_of(fc1_call.weight_q);
+    const auto w2 = detail::dgrad_weight_of(fc2_call.weight_q);
+    ctx->save_for_backward({x2d, ln.stats.mean, ln.stats.rstd, ln_weight, ln_bias, ln.x_q.data,
+                            ln.x_q.scale_inv, ln.x_t, gelu_input, w1.weight.data,
+                            w1.weight.scale_inv, w2.weight.data, w2.weight.scale_inv});
+    ctx->saved_data["fc1.dgrad_weight_transposed"] = w1.transposed;
+    ctx->saved_data["fc2.dgrad_weight_transposed"] = w2.transposed;
+    detail::save_input_transpose(ctx, h_q.transposed, "fc2.x_t");
+    const detail::Fp8LinearSaved fc1_saved{fc1,
+                                           recipe,
+                                           rows,
+                                           fc1->options.bias(),
+                                           x2d.scalar_type(),
+                                           fc1_weight.scalar_type(),
+                                           input.sizes().vec()};
+    const detail::Fp8LinearSaved fc2_saved{fc2,
+                                           fc2_call.recipe,
+                                           rows,
+                                           fc2->options.bias(),
+                                           gelu_input.scalar_type(),
+                                           fc2_weight.scalar_type(),
+                                           {rows, fc2->options.in_features()}};
+    fc1_saved.save(ctx, "fc1");
+    fc2_saved.save(ctx, "fc2");
+    return fc1_saved.unflatten(y);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_outputs) {
+    const auto fc1_saved = detail::Fp8LinearSaved::load(ctx, "fc1");
+    const auto fc2_saved = detail::Fp8LinearSaved::load(ctx, "fc2");
+    const auto tensors = ctx->get_saved_variables();
+    const auto format = fc1_saved.recipe.forward_format;
+    const detail::Fp8DgradWeight w1{Fp8Tensor(tensors[9], tensors[10], format),
+                                    ctx->saved_data["fc1.dgrad_weight_transposed"].toBool()};
+    const detail::Fp8DgradWeight w2{Fp8Tensor(tensors[11], tensors[12], format),
+                                    ctx->saved_data["fc2.dgrad_weight_transposed"].toBool()};
+    // FC2: its gradients, and dgrad into GELU's output gradient.
+    auto fc2_grads = detail::fp8_linear_backward(
+        fc2_saved, grad_outputs[0].reshape({-1, fc2_saved.linear->options.out_features()}),
+        detail::take_input_transpose(ctx, format, "fc2.x_t"), w2, /*need_input=*/true,
+        ctx->needs_input_grad(5), ctx->needs_input_grad(6));
+    // FC1, whose output gradient is GELU's backward, computed inside its cast.
+    const bool need_ln = needs_layer_norm_grads(ctx);
+    const bool need_fc1_weight = ctx->needs_input_grad(3) || fc1_saved.linear->options.fp8_params();
+    Fp8Tensor x_t;
+    if (need_fc1_weight)
+      x_t = layer_norm_output_transpose(tensors[5], tensors[6], tensors[7], format);
+    auto fc1_grads = detail::fp8_linear_backward(
+        fc1_saved, fc2_grads.input, std::move(x_t), w1, need_ln, ctx->needs_input_grad(3),
+        ctx->needs_input_grad(4), /*gelu_input=*/tensors[8]);
+    fc2_grads.input = at::Tensor();
+    std::array<torch::Tensor, 3> ln;
+    if (need_ln) {
+      ln = layer_norm_grads(ctx, fc1_saved, fc1_grads.input, tensors[0], {tensors[1], tensors[2]},
+                            tensors[3], tensors[4]);
+    }
+    return {ln[0],           ln[1],           ln[2],           fc1_grads.weight,
+            fc1_grads.bias,  fc2_grads.weight, fc2_grads.bias,  torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -236,6 +356,78 @@ torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
   return LayerNormLinearFunction::apply(input, layer_norm->weight, layer_norm->bias, lin.weight,
                                         lin.bias.defined() ? lin.bias : anchor.detach(), anchor,
                                         &lin, *call, options.eps());
+}
+
+}  // namespace amp8
+
+// ---- Fp8LayerNormMLP ----
+
+namespace amp8 {
+
+Fp8LayerNormMLPImpl::Fp8LayerNormMLPImpl(const Fp8LayerNormMLPOptions& options_)
+    : options(options_) {
+  if (Fp8ModelInit::is_enabled()) options.fp8_params(true);
+  reset();
+}
+
+void Fp8LayerNormMLPImpl::reset() {
+  TORCH_CHECK(options.hidden_size() > 0 && options.ffn_hidden_size() > 0,
+              "Fp8LayerNormMLP: hidden_size and ffn_hidden_size must be positive, got ",
+              options.hidden_size(), " and ", options.ffn_hidden_size());
+  ln_fc1 = register_module(
+      "ln_fc1", Fp8LayerNormLinear(
+                    Fp8LayerNormLinearOptions(options.hidden_size(), options.ffn_hidden_size())
+                        .eps(options.eps())
+                        .bias(options.bias())
+                        .fp8_amax_history_len(options.fp8_amax_history_len())
+                        .fp8_min_gemm_size(options.fp8_min_gemm_size())
+                        .cache_fp8_weight(options.cache_fp8_weight())
+                        .fp8_params(options.fp8_params())));
+  fc2 = register_module(
+      "fc2", Fp8Linear(Fp8LinearOptions(options.ffn_hidden_size(), options.hidden_size())
+                           .bias(options.bias())
+                           .fp8_amax_history_len(options.fp8_amax_history_len())
+                           .fp8_min_gemm_size(options.fp8_min_gemm_size())
+                           .cache_fp8_weight(options.cache_fp8_weight())
+                           .fp8_params(options.fp8_params())));
+}
+
+void Fp8LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
+  stream << std::boolalpha << "amp8::Fp8LayerNormMLP(hidden_size=" << options.hidden_size()
+         << ", ffn_hidden_size=" << options.ffn_hidden_size() << ", eps=" << options.eps()
+         << ", bias=" << options.bias() << (options.fp8_params() ? ", fp8_params=true" : "")
+         << ")";
+}
+
+torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.hidden_size(),
+              "Fp8LayerNormMLP: input must have hidden_size=", options.hidden_size(),
+              " as its last dimension, got shape ", input.sizes());
+  auto& fc1 = *ln_fc1->linear;
+  auto& out = *fc2;
+  const int64_t rows = input.numel() / options.hidden_size();
+  using detail::Fp8LinearInternals;
+  if (!Fp8LinearInternals::runs_in_fp8(fc1, rows) || !Fp8LinearInternals::runs_in_fp8(out, rows)) {
+    // One of the two GEMMs stays in high precision: the modules one after the other, each
+    // deciding for itself.
+    return out.forward(at::gelu(ln_fc1->forward(input), "tanh"));
+  }
+  TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
+                  input.scalar_type() == at::kHalf,
+              "Fp8LayerNormMLP: input must be float32, bfloat16 or float16, got ",
+              input.scalar_type());
+  auto fc1_call = Fp8LinearInternals::prepare(fc1, input, rows);
+  auto fc2_call = Fp8LinearInternals::prepare(out, input, rows);
+  TORCH_INTERNAL_ASSERT(fc1_call && fc2_call, "Fp8LayerNormMLP: runs_in_fp8 and prepare disagree");
+  const auto& fc1_anchor = Fp8LinearInternals::grad_anchor(fc1);
+  const auto& fc2_anchor = Fp8LinearInternals::grad_anchor(out);
+  Fp8LinearInternals::expect_main_grad(fc1);
+  Fp8LinearInternals::expect_main_grad(out);
+  return LayerNormMLPFunction::apply(
+      input, ln_fc1->layer_norm->weight, ln_fc1->layer_norm->bias, fc1.weight,
+      fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
+      out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor, &fc1,
+      *fc1_call, &out, *fc2_call, options.eps());
 }
 
 }  // namespace amp8

@@ -116,4 +116,64 @@ class Fp8LayerNormLinearImpl : public torch::nn::Cloneable<Fp8LayerNormLinearImp
 
 TORCH_MODULE(Fp8LayerNormLinear);
 
+/// Options of Fp8LayerNormMLP (TE's LayerNormMLP):
+///   Fp8LayerNormMLPOptions(2048, 8192).eps(1e-5)
+struct Fp8LayerNormMLPOptions {
+  Fp8LayerNormMLPOptions(int64_t hidden_size, int64_t ffn_hidden_size)
+      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size) {}
+  /// Size of each input and output sample.
+  TORCH_ARG(int64_t, hidden_size);
+  /// Width of the hidden (GELU) layer.
+  TORCH_ARG(int64_t, ffn_hidden_size);
+  /// The LayerNorm's eps. Default: 1e-5.
+  TORCH_ARG(double, eps) = 1e-5;
+  /// Biases of both linear layers. Default: true.
+  TORCH_ARG(bool, bias) = true;
+  /// As Fp8LinearOptions::fp8_amax_history_len, for both layers. Default: 1024.
+  TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
+  /// As Fp8LinearOptions::fp8_min_gemm_size, for each layer's GEMM. Default:
+  /// kDefaultFp8MinGemmSize (2^36).
+  TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
+  /// As Fp8LinearOptions::cache_fp8_weight. Default: false.
+  TORCH_ARG(bool, cache_fp8_weight) = false;
+  /// As Fp8LinearOptions::fp8_params (set by constructing under Fp8ModelInit). Default: false.
+  TORCH_ARG(bool, fp8_params) = false;
+};
+
+/// LayerNorm → FC1 → GELU (tanh) → FC2, fused the way Transformer Engine's LayerNormMLP is.
+/// Inside an FP8 region, when both GEMMs run in FP8:
+///   forward   the LayerNorm writes FC1's FP8 input (as Fp8LayerNormLinear); GELU is computed
+///             inside the FP8 cast (and transpose) of FC2's input (cast_transpose_gelu), so
+///             GELU's high-precision output is never written;
+///   backward  GELU's derivative is applied inside the cast-transpose of FC1's output gradient
+///             (cast_transpose_dgelu), which also gives FC1's bias gradient; FC2's bias
+///             gradient comes from its own gradient's cast.
+/// Otherwise (outside a region, or when either layer stays in high precision) it computes
+/// ln_fc1(x), gelu(·, "tanh"), fc2(·) with the two modules in sequence.
+///
+/// Submodules `ln_fc1` (Fp8LayerNormLinear: ln_fc1.layer_norm, ln_fc1.linear) and `fc2`
+/// (Fp8Linear), each with its own FP8 metadata; built under Fp8ModelInit, both weights are
+/// kept in FP8 (fp8_params). Values and gradients are those of the modules in sequence (GELU
+/// computed in float32 from FC1's output in the compute dtype, as the sequence does), except
+/// that GELU's output and its gradient are not rounded to the compute dtype before their FP8
+/// casts.
+class Fp8LayerNormMLPImpl : public torch::nn::Cloneable<Fp8LayerNormMLPImpl> {
+ public:
+  Fp8LayerNormMLPImpl(int64_t hidden_size, int64_t ffn_hidden_size)
+      : Fp8LayerNormMLPImpl(Fp8LayerNormMLPOptions(hidden_size, ffn_hidden_size)) {}
+  explicit Fp8LayerNormMLPImpl(const Fp8LayerNormMLPOptions& options_);
+
+  void reset() override;
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Input [..., hidden_size] → output [..., hidden_size].
+  torch::Tensor forward(const torch::Tensor& input);
+
+  Fp8LayerNormMLPOptions options;
+  Fp8LayerNormLinear ln_fc1{nullptr};
+  Fp8Linear fc2{nullptr};
+};
+
+TORCH_MODULE(Fp8LayerNormMLP);
+
 }  // namespace amp8

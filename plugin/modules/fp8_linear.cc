@@ -339,25 +339,37 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
 
 namespace detail {
 
+bool Fp8LinearInternals::runs_in_fp8(const Fp8LinearImpl& linear, int64_t rows) {
+  const auto& options = linear.options;
+  return Fp8Autocast::is_enabled() && !options.keep_in_high_precision() && rows > 0 &&
+         linear.fp8_eligible() &&
+         rows * options.in_features() * options.out_features() >= options.fp8_min_gemm_size();
+}
+
 std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
                                                          const at::Tensor& input) {
+  return prepare(linear, input, input.numel() / linear.options.in_features());
+}
+
+std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
+                                                         const at::Tensor& input, int64_t rows) {
   const auto& options = linear.options;
-  if (!Fp8Autocast::is_enabled() || options.keep_in_high_precision() || input.numel() == 0) {
-    return std::nullopt;
-  }
-  if (!linear.fp8_eligible()) {
-    TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
-                    "): FP8 GEMMs need both dimensions divisible by 16; this layer runs in high "
-                    "precision.");
-    return std::nullopt;
-  }
-  const int64_t rows = input.numel() / options.in_features();
-  if (rows * options.in_features() * options.out_features() < options.fp8_min_gemm_size()) {
-    TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(), "): a GEMM of ",
-                    rows, " x ", options.in_features(), " x ", options.out_features(),
-                    " is smaller than fp8_min_gemm_size (", options.fp8_min_gemm_size(),
-                    ") and runs in high precision, as every such GEMM will (reported once); "
-                    "fp8_min_gemm_size(0) puts every GEMM in FP8.");
+  if (!runs_in_fp8(linear, rows)) {
+    // Said once per process, where the reason is the layer's (not the region's or the input's).
+    if (Fp8Autocast::is_enabled() && !options.keep_in_high_precision() && rows > 0) {
+      if (!linear.fp8_eligible()) {
+        TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
+                        "): FP8 GEMMs need both dimensions divisible by 16; this layer runs in "
+                        "high precision.");
+      } else {
+        TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
+                        "): a GEMM of ", rows, " x ", options.in_features(), " x ",
+                        options.out_features(), " is smaller than fp8_min_gemm_size (",
+                        options.fp8_min_gemm_size(),
+                        ") and runs in high precision, as every such GEMM will (reported once); "
+                        "fp8_min_gemm_size(0) puts every GEMM in FP8.");
+      }
+    }
     return std::nullopt;
   }
   const auto compute = compute_dtype(input);

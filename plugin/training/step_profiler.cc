@@ -155,6 +155,10 @@ std::string StepProfile::table() const {
   line("busy (union)", busy_ms);
   line("idle", idle_ms);
   line("wall", wall_ms);
+  out << "host time per step\n";
+  line("host (step)", host_ms);
+  line("  waiting (sync)", host_wait_ms);
+  line("  working", host_ms - host_wait_ms);
   out << "longest kernels (ms per step):\n";
   for (size_t i = 0; i < top_kernels.size() && i < 10; ++i) {
     std::string name = top_kernels[i].first;
@@ -168,7 +172,8 @@ std::string StepProfile::json() const {
   std::ostringstream out;
   out << std::setprecision(6);
   out << "{\"steps\": " << steps << ", \"wall_ms\": " << wall_ms << ", \"busy_ms\": " << busy_ms
-      << ", \"idle_ms\": " << idle_ms << ", \"kernels_per_step\": " << kernels
+      << ", \"idle_ms\": " << idle_ms << ", \"host_ms\": " << host_ms
+      << ", \"host_wait_ms\": " << host_wait_ms << ", \"kernels_per_step\": " << kernels
       << ", \"categories\": {";
   for (int c = 0; c < kNumKernelCategories; ++c) {
     out << (c ? ", " : "") << json_string(to_string(static_cast<KernelCategory>(c))) << ": "
@@ -226,7 +231,9 @@ StepProfile StepRecorder::stop(const std::string& dir) {
   TORCH_CHECK(steps_ >= 1, "StepRecorder::stop: no step was recorded (begin_step)");
 
   uint64_t window_start = std::numeric_limits<uint64_t>::max(), window_end = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> step_intervals;  // the host's, one per step
   std::vector<DeviceActivity> device;
+  std::vector<std::pair<uint64_t, uint64_t>> sync_calls;  // host intervals blocked on the GPU
   using libkineto::ActivityType;
   for (const auto& event : result->events()) {
     const auto type = static_cast<ActivityType>(event.activityType());
@@ -234,10 +241,16 @@ StepProfile StepRecorder::stop(const std::string& dir) {
         type == ActivityType::GPU_MEMSET) {
       device.push_back({event.name(), event.startNs(), event.endNs(),
                         type != ActivityType::CONCURRENT_KERNEL});
+    } else if (type == ActivityType::CUDA_RUNTIME || type == ActivityType::CUDA_DRIVER) {
+      const auto& name = event.name();
+      if (name.find("Synchronize") != std::string::npos || name == "cudaMemcpy") {
+        sync_calls.emplace_back(event.startNs(), event.endNs());
+      }
     } else if (type != ActivityType::GPU_USER_ANNOTATION &&
                event.name().rfind(kStepAnnotation, 0) == 0) {
       window_start = std::min(window_start, event.startNs());
       window_end = std::max(window_end, event.endNs());
+      step_intervals.emplace_back(event.startNs(), event.endNs());
     }
   }
   TORCH_CHECK(window_end > window_start, "StepRecorder::stop: the trace holds no \"",
@@ -247,6 +260,16 @@ StepProfile StepRecorder::stop(const std::string& dir) {
     if (a.start_ns >= window_start) window_end = std::max(window_end, a.end_ns);
   }
   auto profile = summarize_steps(std::move(device), window_start, window_end, steps_);
+  uint64_t host_ns = 0, wait_ns = 0;
+  for (const auto& [step_start, step_end] : step_intervals) {
+    host_ns += step_end - step_start;
+    for (const auto& [start, end] : sync_calls) {
+      const uint64_t s = std::max(start, step_start), e = std::min(end, step_end);
+      if (e > s) wait_ns += e - s;
+    }
+  }
+  profile.host_ms = host_ns / 1e6 / steps_;
+  profile.host_wait_ms = wait_ns / 1e6 / steps_;
 
   std::filesystem::create_directories(dir);
   result->save((std::filesystem::path(dir) / "trace.json").string());

@@ -54,12 +54,21 @@ struct StepProfile {
   /// overlaps, so the sum can exceed busy_ms.
   std::array<double, kNumKernelCategories> category_ms{};
   double kernels = 0;  ///< activities per step
+  /// Host side (StepRecorder fills these; summarize_steps leaves them 0): how long the host
+  /// took to run a step (its "amp8::step" annotation), and how much of that it spent blocked in
+  /// CUDA synchronizing calls (cudaStreamSynchronize, cudaDeviceSynchronize,
+  /// cudaEventSynchronize, cudaMemcpy: e.g. an item() on a device value). host_ms - host_wait_ms
+  /// is the host's own work; when it is close to wall_ms while the device idles, the step waits
+  /// for the host (launches, autograd, LibTorch's dispatch), not the other way round.
+  double host_ms = 0;
+  double host_wait_ms = 0;
   /// The kernels that took the most time (per step), longest first, at most 20.
   std::vector<std::pair<std::string, double>> top_kernels;
 
   /// A table for a terminal: one line per category with ms/step and % of wall time.
   std::string table() const;
-  /// One JSON object (steps, wall_ms, busy_ms, idle_ms, kernels_per_step, a "categories"
+  /// One JSON object (steps, wall_ms, busy_ms, idle_ms, host_ms, host_wait_ms,
+  /// kernels_per_step, a "categories"
   /// object of ms per step, and "top_kernels": [{"name", "ms"}]).
   std::string json() const;
 };

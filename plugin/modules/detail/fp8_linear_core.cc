@@ -34,16 +34,33 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
 
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot,
-                              const at::Tensor& dbias_out) {
-  if (recipe.delayed())
+                              const at::Tensor& dbias_out, const QuantizeActivation& activation) {
+  if (recipe.delayed()) {
+    switch (activation.kind) {
+      case QuantizeActivation::kGelu:
+        TORCH_INTERNAL_ASSERT(!dbias_out.defined(), "quantize_for: GELU's cast has no dbias");
+        return cast_transpose_gelu(x, scale, format, amax_slot, /*accumulate_amax=*/true);
+      case QuantizeActivation::kDGelu:
+        return cast_transpose_dgelu(x, activation.gelu_input, scale, format, amax_slot,
+                                    /*accumulate_amax=*/true, dbias_out);
+      case QuantizeActivation::kNone:
+        break;
+    }
     return cast_transpose(x, scale, format, amax_slot, /*accumulate_amax=*/true, dbias_out);
-  auto amax = compute_amax(x);
+  }
+  // Current scaling needs the values' amax before their scale: the activation is computed
+  // first, by LibTorch, then measured and quantized.
+  at::Tensor values = x;
+  if (activation.kind == QuantizeActivation::kGelu) values = at::gelu(x, "tanh");
+  if (activation.kind == QuantizeActivation::kDGelu)
+    values = at::gelu_backward(x, activation.gelu_input, "tanh");
+  auto amax = compute_amax(values);
   amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
-  return cast_transpose(x, compute_current_scale(amax, format, recipe.margin), format, {},
+  return cast_transpose(values, compute_current_scale(amax, format, recipe.margin), format, {},
                         /*accumulate_amax=*/false, dbias_out);
 }
 
-void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx) const {
+void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx, const std::string& key) const {
   std::vector<int64_t> packed = {reinterpret_cast<int64_t>(linear),
                                  rows,
                                  has_bias,
@@ -55,12 +72,13 @@ void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx) const {
                                  static_cast<int64_t>(recipe.amax_compute_algo),
                                  static_cast<int64_t>(recipe.scaling),
                                  recipe.amax_history_len};
-  ctx->saved_data["fp8_linear"] = std::move(packed);
-  ctx->saved_data["input_sizes"] = input_sizes;
+  ctx->saved_data[key] = std::move(packed);
+  ctx->saved_data[key + ".input_sizes"] = input_sizes;
 }
 
-Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx) {
-  const auto packed = ctx->saved_data["fp8_linear"].toIntVector();
+Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx,
+                                    const std::string& key) {
+  const auto packed = ctx->saved_data[key].toIntVector();
   Fp8LinearSaved saved;
   saved.linear = reinterpret_cast<Fp8LinearImpl*>(packed[0]);
   saved.rows = packed[1];
@@ -73,7 +91,7 @@ Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx) {
   saved.recipe.amax_compute_algo = static_cast<AmaxComputeAlgo>(packed[8]);
   saved.recipe.scaling = static_cast<Fp8Scaling>(packed[9]);
   saved.recipe.amax_history_len = packed[10];
-  saved.input_sizes = ctx->saved_data["input_sizes"].toIntVector();
+  saved.input_sizes = ctx->saved_data[key + ".input_sizes"].toIntVector();
   return saved;
 }
 
@@ -83,13 +101,16 @@ at::Tensor Fp8LinearSaved::unflatten(const at::Tensor& t2d) const {
   return t2d.reshape(sizes);
 }
 
-void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t) {
-  ctx->saved_data["x_t"] = x_t.data;
-  ctx->saved_data["x_t_scale_inv"] = x_t.scale_inv;
+void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t,
+                          const std::string& key) {
+  ctx->saved_data[key] = x_t.data;
+  ctx->saved_data[key + ".scale_inv"] = x_t.scale_inv;
 }
 
-Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format) {
-  const auto data = ctx->saved_data.find("x_t"), scale_inv = ctx->saved_data.find("x_t_scale_inv");
+Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format,
+                               const std::string& key) {
+  const auto data = ctx->saved_data.find(key);
+  const auto scale_inv = ctx->saved_data.find(key + ".scale_inv");
   TORCH_CHECK(data != ctx->saved_data.end() && scale_inv != ctx->saved_data.end(),
               "Fp8Linear: the saved input was already freed by an earlier backward pass; trying to "
               "backward through the graph a second time needs retain_graph=true the first time");
@@ -98,24 +119,29 @@ Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format 
   // reference so that fp8_linear_backward frees it after wgrad, as autograd would free a
   // save_for_backward tensor only after the whole backward function.
   if (!current_backward_keeps_graph()) {
-    ctx->saved_data.erase("x_t");
-    ctx->saved_data.erase("x_t_scale_inv");
+    ctx->saved_data.erase(key);
+    ctx->saved_data.erase(key + ".scale_inv");
   }
   return x_t;
 }
 
-void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
-                       std::vector<at::Tensor> tensors) {
+Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
   // Under fp8_params the call carries no transpose: the FP8 weight itself is saved (detached,
   // so an optimizer's set_data cannot swap it out from under the backward; every writer of
-  // the FP8 weight also writes weight_scale_inv, saved here too, whose version check fails
+  // the FP8 weight also writes weight_scale_inv, saved with it, whose version check fails
   // the backward) and fp8_linear_backward transposes it for dgrad.
-  const bool transposed = weight_q.transposed.defined();
-  const auto& w = transposed ? weight_q.transposed : weight_q.data;
-  tensors.push_back(transposed ? w.data : w.data.detach());
-  tensors.push_back(w.scale_inv);
+  if (weight_q.transposed.defined()) return {weight_q.transposed, true};
+  const auto& w = weight_q.data;
+  return {Fp8Tensor(w.data.detach(), w.scale_inv, w.format), false};
+}
+
+void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
+                       std::vector<at::Tensor> tensors) {
+  const auto w = dgrad_weight_of(weight_q);
+  tensors.push_back(w.weight.data);
+  tensors.push_back(w.weight.scale_inv);
   ctx->save_for_backward(tensors);
-  ctx->saved_data["dgrad_weight_transposed"] = transposed;
+  ctx->saved_data["dgrad_weight_transposed"] = w.transposed;
 }
 
 Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at::Tensor& data,
@@ -125,7 +151,8 @@ Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at
 
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
-                                   bool need_weight, bool need_bias) {
+                                   bool need_weight, bool need_bias,
+                                   const at::Tensor& gelu_input) {
   auto& module = *saved.linear;
   const auto& recipe = saved.recipe;
   const int64_t rows = saved.rows;
@@ -142,8 +169,10 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   at::Tensor dbias;
   if (need_bias && saved.has_bias) dbias = at::empty({g.size(1)}, g.options().dtype(at::kFloat));
   const auto& slots = Fp8LinearInternals::slots(module);
+  QuantizeActivation activation;
+  if (gelu_input.defined()) activation = {QuantizeActivation::kDGelu, gelu_input};
   auto g_q = quantize_for(g, recipe, recipe.backward_format, slots.grad_scale, slots.grad_amax,
-                          dbias);
+                          dbias, activation);
   g = at::Tensor();
   if (dbias.defined()) grads.bias = dbias.to(saved.weight_dtype);
   if (recipe.delayed()) {

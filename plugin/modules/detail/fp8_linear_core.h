@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "ops/quantize.h"
@@ -27,6 +28,13 @@ struct Fp8LinearInternals {
   /// shape, large enough); when it does, registers its metadata with the region and returns
   /// the call's state.
   static std::optional<Fp8LinearCall> prepare(Fp8LinearImpl& linear, const at::Tensor& input);
+  /// The same for a GEMM of `rows` rows whose input would have `input`'s dtype and device (a
+  /// layer whose input is made inside a fused function, after this decision).
+  static std::optional<Fp8LinearCall> prepare(Fp8LinearImpl& linear, const at::Tensor& input,
+                                              int64_t rows);
+  /// Whether prepare() would return a call, without its side effects (no warning, no
+  /// registration, no weight quantized).
+  static bool runs_in_fp8(const Fp8LinearImpl& linear, int64_t rows);
   /// An empty tensor that requires grad under fp8_params (so backward reaches main_grad).
   static const at::Tensor& grad_anchor(Fp8LinearImpl& linear);
   /// Under fp8_params with grad mode on: one more backward pass will add into main_grad (a
@@ -51,12 +59,23 @@ at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows);
 /// The dtype GEMM outputs take: the autocast dtype where autocast is on, else the input's.
 at::ScalarType compute_dtype(const at::Tensor& input);
 
-/// Quantizes x for the recipe: delayed scaling uses `scale` and max-merges max|x| into
-/// `amax_slot`; tensorwise scaling derives the scale from x itself. `dbias_out` (float32
-/// [cols]), when defined, receives Σ_rows x from the same read (cast_transpose's).
+/// What quantize_for quantizes: x, gelu(x) (an MLP's hidden activation, tanh GELU), or
+/// x · gelu'(gelu_input) (the gradient of the GEMM output that GELU read).
+struct QuantizeActivation {
+  enum Kind { kNone, kGelu, kDGelu };
+  Kind kind = kNone;
+  at::Tensor gelu_input;  ///< kDGelu only: GELU's input, x's shape and dtype
+};
+
+/// Quantizes x (or its activation) for the recipe: delayed scaling uses `scale` and max-merges
+/// the values' amax into `amax_slot`, fused into one kernel with the activation
+/// (cast_transpose_gelu / cast_transpose_dgelu); tensorwise scaling derives the scale from the
+/// values themselves. `dbias_out` (float32 [cols]), when defined, receives their column sums
+/// from the same read (not with kGelu).
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot,
-                              const at::Tensor& dbias_out = {});
+                              const at::Tensor& dbias_out = {},
+                              const QuantizeActivation& activation = {});
 
 struct Fp8LinearGrads {
   at::Tensor input;  ///< [rows, in_features]
@@ -65,7 +84,8 @@ struct Fp8LinearGrads {
 };
 
 /// The non-tensor state an FP8 linear autograd function keeps from forward to backward,
-/// stored in the context as integers (no strings on the hot path).
+/// stored in the context as integers under `key` (a function of several layers uses one key
+/// per layer).
 struct Fp8LinearSaved {
   Fp8LinearImpl* linear = nullptr;
   Fp8Recipe recipe;
@@ -75,8 +95,9 @@ struct Fp8LinearSaved {
   at::ScalarType weight_dtype = at::kFloat;
   std::vector<int64_t> input_sizes;
 
-  void save(torch::autograd::AutogradContext* ctx) const;
-  static Fp8LinearSaved load(torch::autograd::AutogradContext* ctx);
+  void save(torch::autograd::AutogradContext* ctx, const std::string& key = "fp8_linear") const;
+  static Fp8LinearSaved load(torch::autograd::AutogradContext* ctx,
+                             const std::string& key = "fp8_linear");
   /// A [rows, features] tensor with the input's leading dimensions: [..., features].
   at::Tensor unflatten(const at::Tensor& t2d) const;
 };
@@ -86,8 +107,10 @@ struct Fp8LinearSaved {
 /// retained, drops the context's reference, so fp8_linear_backward can free it before dgrad.
 /// It is an internal tensor nobody else sees or modifies, so save_for_backward's version
 /// check has nothing to guard.
-void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t);
-Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format);
+void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t,
+                          const std::string& key = "x_t");
+Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format,
+                               const std::string& key = "x_t");
 
 /// Saves `tensors` and then the FP8 weight operand dgrad needs (two more tensors: data and
 /// scale_inv): the call's transpose Wᵀ [in, out], or under fp8_params, whose call carries no
@@ -97,6 +120,9 @@ struct Fp8DgradWeight {
   Fp8Tensor weight;
   bool transposed = true;  ///< Wᵀ [in, out]; false: W [out, in], transposed just before dgrad
 };
+/// The operand itself (what save_dgrad_weight saves), for a function that saves the operands
+/// of several layers in its one save_for_backward call.
+Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q);
 void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
                        std::vector<at::Tensor> tensors);
 Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at::Tensor& data,
@@ -109,8 +135,12 @@ Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at
 /// main_grad. The bias gradient comes from the gradient's cast_transpose (its dbias), not from a
 /// separate reduction. x_t is dropped before dgrad: pass it by std::move, holding no
 /// other reference, to free it there. need_bias is ignored for a layer without bias.
+/// With `gelu_input` (the layer's output as GELU read it, padded like the rows here) the
+/// gradient quantized is grad_output2d · gelu'(gelu_input): grad_output2d is then GELU's output
+/// gradient, and GELU's backward happens inside the gradient's cast (an MLP's first layer).
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
-                                   bool need_weight, bool need_bias);
+                                   bool need_weight, bool need_bias,
+                                   const at::Tensor& gelu_input = {});
 
 }  // namespace amp8::detail
