@@ -311,8 +311,9 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
     y2.backward(grad);
     EXPECT_LT(relative_error(y1, y2), bound) << where;
     EXPECT_LT(relative_error(x1.grad(), x2.grad()), bound) << where;
+    const auto sequence_parameters = sequence->named_parameters();  // held: [] returns into it
     for (auto& p : fused->named_parameters()) {
-      const auto& other = sequence->named_parameters()[p.key()];
+      const auto& other = sequence_parameters[p.key()];
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
       EXPECT_LT(relative_error(p.value().grad(), other.grad()), bound) << p.key() << " " << where;
     }
