@@ -152,6 +152,44 @@ TEST(Fp8GemmScaledMmTest, MatchesScaledMm_CUDA) {
   }
 }
 
+// Operands and outputs at 16-byte offsets into larger buffers (views, as a narrowed tensor is),
+// after the same shape ran on 256-byte aligned ones: cuBLASLt must not reuse an algorithm chosen
+// for the aligned pointers (its heuristic assumes 256-byte alignment unless told otherwise).
+TEST(Fp8GemmAlignmentTest, OffsetOperandsMatchTheReference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  at::manual_seed(13);
+  const int64_t m = 272, k = 512, n = 384;
+  auto a = operand(m, k, Fp8Format::kE4M3, at::kCUDA);
+  auto b = operand(n, k, Fp8Format::kE4M3, at::kCUDA);
+  for (auto out_dtype : {at::kBFloat16, at::kFloat}) {
+    const double bound = tolerance(out_dtype, at::kCUDA);
+    EXPECT_LE(relative_error(fp8_gemm(a, b, out_dtype), reference(a, b)), bound);
+    // An FP8 matrix `offset` bytes into a buffer; an output `offset` bytes in likewise.
+    auto at_offset = [](const Fp8Tensor& t, int64_t offset) {
+      auto buffer = at::zeros({t.data.numel() + 256}, t.data.options());
+      auto view = buffer.narrow(0, offset, t.data.numel()).view(t.data.sizes());
+      view.copy_(t.data);
+      return Fp8Tensor(view, t.scale_inv, t.format);
+    };
+    for (int64_t offset : {16, 48, 144}) {
+      const auto a_off = at_offset(a, offset), b_off = at_offset(b, offset + 32);
+      ASSERT_NE(reinterpret_cast<uintptr_t>(a_off.data.const_data_ptr()) % 256, 0u);
+      const int64_t out_offset = offset / at::elementSize(out_dtype);
+      auto out_buffer = at::zeros({m * n + 256}, at::TensorOptions().dtype(out_dtype).device(at::kCUDA));
+      Fp8GemmOptions options;
+      options.out = out_buffer.narrow(0, out_offset, m * n).view({m, n});
+      const auto y = fp8_gemm(a_off, b_off, out_dtype, options);
+      EXPECT_LE(relative_error(y, reference(a, b)), bound) << out_dtype << " offset " << offset;
+      // Accumulating reads C at the same offset.
+      const auto start = y.clone();
+      options.accumulate = true;
+      fp8_gemm(a_off, b_off, out_dtype, options);
+      EXPECT_LE(relative_error(options.out, reference(a, b) + start.cpu().to(at::kDouble)), bound)
+          << "accumulate " << out_dtype << " offset " << offset;
+    }
+  }
+}
+
 // fp16 loss scaling relies on overflowing gradients becoming inf: an FP8 weight's wgrad GEMM
 // writes (and, in a data-parallel bucket, accumulates into) an fp16 main_grad directly, so an
 // fp16 output too large for fp16 must be inf, not saturated at 65504.

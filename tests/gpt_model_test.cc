@@ -56,6 +56,45 @@ TEST_F(GptModelTest, HeadIsTiedAndTheModelRunsInFp8) {
   EXPECT_LE(testing::relative_error(fp8_logits, logits), 0.1);
 }
 
+// GptConfig::fused_mlp picks how a block runs its MLP, not which parameters it has: the fused
+// module (one call; FC2's forward() is not called) and its modules in sequence agree in an FP8
+// region on the same parameters, within FP8 rounding (float32 on the CPU, where the two differ
+// only in how tanh is computed). Every parameter gets a gradient either way.
+TEST_F(GptModelTest, FusedMlpIsTheSameModelCalledOnce) {
+  GptModel fused(GptConfig::named("tiny").fused_mlp(true));
+  GptModel sequence(GptConfig::named("tiny").fused_mlp(false));
+  {
+    torch::NoGradGuard no_grad;
+    const auto from = fused->named_parameters();
+    for (auto& p : sequence->named_parameters()) p.value().copy_(from[p.key()]);
+  }
+  for (auto* model : {&fused, &sequence}) {
+    convert_to_fp8(**model, Fp8ConversionOptions().fp8_min_gemm_size(0));
+  }
+  auto tokens = torch::randint(256, {2, 32}, torch::kLong);
+  std::vector<torch::Tensor> losses;
+  for (auto* model : {&fused, &sequence}) {
+    torch::Tensor logits;
+    {
+      Fp8Autocast fp8;
+      logits = (*model)->forward(tokens);
+    }
+    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, 256}), tokens.reshape({-1}));
+    loss.backward();
+    losses.push_back(loss);
+  }
+  const auto& block = fused->blocks[0]->as<GptBlock>();
+  EXPECT_EQ(block->mlp->fc2->forward_calls(), 0) << "fused: one Fp8LayerNormMLP call";
+  EXPECT_EQ(sequence->blocks[0]->as<GptBlock>()->mlp->fc2->forward_calls(), 1);
+  EXPECT_LT(testing::relative_error(losses[0], losses[1]), 1e-3);
+  const auto sequence_parameters = sequence->named_parameters();
+  for (auto& p : fused->named_parameters()) {
+    ASSERT_TRUE(p.value().grad().defined()) << p.key();
+    EXPECT_LT(testing::relative_error(p.value().grad(), sequence_parameters[p.key()].grad()), 2e-2)
+        << p.key();
+  }
+}
+
 TEST_F(GptModelTest, BadConfigsAreNamed) {
   ExpectErrorContaining([] { GptConfig::named("2b"); },
                         "config must be one of \"tiny\", \"small\", \"125m\", \"128m\", \"350m\", \"1b\", got \"2b\"");

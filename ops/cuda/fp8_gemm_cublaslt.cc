@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -75,7 +76,21 @@ void check_aligned(const void* p, const char* name) {
               " must be 16-byte aligned for cuBLASLt FP8");
 }
 
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, int>;
+// The largest power of two up to 256 that divides the address. cuBLASLt's heuristic assumes
+// 256-byte aligned matrices unless told otherwise (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES,
+// default 256) and may pick an algorithm that reads a less aligned one wrongly; a view into a
+// larger buffer (a narrowed or offset tensor) is aligned to 16 only.
+uint32_t alignment_of(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// Shape, dtypes, options, device and the four matrices' alignments (cuBLASLt's A, B, C, D:
+// the algorithm chosen for one alignment is not valid for a smaller one).
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, int,
+                           std::array<uint32_t, 4>>;
 
 // Everything about one GEMM configuration that does not change from call to call: the
 // descriptors (with their fixed attributes) and the algorithm the heuristic chose (once found).
@@ -107,6 +122,11 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
   check_aligned(out.const_data_ptr(), "out");
 
   at::ScalarType bias_dtype = o.bias.defined() ? o.bias.scalar_type() : at::kFloat;
+  // cuBLASLt's A is b, its B is a (see the layouts below); C is `out` unless D is FP8 (then
+  // C has no pointer).
+  const std::array<uint32_t, 4> alignments{
+      alignment_of(b.data.const_data_ptr()), alignment_of(a.data.const_data_ptr()),
+      fp8_out ? 256u : alignment_of(out.const_data_ptr()), alignment_of(out.const_data_ptr())};
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
@@ -120,7 +140,8 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
                     static_cast<int>(o.use_fast_accum),
                     static_cast<int>(o.accumulate),
                     o.out_amax.defined(),
-                    static_cast<int>(a.device().index())};
+                    static_cast<int>(a.device().index()),
+                    alignments};
   auto& slot = plans()[key];
   if (!slot) {
     auto plan = std::make_unique<GemmPlan>();
@@ -165,6 +186,13 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
     AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference.get(),
                                                            CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                            &max_workspace, sizeof(max_workspace)));
+    const cublasLtMatmulPreferenceAttributes_t alignment_attributes[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; ++i) {
+      AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          preference.get(), alignment_attributes[i], &alignments[i], sizeof(alignments[i])));
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(

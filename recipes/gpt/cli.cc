@@ -149,7 +149,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   // -1: "the config's" (the flag itself only takes values in its range).
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
-  bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false;
+  bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   std::string profile_dir;
@@ -243,6 +243,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
       "reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
       "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
+  app.add_option("--fused-mlp", fused_mlp,
+                 "each block's MLP as one Fp8LayerNormMLP call: in FP8, GELU inside the FP8 casts "
+                 "(TE's LayerNormMLP); false: its modules one after the other")
+      ->capture_default_str()->transform(boolean());
   app.add_option("--attention-backend", attention_backend,
                  "the fused attention kernel tried first: auto (PyTorch's order: flash, memory-efficient, "
                  "math, cuDNN), cudnn, flash or efficient")->capture_default_str()->transform(lower_case());
@@ -293,6 +297,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.bucket_size = bucket_size;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
     recipe.attention_backend = attention_backend;
+    recipe.model.fused_mlp(fused_mlp);
     recipe.profile_dir = profile_dir;
     recipe.profile_first_step = profile_first_step;
     recipe.profile_steps = profile_steps;

@@ -81,15 +81,12 @@ void GptConfig::validate() const {
 }
 
 GptBlockImpl::GptBlockImpl(const GptConfig& config) : config_(config) {
-  const int64_t h = config.hidden(), mlp = config.mlp_ratio() * h;
-  auto ln_linear = [&](int64_t out) {
-    return Fp8LayerNormLinear(Fp8LayerNormLinearOptions(h, out).eps(config.eps()));
-  };
-  auto linear = [&](int64_t in, int64_t out) { return Fp8Linear(Fp8LinearOptions(in, out)); };
-  ln_qkv = register_module("ln_qkv", ln_linear(3 * h));
-  proj = register_module("proj", linear(h, h));
-  ln_fc1 = register_module("ln_fc1", ln_linear(mlp));
-  fc2 = register_module("fc2", linear(mlp, h));
+  const int64_t h = config.hidden();
+  ln_qkv = register_module(
+      "ln_qkv", Fp8LayerNormLinear(Fp8LayerNormLinearOptions(h, 3 * h).eps(config.eps())));
+  proj = register_module("proj", Fp8Linear(Fp8LinearOptions(h, h)));
+  mlp = register_module(
+      "mlp", Fp8LayerNormMLP(Fp8LayerNormMLPOptions(h, config.mlp_ratio() * h).eps(config.eps())));
 }
 
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
@@ -102,9 +99,11 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   namespace F = torch::nn::functional;
   auto out = x + F::dropout(proj->forward(attn.transpose(1, 2).reshape({b, t, h})),
                             F::DropoutFuncOptions().p(dropout).training(is_training()));
-  auto hidden = F::gelu(ln_fc1->forward(out), F::GELUFuncOptions().approximate("tanh"));
-  return out + F::dropout(fc2->forward(hidden),
-                          F::DropoutFuncOptions().p(dropout).training(is_training()));
+  auto mlp_out = config_.fused_mlp()
+                     ? mlp->forward(out)
+                     : mlp->fc2->forward(F::gelu(mlp->ln_fc1->forward(out),
+                                                 F::GELUFuncOptions().approximate("tanh")));
+  return out + F::dropout(mlp_out, F::DropoutFuncOptions().p(dropout).training(is_training()));
 }
 
 GptModelImpl::GptModelImpl(const GptConfig& config) : config_(config) {

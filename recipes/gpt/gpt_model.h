@@ -39,6 +39,11 @@ struct GptConfig {
   TORCH_ARG(double, dropout) = 0.0;
   /// LayerNorm eps. Default: 1e-5.
   TORCH_ARG(double, eps) = 1e-5;
+  /// Run each block's MLP as one Fp8LayerNormMLP call (in an FP8 region GELU is computed inside
+  /// FC2's input cast and its derivative inside FC1's gradient cast); false calls its modules
+  /// one after the other (Fp8LayerNormLinear, GELU, Fp8Linear). The parameters and their names
+  /// are the same either way. Default: true.
+  TORCH_ARG(bool, fused_mlp) = true;
 
  public:
   /// tiny (~0.1 M parameters, CPU), small (~3 M), 125m (GPT-2 small shape, seq 1024),
@@ -68,8 +73,9 @@ class AttentionBackendGuard {
 };
 
 /// Pre-LayerNorm transformer block: x + proj(attn(ln1·qkv(x))), then x + fc2(gelu(ln2·fc1(x))).
-/// LayerNorm+QKV and LayerNorm+FC1 are Fp8LayerNormLinear (the LayerNorm output goes straight
-/// to FP8 in an FP8 region); the output projection and FC2 are Fp8Linear; causal attention is
+/// LayerNorm+QKV is an Fp8LayerNormLinear (the LayerNorm output goes straight to FP8 in an FP8
+/// region); the output projection is an Fp8Linear; the MLP is an Fp8LayerNormMLP (submodules
+/// mlp.ln_fc1, mlp.fc2; see GptConfig::fused_mlp); causal attention is
 /// at::scaled_dot_product_attention.
 class GptBlockImpl : public torch::nn::Module {
  public:
@@ -78,8 +84,7 @@ class GptBlockImpl : public torch::nn::Module {
 
   Fp8LayerNormLinear ln_qkv{nullptr};
   Fp8Linear proj{nullptr};
-  Fp8LayerNormLinear ln_fc1{nullptr};
-  Fp8Linear fc2{nullptr};
+  Fp8LayerNormMLP mlp{nullptr};
 
  private:
   GptConfig config_;
