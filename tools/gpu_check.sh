@@ -9,7 +9,7 @@
 #   OUTDIR/traces.tar               Kineto traces (trace.json.gz) of the profiled steps:
 #                                   gpt_stack_bench's bf16-mixed and FP8 cases (their tables
 #                                   in the log), and the AMP8_GPT_STEP runs
-# AMP8_BENCHMARKS="gpt_stack_bench ..." limits the benchmarks run (default: all of them);
+# AMP8_BENCHMARKS="gpt_stack_bench ..." limits the benchmarks run (default: all of them; none: no benchmark);
 # AMP8_SKIP_TESTS=1 skips ctest; AMP8_TEST_REGEX limits it (ctest -R, e.g. _CUDA).
 # AMP8_GPT_COMPARE="--config 125m --steps 1000 --compare 32,bf16-mixed" also runs gpt_pretrain
 # with those flags (checkpoints in a scratch folder) and brings back OUTDIR/gpt_compare.tar.gz:
@@ -89,8 +89,9 @@ pack_traces() {
 }
 
 echo "== benchmarks" | tee -a "$LOG"
-# AMP8_BENCHMARKS="a b" runs only those (default: all).
+# AMP8_BENCHMARKS="a b" runs only those (default: all; "none": no benchmark).
 BENCHMARKS="${AMP8_BENCHMARKS:-cast_transpose_bench fp8_gemm_bench fp8_linear_bench gpt_stack_bench layer_norm_bench scale_update_bench}"
+[[ "$BENCHMARKS" == none ]] && BENCHMARKS=""
 for bench in $BENCHMARKS; do
   if [[ -x "$BUILD/$bench" ]]; then
     if [[ "$bench" == gpt_stack_bench ]]; then
