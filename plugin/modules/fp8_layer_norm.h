@@ -156,9 +156,8 @@ struct Fp8LayerNormMLPOptions {
 /// kept in FP8 (fp8_params). On the CPU, values and gradients are those of the modules in
 /// sequence within FP8 rounding (GELU computed in float32 from FC1's output in the compute
 /// dtype, as the sequence does; GELU's output and its gradient are not rounded to the compute
-/// dtype before their FP8 casts). On the GPU each path matches its CPU reference, but a
-/// comparison of the two there is still open (bench/results/mlp_fusion/MANIFEST.md): the GPT
-/// model does not use this module yet.
+/// dtype before their FP8 casts); on an H200, in float32, outputs and gradients are equal bit
+/// for bit (FC1's bias gradient within 1e-7 relative: its column sum is added in another order).
 class Fp8LayerNormMLPImpl : public torch::nn::Cloneable<Fp8LayerNormMLPImpl> {
  public:
   Fp8LayerNormMLPImpl(int64_t hidden_size, int64_t ffn_hidden_size)
