@@ -1,6 +1,6 @@
 #pragma once
 // Shared helpers of the GPU benchmarks: CUDA-event timing (median of many repetitions after a
-// warm-up) and one JSON object per case on stdout, with the fields of DESIGN.md.
+// warm-up) and one JSON object per case on stdout, with the fields of docs/benchmarks.md ("Result rows").
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>

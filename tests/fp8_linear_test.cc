@@ -144,7 +144,7 @@ TEST_F(Fp8LinearTest, BackwardMatchesFiniteDifferencesOnExactlyRepresentableData
   for (int64_t i : {0, 9, 15}) EXPECT_NEAR(grad_b[i].item<double>(), fd(bd, i), 1e-6);
 }
 
-// Five steps: the metadata follow DESIGN.md's formula exactly.
+// Five steps: the metadata follow the scale formula of docs/design.md exactly.
 void five_step_case(torch::Device device) {
   torch::manual_seed(4);
   const int64_t history_len = 3;
