@@ -396,7 +396,7 @@ void Fp8LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "amp8::Fp8LayerNormMLP(hidden_size=" << options.hidden_size()
          << ", ffn_hidden_size=" << options.ffn_hidden_size() << ", eps=" << options.eps()
          << ", bias=" << options.bias() << (options.fp8_params() ? ", fp8_params=true" : "")
-         << ")";
+         << (options.fused() ? "" : ", fused=false") << ")";
 }
 
 torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
@@ -407,9 +407,10 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
   auto& out = *fc2;
   const int64_t rows = input.numel() / options.hidden_size();
   using detail::Fp8LinearInternals;
-  if (!Fp8LinearInternals::runs_in_fp8(fc1, rows) || !Fp8LinearInternals::runs_in_fp8(out, rows)) {
-    // One of the two GEMMs stays in high precision: the modules one after the other, each
-    // deciding for itself.
+  if (!options.fused() || !Fp8LinearInternals::runs_in_fp8(fc1, rows) ||
+      !Fp8LinearInternals::runs_in_fp8(out, rows)) {
+    // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
+    // other, each deciding for itself.
     return out.forward(at::gelu(ln_fc1->forward(input), "tanh"));
   }
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||

@@ -138,6 +138,9 @@ struct Fp8LayerNormMLPOptions {
   TORCH_ARG(bool, cache_fp8_weight) = false;
   /// As Fp8LinearOptions::fp8_params (set by constructing under Fp8ModelInit). Default: false.
   TORCH_ARG(bool, fp8_params) = false;
+  /// In an FP8 region, run as one fused call (below); false runs the two modules one after
+  /// the other there too (same parameters, unfused casts). Default: true.
+  TORCH_ARG(bool, fused) = true;
 };
 
 /// LayerNorm → FC1 → GELU (tanh) → FC2, fused the way Transformer Engine's LayerNormMLP is.
@@ -148,7 +151,8 @@ struct Fp8LayerNormMLPOptions {
 ///   backward  GELU's derivative is applied inside the cast-transpose of FC1's output gradient
 ///             (cast_transpose_dgelu), which also gives FC1's bias gradient; FC2's bias
 ///             gradient comes from its own gradient's cast.
-/// Otherwise (outside a region, or when either layer stays in high precision) it computes
+/// Otherwise (outside a region, when either layer stays in high precision, or with
+/// fused(false)) it computes
 /// ln_fc1(x), gelu(·, "tanh"), fc2(·) with the two modules in sequence.
 ///
 /// Submodules `ln_fc1` (Fp8LayerNormLinear: ln_fc1.layer_norm, ln_fc1.linear) and `fc2`

@@ -85,8 +85,9 @@ GptBlockImpl::GptBlockImpl(const GptConfig& config) : config_(config) {
   ln_qkv = register_module(
       "ln_qkv", Fp8LayerNormLinear(Fp8LayerNormLinearOptions(h, 3 * h).eps(config.eps())));
   proj = register_module("proj", Fp8Linear(Fp8LinearOptions(h, h)));
-  mlp = register_module(
-      "mlp", Fp8LayerNormMLP(Fp8LayerNormMLPOptions(h, config.mlp_ratio() * h).eps(config.eps())));
+  mlp = register_module("mlp", Fp8LayerNormMLP(Fp8LayerNormMLPOptions(h, config.mlp_ratio() * h)
+                                                    .eps(config.eps())
+                                                    .fused(config.fused_mlp())));
 }
 
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
@@ -99,11 +100,8 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   namespace F = torch::nn::functional;
   auto out = x + F::dropout(proj->forward(attn.transpose(1, 2).reshape({b, t, h})),
                             F::DropoutFuncOptions().p(dropout).training(is_training()));
-  auto mlp_out = config_.fused_mlp()
-                     ? mlp->forward(out)
-                     : mlp->fc2->forward(F::gelu(mlp->ln_fc1->forward(out),
-                                                 F::GELUFuncOptions().approximate("tanh")));
-  return out + F::dropout(mlp_out, F::DropoutFuncOptions().p(dropout).training(is_training()));
+  return out + F::dropout(mlp->forward(out),
+                          F::DropoutFuncOptions().p(dropout).training(is_training()));
 }
 
 GptModelImpl::GptModelImpl(const GptConfig& config) : config_(config) {

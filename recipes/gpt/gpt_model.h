@@ -39,10 +39,10 @@ struct GptConfig {
   TORCH_ARG(double, dropout) = 0.0;
   /// LayerNorm eps. Default: 1e-5.
   TORCH_ARG(double, eps) = 1e-5;
-  /// Run each block's MLP as one Fp8LayerNormMLP call (in an FP8 region GELU is computed inside
-  /// FC2's input cast and its derivative inside FC1's gradient cast); false calls its modules
-  /// one after the other (Fp8LayerNormLinear, GELU, Fp8Linear). The parameters and their names
-  /// are the same either way. Default: true.
+  /// Each block's Fp8LayerNormMLP runs fused (Fp8LayerNormMLPOptions::fused: in an FP8 region
+  /// GELU is computed inside FC2's input cast and its derivative inside FC1's gradient cast);
+  /// false runs its modules one after the other (Fp8LayerNormLinear, GELU, Fp8Linear). The
+  /// parameters and their names are the same either way. Default: true.
   TORCH_ARG(bool, fused_mlp) = true;
 
  public:
