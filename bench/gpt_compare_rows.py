@@ -50,16 +50,19 @@ def main():
     baseline = next((r for r in runs if r["run"] == "bf16-mixed"), None)
     for r in runs:
         row = {
-            "case": options.case, "config": config, "run": r["run"],
+            "case": options.case, "config": config, "run": r["run"], "precision": r["run"],
             "recipe": r.get("fp8_recipe", "none"), "fp8": r.get("fp8", "none"),
             "fp8_params": r.get("fp8_params", False), "steps": r.get("steps"),
             "final_loss": r.get("final_loss"), "tokens_per_s": r.get("steady_tokens_per_s"),
-            "peak_memory_bytes": r.get("peak_memory_bytes"),
+            "peak_memory_bytes": r.get("peak_memory_bytes"), "peak_mem_bytes": r.get("peak_memory_bytes"),
         }
         if config in CONFIGS and r.get("parameters"):
             layers, hidden, seq = CONFIGS[config]
             flops_per_token = 6 * r["parameters"] + 12 * layers * hidden * seq
             row["model_tflops"] = r["steady_tokens_per_s"] * flops_per_token / 1e12
+            # The named configs' recipe default is 8 sequences per micro-batch (recipes/gpt/pretrain.cc).
+            tokens_per_step = int(flag(args, "--micro-batch", 8)) * seq * int(flag(args, "--grad-accum", 1))
+            row["step_ms"] = 1000 * tokens_per_step / r["steady_tokens_per_s"]
         if baseline and "final_loss" in r:
             row["rel_diff_vs_bf16"] = (r["final_loss"] - baseline["final_loss"]) / baseline["final_loss"]
             row["tokens_per_s_vs_bf16"] = r["steady_tokens_per_s"] / baseline["steady_tokens_per_s"]

@@ -91,22 +91,56 @@ int main(int argc, char** argv) {
           .print();
     }
   }
-  // Backward: dy and x read, dx written (6 B per element) plus dgamma/dbeta.
-  {
-    auto stats = layer_norm(x, gamma, beta, 1e-5).stats;
-    auto aten_fwd = at::native_layer_norm(x, {hidden}, gamma_bf16, beta_bf16, 1e-5);
-    const double ours = bench::median_ms([&] { layer_norm_backward(dy, x, stats, gamma, beta); });
+  // Backward: dy and x read, dx written (6 B per element) plus dgamma/dbeta, at this shape and
+  // at the GPT recipes' (350m: 8192 × 1024, 1b: 16384 × 2048); then the number of partial rows
+  // (blocks) swept around the default (one wave of resident blocks, layer_norm_bwd_parts).
+  for (const auto& [r, h] : std::vector<std::pair<int64_t, int64_t>>{
+           {rows, hidden}, {8192, 1024}, {16384, 2048}}) {
+    const std::string bshape = std::to_string(r) + "x" + std::to_string(h);
+    auto bx = x.narrow(0, 0, r).narrow(1, 0, h).contiguous();
+    auto bdy = dy.narrow(0, 0, r).narrow(1, 0, h).contiguous();
+    auto bgamma = gamma.narrow(0, 0, h).contiguous(), bbeta = beta.narrow(0, 0, h).contiguous();
+    auto stats = layer_norm(bx, bgamma, bbeta, 1e-5).stats;
+    auto aten_fwd = at::native_layer_norm(bx, {h}, bgamma.to(torch::kBFloat16),
+                                          bbeta.to(torch::kBFloat16), 1e-5);
+    const double belems = static_cast<double>(r) * h;
+    const double ours = bench::median_ms([&] { layer_norm_backward(bdy, bx, stats, bgamma, bbeta); });
     const double aten = bench::median_ms([&] {
-      at::native_layer_norm_backward(dy, x, {hidden}, std::get<1>(aten_fwd), std::get<2>(aten_fwd),
-                                     gamma_bf16, beta_bf16, {true, true, true});
+      at::native_layer_norm_backward(bdy, bx, {h}, std::get<1>(aten_fwd), std::get<2>(aten_fwd),
+                                     bgamma.to(torch::kBFloat16), bbeta.to(torch::kBFloat16),
+                                     {true, true, true});
     });
-    bench::Record("layer_norm_bwd_bf16", shape, cmd)
+    auto dx = torch::empty_like(bx);
+    const int default_parts = cuda::layer_norm_bwd_parts(
+        bdy.const_data_ptr(), bx.const_data_ptr(), dx.const_data_ptr(),
+        bgamma.const_data_ptr<float>(), r, h, 2);
+    bench::Record("layer_norm_bwd_bf16", bshape, cmd)
         .timing(ours, "at::native_layer_norm_backward (bf16)", aten)
-        .set("gbps", 6 * elems / ours / 1e6)
-        .set("fraction_of_copy", fraction(6 * elems, ours))
-        .set("baseline_fraction_of_copy", fraction(6 * elems, aten))
+        .set("gbps", 6 * belems / ours / 1e6)
+        .set("fraction_of_copy", fraction(6 * belems, ours))
+        .set("baseline_fraction_of_copy", fraction(6 * belems, aten))
         .set("copy_gbps", copy_gbps)
+        .set("parts", static_cast<double>(default_parts))
         .print();
+    auto dgamma = torch::empty({h}, cuda), dbeta = torch::empty({h}, cuda);
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    for (int per_sm : {1, 2, 4, 8, 16}) {
+      const int parts = sms * per_sm;
+      auto part = torch::empty({2, parts, h}, cuda);
+      const double ms = bench::median_ms([&] {
+        cuda::launch_layer_norm_bwd(
+            bdy.const_data_ptr(), bx.const_data_ptr(), cuda::InputType::kBFloat16,
+            stats.mean.const_data_ptr<float>(), stats.rstd.const_data_ptr<float>(),
+            bgamma.const_data_ptr<float>(), r, h, dx.mutable_data_ptr(),
+            part.mutable_data_ptr<float>(), parts, dgamma.mutable_data_ptr<float>(),
+            dbeta.mutable_data_ptr<float>(), at::cuda::getCurrentCUDAStream().stream());
+      });
+      bench::Record("layer_norm_bwd_bf16_parts", bshape + " parts=" + std::to_string(parts), cmd)
+          .set("ours_ms", ms)
+          .set("fraction_of_copy", fraction(6 * belems, ms))
+          .set("default_parts", static_cast<double>(default_parts))
+          .print();
+    }
   }
   // FP8 byte transpose: 1 B read + 1 B written.
   {

@@ -122,9 +122,20 @@ float* amax_ptr(const at::Tensor& amax_out) {
 }  // namespace
 
 Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                   const at::Tensor& amax_out, bool accumulate_amax) {
+                   const at::Tensor& amax_out, bool accumulate_amax, const at::Tensor& out_arg) {
   check_quantize_args(x, scale, amax_out, "quantize");
-  auto out = at::empty(x.sizes(), x.options().dtype(fp8_dtype(format)));
+  at::Tensor out;
+  if (out_arg.defined()) {
+    TORCH_CHECK(out_arg.scalar_type() == fp8_dtype(format) && out_arg.is_contiguous() &&
+                    out_arg.numel() == x.numel() && out_arg.device() == x.device(),
+                "quantize: out must be a contiguous ", fp8_dtype(format), " tensor of ",
+                x.numel(), " elements on ", x.device(), ", got ", out_arg.scalar_type(), " ",
+                out_arg.sizes(), (out_arg.is_contiguous() ? "" : " (not contiguous)"), " on ",
+                out_arg.device());
+    out = out_arg.view(x.sizes());
+  } else {
+    out = at::empty(x.sizes(), x.options().dtype(fp8_dtype(format)));
+  }
   auto scale_inv = at::empty({1}, scale.options());
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
@@ -247,20 +258,28 @@ at::Tensor compute_amax(const at::Tensor& x) {
 }
 
 at::Tensor compute_current_scale(const at::Tensor& amax, Fp8Format format, int margin) {
-  TORCH_CHECK(amax.defined() && amax.scalar_type() == at::kFloat && amax.numel() == 1,
-              "compute_current_scale: amax must be one float32");
+  TORCH_CHECK(amax.defined() && amax.scalar_type() == at::kFloat && amax.dim() <= 1 &&
+                  amax.numel() >= 1,
+              "compute_current_scale: amax must be float32, one value or a 1-D tensor of them, got ",
+              amax.defined() ? c10::toString(amax.scalar_type()) : "an undefined tensor", " ",
+              amax.defined() ? amax.sizes() : at::IntArrayRef{});
   TORCH_CHECK(margin >= 0 && margin < 127,
               "compute_current_scale: margin must be in [0, 126], got ", margin);
   const float margin_divisor = std::ldexp(1.0f, margin);
-  auto scale = at::empty({1}, amax.options());
+  const auto values = amax.reshape({amax.numel()}).contiguous();
+  auto scale = at::empty({amax.numel()}, amax.options());
   if (amax.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
-    detail::current_scale_cuda(amax.reshape({1}), fp8_max(format), margin_divisor, scale);
+    detail::current_scale_cuda(values, fp8_max(format), margin_divisor, scale);
 #else
     detail::no_cuda("compute_current_scale");
 #endif
   } else {
-    scale.fill_(detail::scale_from_amax(amax.item<float>(), 1.0f, fp8_max(format), margin_divisor));
+    const float* in = values.const_data_ptr<float>();
+    float* out = scale.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < values.numel(); ++i) {
+      out[i] = detail::scale_from_amax(in[i], 1.0f, fp8_max(format), margin_divisor);
+    }
   }
   return scale;
 }

@@ -22,9 +22,13 @@ namespace amp8 {
 //    non-negative value or NaN, as amax-history rows do (they are zeroed by each update).
 //  * The returned scale_inv is 1 / scale, computed in float32, in a new tensor.
 
-/// Saturating quantization of `x` (any shape) into `format`.
+/// Saturating quantization of `x` (any shape) into `format`. With `out` defined (a contiguous
+/// tensor of the format's dtype with x's number of elements, on x's device; e.g. a view into
+/// a parameter buffer), the codes are written there and the result's data is `out` reshaped
+/// to x's shape; otherwise into a new tensor.
 Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
-                   const at::Tensor& amax_out = {}, bool accumulate_amax = false);
+                   const at::Tensor& amax_out = {}, bool accumulate_amax = false,
+                   const at::Tensor& out = {});
 
 /// A 2-D tensor quantized row-major and transposed, from one read of the input.
 /// `data` is [rows, cols] and `transposed.data` is [cols, rows]; they share scale_inv.
@@ -66,8 +70,9 @@ Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& 
 /// max|x| as a float32 tensor of one element on x's device (NaN if x holds a NaN).
 at::Tensor compute_amax(const at::Tensor& x);
 
-/// The current-scaling scale for a measured amax (one float32 on any device):
-/// (fp8_max / amax) / 2^margin, 1 when amax is 0 or not finite, FLT_MAX on overflow.
+/// The current-scaling scale for a measured amax (float32 on any device, one value or a 1-D
+/// tensor of n, e.g. one per weight; the result is [n]): (fp8_max / amax) / 2^margin, 1 when
+/// amax is 0 or not finite, FLT_MAX on overflow. One launch for all n on the GPU.
 at::Tensor compute_current_scale(const at::Tensor& amax, Fp8Format format, int margin = 0);
 
 /// Current (per-tensor, just-in-time) scaling: amax of x, then

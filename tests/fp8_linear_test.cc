@@ -496,6 +496,85 @@ TEST_F(Fp8LinearTest, ModelInitKeepsWeightsOnlyInFp8) {
   }
 }
 
+// The distributed optimizer's per-step record of the weights it wrote, for all layers at once:
+// each history slot keeps the max of what it held and the new amax (as fp8_weight_written),
+// each layer takes its scale_inv.
+TEST_F(Fp8LinearTest, WeightsWrittenForManyLayersAtOnce) {
+  auto a = make_fp8_params_layer(32, 32), b = make_fp8_params_layer(32, 48);
+  {
+    torch::NoGradGuard no_grad;
+    a->fp8_fwd_amax_history[0][1].fill_(5.0f);
+    b->fp8_fwd_amax_history[0][1].fill_(1.0f);
+  }
+  Fp8LinearImpl::fp8_weights_written({a.get(), b.get()}, torch::tensor({3.0f, 4.0f}),
+                                     torch::tensor({0.25f, 0.125f}));
+  EXPECT_EQ(a->fp8_fwd_amax_history[0][1].item<float>(), 5.0f) << "kept the larger amax";
+  EXPECT_EQ(b->fp8_fwd_amax_history[0][1].item<float>(), 4.0f);
+  EXPECT_EQ(a->weight_scale_inv.item<float>(), 0.25f);
+  EXPECT_EQ(b->weight_scale_inv.item<float>(), 0.125f);
+  EXPECT_EQ(a->fp8_fwd_amax_history[1][1].item<float>(), 0.0f) << "only row 0 is the slot";
+  EXPECT_EQ(a->fp8_fwd_amax_history[0][0].item<float>(), 0.0f) << "only the weight's slot";
+  testing::ExpectErrorContaining(
+      [&] {
+        Fp8LinearImpl::fp8_weights_written({a.get(), b.get()}, torch::ones({3}), torch::ones({2}));
+      },
+      "Fp8Linear::fp8_weights_written: amaxes must be float32 [2] (one per layer), got Float [3]");
+  auto plain = Fp8Linear(Fp8LinearOptions(32, 32));
+  testing::ExpectErrorContaining(
+      [&] { Fp8LinearImpl::fp8_weights_written({plain.get()}, torch::ones({1}), torch::ones({1})); },
+      "every layer must be an Fp8Linear built with fp8_params");
+}
+
+// The plugin's batched re-quantization after a step is update_fp8_weight layer by layer, byte
+// for byte: weights, scale_inv and the amax history slot (kept at the max), a NaN in a master
+// included (its amax NaN, its scale the fallback 1, as compute_amax and the formula give).
+void update_many_case(torch::Device device) {
+  torch::manual_seed(3);
+  std::vector<Fp8Linear> batched, one_by_one;
+  std::vector<torch::Tensor> masters;
+  for (auto [in, out] : std::vector<std::pair<int64_t, int64_t>>{{32, 48}, {64, 32}, {48, 16}}) {
+    batched.push_back(make_fp8_params_layer(in, out));
+    batched.back()->to(device);
+    one_by_one.push_back(std::dynamic_pointer_cast<Fp8LinearImpl>(batched.back()->clone()));
+    one_by_one.back()->to(device);
+    masters.push_back(torch::randn({out, in}, device) * (masters.size() + 1));
+  }
+  masters[1][3][5].fill_(std::numeric_limits<float>::quiet_NaN());
+  {
+    torch::NoGradGuard no_grad;
+    batched[2]->fp8_fwd_amax_history[0][1].fill_(1e4f);  // larger than the master's: kept
+    one_by_one[2]->fp8_fwd_amax_history[0][1].fill_(1e4f);
+  }
+  std::vector<Fp8LinearImpl*> layers;
+  for (auto& layer : batched) layers.push_back(layer.get());
+  Fp8LinearImpl::update_fp8_weights(layers, masters);
+  for (size_t i = 0; i < masters.size(); ++i) {
+    SCOPED_TRACE("layer " + std::to_string(i));
+    one_by_one[i]->update_fp8_weight(masters[i]);
+    EXPECT_TRUE(BytesEqual(batched[i]->weight, one_by_one[i]->weight));
+    EXPECT_TRUE(BytesEqual(batched[i]->weight_scale_inv, one_by_one[i]->weight_scale_inv));
+    EXPECT_TRUE(BytesEqual(batched[i]->fp8_fwd_amax_history, one_by_one[i]->fp8_fwd_amax_history));
+  }
+  EXPECT_TRUE(std::isnan(batched[1]->fp8_fwd_amax_history[0][1].item<float>()));
+  EXPECT_EQ(batched[1]->weight_scale_inv.item<float>(), 1.0f);
+  EXPECT_EQ(batched[2]->fp8_fwd_amax_history[0][1].item<float>(), 1e4f);
+  EXPECT_GT(batched[0]->weight_scale_inv.item<float>(), 0.0f);
+  EXPECT_NE(batched[0]->weight_scale_inv.item<float>(), 1.0f);
+  testing::ExpectErrorContaining(
+      [&] { Fp8LinearImpl::update_fp8_weights(layers, {masters[0], masters[1]}); },
+      "Fp8Linear::update_fp8_weights: 3 layers but 2 masters");
+  testing::ExpectErrorContaining(
+      [&] { Fp8LinearImpl::update_fp8_weights({layers[0]}, {masters[1]}); },
+      "Fp8Linear::update_fp8_weights: masters[0] must have shape [48, 32], got [32, 64]");
+}
+
+TEST_F(Fp8LinearTest, UpdatingManyFp8WeightsIsUpdatingEachOne) { update_many_case(torch::kCPU); }
+
+TEST_F(Fp8LinearTest, UpdatingManyFp8WeightsIsUpdatingEachOne_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  update_many_case(torch::kCUDA);
+}
+
 void fp8_params_gradient_case(torch::Device device) {
   torch::manual_seed(6);
   auto layer = make_fp8_params_layer(96, 48);

@@ -185,6 +185,67 @@ TEST_F(QuantizeTest, CurrentScaling) {
   EXPECT_EQ(yq.data.to(at::kFloat).abs().max().item<float>(), 57344.0f);
 }
 
+// Into a caller's buffer (a view into a flat parameter buffer, as the distributed optimizer
+// writes FP8 weights): the same codes as a new tensor, the bytes around the view untouched.
+TEST_F(QuantizeTest, IntoAViewOfABuffer) {
+  auto x = testing::random_wide({7, 13}, at::kFloat);
+  auto buffer = at::full({200}, 0.5f).to(at::kFloat8_e4m3fn);
+  auto view = buffer.narrow(0, 50, 91);
+  auto q = quantize(x, scalar(3.0f), Fp8Format::kE4M3, {}, false, view);
+  auto expected = quantize(x, scalar(3.0f), Fp8Format::kE4M3);
+  EXPECT_EQ(q.data.sizes(), x.sizes());
+  EXPECT_EQ(q.data.data_ptr(), view.data_ptr());
+  EXPECT_TRUE(BytesEqual(view, expected.data.reshape({-1})));
+  EXPECT_TRUE(BytesEqual(buffer.narrow(0, 0, 50), at::full({50}, 0.5f).to(at::kFloat8_e4m3fn)));
+  EXPECT_TRUE(BytesEqual(buffer.narrow(0, 141, 59), at::full({59}, 0.5f).to(at::kFloat8_e4m3fn)));
+  testing::ExpectErrorContaining(
+      [&] { quantize(x, scalar(3.0f), Fp8Format::kE5M2, {}, false, view); },
+      "quantize: out must be a contiguous Float8_e5m2 tensor of 91 elements on cpu, got "
+      "Float8_e4m3fn [91] on cpu");
+  testing::ExpectErrorContaining(
+      [&] { quantize(x, scalar(3.0f), Fp8Format::kE4M3, {}, false, buffer.narrow(0, 0, 90)); },
+      "quantize: out must be a contiguous Float8_e4m3fn tensor of 91 elements");
+}
+
+// One scale per amax, as the distributed optimizer computes them for all FP8 weights at once:
+// each is (fp8_max / amax) / 2^margin, 1 for 0, NaN or an infinity, FLT_MAX when it overflows.
+TEST_F(QuantizeTest, CurrentScaleOfManyAmaxes) {
+  const float inf = std::numeric_limits<float>::infinity();
+  auto amax = at::tensor({2.0f, 0.0f, kNaN, inf, 1e-39f, 448.0f, 0.3f});
+  auto scale = compute_current_scale(amax, Fp8Format::kE4M3, /*margin=*/1);
+  ASSERT_EQ(scale.sizes(), at::IntArrayRef({7}));
+  EXPECT_THAT(std::vector<float>(scale.data_ptr<float>(), scale.data_ptr<float>() + 7),
+              ::testing::ElementsAre(112.0f, 1.0f, 1.0f, 1.0f, FLT_MAX, 0.5f,
+                                     (448.0f / 0.3f) / 2.0f));
+  // One value (0-dim or [1]) still gives [1].
+  EXPECT_EQ(compute_current_scale(at::tensor(4.0f), Fp8Format::kE5M2).sizes(),
+            at::IntArrayRef({1}));
+  EXPECT_EQ(item(compute_current_scale(at::tensor(4.0f), Fp8Format::kE5M2)), 57344.0f / 4.0f);
+  testing::ExpectErrorContaining(
+      [&] { compute_current_scale(at::ones({2, 2}), Fp8Format::kE4M3); },
+      "compute_current_scale: amax must be float32, one value or a 1-D tensor of them, got Float "
+      "[2, 2]");
+  testing::ExpectErrorContaining(
+      [&] { compute_current_scale(at::ones({3}, at::kDouble), Fp8Format::kE4M3); },
+      "compute_current_scale: amax must be float32, one value or a 1-D tensor of them, got Double");
+}
+
+TEST(CurrentScaleTest, ManyAmaxesMatchCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  // More values than one block of the kernel holds, with zeros, NaNs, infinities and
+  // overflowing quotients among them.
+  auto amax = at::rand({3001}) * 1000;
+  amax.index_put_({at::indexing::Slice(0, 3001, 7)}, 0.0f);
+  amax.index_put_({at::indexing::Slice(3, 3001, 11)}, std::numeric_limits<float>::quiet_NaN());
+  amax.index_put_({at::indexing::Slice(5, 3001, 13)}, std::numeric_limits<float>::infinity());
+  amax.index_put_({at::indexing::Slice(6, 3001, 17)}, 1e-39f);
+  for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    auto cpu = compute_current_scale(amax, format, 3);
+    auto gpu = compute_current_scale(amax.cuda(), format, 3);
+    EXPECT_TRUE(BytesEqual(gpu, cpu)) << fp8_format_name(format);
+  }
+}
+
 TEST_F(QuantizeTest, BadInputsAreNamed) {
   auto expect_error = [](auto&& fn, const std::string& text) {
     testing::ExpectErrorContaining(fn, text);

@@ -120,8 +120,8 @@ void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divi
                         const at::Tensor& scale_out) {
   const c10::cuda::CUDAGuard guard(amax.device());
   AMP8_CUDA_CHECK(cuda::launch_current_scale(amax.const_data_ptr<float>(),
-                                             scale_out.mutable_data_ptr<float>(), fp8_max,
-                                             margin_divisor, current_stream()));
+                                             scale_out.mutable_data_ptr<float>(), amax.numel(),
+                                             fp8_max, margin_divisor, current_stream()));
 }
 
 void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups, float fp8_max,

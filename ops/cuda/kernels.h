@@ -62,8 +62,9 @@ int launch_column_sum(const float* part, int parts, int64_t cols, float* out, St
 
 int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream stream);
 
-int launch_current_scale(const float* amax, float* scale, float fp8_max, float margin_divisor,
-                         Stream stream);
+// scale[i] = the current-scaling scale of amax[i], i < n (detail::scale_from_amax).
+int launch_current_scale(const float* amax, float* scale, int64_t n, float fp8_max,
+                         float margin_divisor, Stream stream);
 
 struct ScalingGroupPointers {
   float* amax_history;  // [history_len, slots]
@@ -103,6 +104,9 @@ int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const fl
                          int64_t rows, int64_t hidden, int elem_bytes);
 
 // dx (x's type) from dy (x's type); dgamma/dbeta (float32 [hidden], either may be null).
+// `parts` blocks each sum dgamma/dbeta over a grid-strided share of the rows into `part`
+// [2, parts, hidden], then launch_column_sum adds them up. layer_norm_bwd_parts gives one wave
+// of resident blocks; any parts >= 1 is correct (the benchmark sweeps it).
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
                           const float* rstd, const float* gamma, int64_t rows, int64_t hidden,
                           void* dx, float* part, int parts, float* dgamma, float* dbeta,

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -274,21 +275,36 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// out[c] = Σ_p part[p, c], in a fixed order. Block (32, 8): 32 columns, 8 partial-row lanes.
-__global__ void column_sum_kernel(const float* __restrict__ part, int parts, int hidden,
-                                  float* __restrict__ out) {
-  __shared__ float acc[8][33];
-  const int c = blockIdx.x * 32 + threadIdx.x;
-  float sum = 0.0f;
-  if (c < hidden) {
-    for (int p = threadIdx.y; p < parts; p += 8) sum += part[static_cast<int64_t>(p) * hidden + c];
-  }
-  acc[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < hidden) {
-    float total = 0.0f;
+// out[c] = Σ_p part[p, c], in a fixed order (it depends only on `parts`). Block (kSumCols,
+// kSumLanes): a warp reads 4 partial rows × 8 columns, one full 32-byte sector per row, and each
+// lane keeps four independent sums so that four loads are in flight. Narrow column groups give
+// a hidden size of 1024 128 blocks instead of 32 (the first version: 32 columns × 8 lanes, a
+// quarter of the SMs busy and one load in flight per lane).
+constexpr int kSumCols = 8, kSumLanes = 64, kSumUnroll = 4;
+static_assert(kSumUnroll == 4, "column_sum_kernel adds its four sums by hand");
+__global__ void __launch_bounds__(kSumCols* kSumLanes)
+    column_sum_kernel(const float* __restrict__ part, int parts, int cols,
+                      float* __restrict__ out) {
+  __shared__ float acc[kSumLanes][kSumCols + 1];
+  const int c = blockIdx.x * kSumCols + threadIdx.x;
+  float sum[kSumUnroll] = {};
+  if (c < cols) {
+    const float* column = part + c;
+    int p = threadIdx.y;
+    for (; p + (kSumUnroll - 1) * kSumLanes < parts; p += kSumUnroll * kSumLanes) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) total += acc[k][threadIdx.x];
+      for (int k = 0; k < kSumUnroll; ++k) {
+        sum[k] += column[static_cast<int64_t>(p + k * kSumLanes) * cols];
+      }
+    }
+    for (; p < parts; p += kSumLanes) sum[0] += column[static_cast<int64_t>(p) * cols];
+  }
+  acc[threadIdx.y][threadIdx.x] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = 0.0f;
+#pragma unroll 8
+    for (int k = 0; k < kSumLanes; ++k) total += acc[k][threadIdx.x];
     out[c] = total;
   }
 }
@@ -387,8 +403,39 @@ int dispatch_plan(const RowPlan& plan, F&& f) {
 constexpr int kFwdMaxElems = 32;
 constexpr int kBwdPreferredThreads = 512, kBwdMaxElems = 16;
 
-int bwd_parts(int64_t rows, int threads) {
-  const int64_t resident = static_cast<int64_t>(num_sms()) * std::max(1, 2048 / threads);
+// Blocks of the backward kernel for `plan` resident on one SM at once. The occupancy API, not
+// 2048 / threads: the kernel's registers decide it (61 per thread for bf16 rows of 8-element
+// vectors: two blocks of 512 threads, not four). Cached per instance: this runs on every call.
+template <typename T>
+int bwd_blocks_per_sm(const RowPlan& plan) {
+  constexpr int kWide = 16 / sizeof(T);
+  // [vec is 1 or kWide][log2 iters][threads / 32 - 1]; 0 = not asked yet.
+  static std::atomic<int> cache[2][4][kMaxThreads / 32];
+  const int iters_log2 = plan.iters == 1 ? 0 : plan.iters == 2 ? 1 : plan.iters == 4 ? 2 : 3;
+  std::atomic<int>& slot = cache[plan.vec == 1 ? 0 : 1][iters_log2][plan.threads / 32 - 1];
+  if (const int known = slot.load(std::memory_order_relaxed)) return known;
+  int blocks = 0;
+  dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
+    constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
+    if constexpr (kVec * kIters <= kBwdMaxElems) {
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+              &blocks, layer_norm_bwd_kernel<T, kVec, kIters>, plan.threads, 0) != cudaSuccess) {
+        blocks = 0;
+      }
+    }
+    return 0;
+  });
+  blocks = std::max(1, blocks);
+  slot.store(blocks, std::memory_order_relaxed);
+  return blocks;
+}
+
+// One wave of resident blocks, each a grid-strided share of the rows and one row of dgamma and
+// dbeta partial sums: more blocks would add partial rows (written, then read by the column
+// sum) without adding rows in flight.
+template <typename T>
+int bwd_parts(int64_t rows, const RowPlan& plan) {
+  const int64_t resident = static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T>(plan);
   return static_cast<int>(std::max<int64_t>(1, std::min(rows, resident)));
 }
 
@@ -454,7 +501,9 @@ RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const float* gam
 int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const float* gamma,
                          int64_t rows, int64_t hidden, int elem_bytes) {
   const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, elem_bytes);
-  return plan.ok() ? bwd_parts(rows, plan.threads) : 0;
+  if (!plan.ok()) return 0;
+  // float16 and bfloat16 instances take the same registers.
+  return elem_bytes == 4 ? bwd_parts<float>(rows, plan) : bwd_parts<__nv_bfloat16>(rows, plan);
 }
 
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
@@ -466,7 +515,7 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
     constexpr int kWide = 16 / sizeof(T);
     const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
     if (!plan.ok()) return kUnsupportedShape;
-    if (parts != bwd_parts(rows, plan.threads)) return static_cast<int>(cudaErrorInvalidValue);
+    if (parts < 1) return static_cast<int>(cudaErrorInvalidValue);
     float* dgamma_part = dgamma != nullptr ? part : nullptr;
     float* dbeta_part = dbeta != nullptr ? part + static_cast<int64_t>(parts) * hidden : nullptr;
     const int err = dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
@@ -490,8 +539,11 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
 }
 
 int launch_column_sum(const float* part, int parts, int64_t cols, float* out, Stream stream) {
-  const dim3 block(32, 8);
-  const int grid = static_cast<int>((cols + 31) / 32);
+  if (parts < 1 || cols < 1 || cols > (int64_t{1} << 30)) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const dim3 block(kSumCols, kSumLanes);
+  const int grid = static_cast<int>((cols + kSumCols - 1) / kSumCols);
   column_sum_kernel<<<grid, block, 0, stream>>>(part, parts, static_cast<int>(cols), out);
   return static_cast<int>(cudaGetLastError());
 }

@@ -230,9 +230,12 @@ __global__ void __launch_bounds__(kThreads)
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
-__global__ void current_scale_kernel(const float* amax, float* scale, float fp8_max,
-                                     float margin_divisor) {
-  *scale = detail::scale_from_amax(*amax, 1.0f, fp8_max, margin_divisor);
+__global__ void current_scale_kernel(const float* __restrict__ amax, float* __restrict__ scale,
+                                     int64_t n, float fp8_max, float margin_divisor) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    scale[i] = detail::scale_from_amax(amax[i], 1.0f, fp8_max, margin_divisor);
+  }
 }
 
 }  // namespace
@@ -384,9 +387,12 @@ int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t,
                                      accumulate_amax, e5m2, kDefaultCastTransposeTileCols, stream);
 }
 
-int launch_current_scale(const float* amax, float* scale, float fp8_max, float margin_divisor,
-                         Stream stream) {
-  current_scale_kernel<<<1, 1, 0, stream>>>(amax, scale, fp8_max, margin_divisor);
+int launch_current_scale(const float* amax, float* scale, int64_t n, float fp8_max,
+                         float margin_divisor, Stream stream) {
+  if (n < 1) return static_cast<int>(cudaErrorInvalidValue);
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 1024));
+  current_scale_kernel<<<blocks, threads, 0, stream>>>(amax, scale, n, fp8_max, margin_divisor);
   return static_cast<int>(cudaGetLastError());
 }
 

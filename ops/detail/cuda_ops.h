@@ -38,7 +38,7 @@ bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_in
                                const at::Tensor& out_t, const at::Tensor& scale_inv_out,
                                float* amax, bool accumulate_amax, const at::Tensor& dbias_out);
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
-// scale_out[0] = scale_from_amax(amax[0], 1, fp8_max, 2^margin).
+// scale_out[i] = scale_from_amax(amax[i], 1, fp8_max, 2^margin) for every i (1-D, contiguous).
 void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,
                         const at::Tensor& scale_out);
 void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups, float fp8_max,

@@ -134,6 +134,7 @@ class DistributedOptimizer {
   std::vector<Buffer> buffers_;
   std::vector<Piece> pieces_;
   std::vector<size_t> fp8_params_;  // indices of the FP8 weights (fp8_params), in slot order
+  torch::Tensor fp8_piece_slots_;   // int64, on the buffers' device: each local FP8 piece's slot
   std::vector<torch::Tensor> master_shards_;
   std::vector<size_t> launch_order_;  // the same on every rank
   size_t next_launch_ = 0;

@@ -195,6 +195,76 @@ void Fp8LinearImpl::fp8_weight_written(const torch::Tensor& amax, const torch::T
   weight_cache_.reset();
 }
 
+void Fp8LinearImpl::update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers,
+                                       const std::vector<torch::Tensor>& masters) {
+  TORCH_CHECK(layers.size() == masters.size(), "Fp8Linear::update_fp8_weights: ", layers.size(),
+              " layers but ", masters.size(), " masters");
+  if (layers.empty()) return;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> values;
+  values.reserve(masters.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto* layer = layers[i];
+    TORCH_CHECK(layer != nullptr && layer->options.fp8_params(),
+                "Fp8Linear::update_fp8_weights: every layer must be an Fp8Linear built with "
+                "fp8_params");
+    TORCH_CHECK(masters[i].defined() && masters[i].sizes() == layer->weight.sizes(),
+                "Fp8Linear::update_fp8_weights: masters[", i, "] must have shape ",
+                layer->weight.sizes(), ", got ",
+                masters[i].defined() ? masters[i].sizes() : at::IntArrayRef{});
+    auto v = masters[i].detach().to(layer->weight_scale_inv.device());
+    if (v.scalar_type() != at::kFloat && v.scalar_type() != at::kBFloat16 &&
+        v.scalar_type() != at::kHalf) {
+      v = v.to(at::kFloat);
+    }
+    values.push_back(v.contiguous());
+  }
+  // max|master| of every layer at once (the infinity norm; a NaN propagates, as compute_amax's).
+  const auto amaxes = at::stack(at::_foreach_norm(values, INFINITY)).to(at::kFloat);
+  const auto scales = compute_current_scale(amaxes, Fp8Format::kE4M3);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto& weight = layers[i]->weight;
+    const auto scale = scales.narrow(0, static_cast<int64_t>(i), 1);
+    if (weight.scalar_type() == at::kFloat8_e4m3fn && weight.is_contiguous()) {
+      quantize(values[i], scale, Fp8Format::kE4M3, {}, false, weight);
+    } else {
+      weight.set_data(quantize(values[i], scale, Fp8Format::kE4M3).data);
+    }
+  }
+  fp8_weights_written(layers, amaxes, scales.reciprocal());
+}
+
+void Fp8LinearImpl::fp8_weights_written(const std::vector<Fp8LinearImpl*>& layers,
+                                        const torch::Tensor& amaxes,
+                                        const torch::Tensor& scale_invs) {
+  const auto n = static_cast<int64_t>(layers.size());
+  for (const auto& [tensor, name] : {std::pair{&amaxes, "amaxes"}, {&scale_invs, "scale_invs"}}) {
+    TORCH_CHECK(tensor->defined() && tensor->scalar_type() == at::kFloat && tensor->dim() == 1 &&
+                    tensor->size(0) == n,
+                "Fp8Linear::fp8_weights_written: ", name, " must be float32 [", n,
+                "] (one per layer), got ",
+                tensor->defined() ? c10::toString(tensor->scalar_type()) : "an undefined tensor",
+                " ", tensor->defined() ? tensor->sizes() : at::IntArrayRef{});
+  }
+  if (n == 0) return;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> amax_slots, scale_inv_slots;
+  amax_slots.reserve(n);
+  scale_inv_slots.reserve(n);
+  for (auto* layer : layers) {
+    TORCH_CHECK(layer != nullptr && layer->options.fp8_params(),
+                "Fp8Linear::fp8_weights_written: every layer must be an Fp8Linear built with "
+                "fp8_params");
+    amax_slots.push_back(layer->slot_views().weight_amax);
+    scale_inv_slots.push_back(layer->weight_scale_inv);  // [1]
+    layer->weight_cache_.reset();
+  }
+  const auto device = amax_slots.front().device();
+  // The history slot keeps the max of what it holds and the new amax, as fp8_weight_written.
+  at::_foreach_maximum_(amax_slots, amaxes.to(device).unbind(0));
+  at::_foreach_copy_(scale_inv_slots, scale_invs.to(device).reshape({n, 1}).unbind(0));
+}
+
 void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
   TORCH_CHECK(options.fp8_params(),
               "Fp8Linear::set_high_precision_weight: the module was not built with fp8_params");

@@ -149,6 +149,12 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
   /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
   void update_fp8_weight(const torch::Tensor& master);
+  /// update_fp8_weight for many layers (masters[i] is layers[i]'s), as the plugin calls it
+  /// after every optimizer step: one multi-tensor amax, one scale kernel and one multi-tensor
+  /// history update for all of them, then one quantization per layer straight into its FP8
+  /// weight's storage (~8 launches per layer, one at a time, before).
+  static void update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers,
+                                 const std::vector<torch::Tensor>& masters);
   /// The stored FP8 weight as an Fp8Tensor (data + scale_inv).
   Fp8Tensor fp8_weight() const;
   /// The distributed optimizer wrote the FP8 weight's bytes in place (all-gathered shards,
@@ -156,6 +162,10 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// records amax in the weight's history slot as update_fp8_weight does, takes `scale_inv`
   /// and drops the cached transposes.
   void fp8_weight_written(const torch::Tensor& amax, const torch::Tensor& scale_inv);
+  /// fp8_weight_written for many layers in a few launches, as the distributed optimizer calls
+  /// it after every step: `amaxes` and `scale_invs` are float32 [layers.size()], layer i's at i.
+  static void fp8_weights_written(const std::vector<Fp8LinearImpl*>& layers,
+                                  const torch::Tensor& amaxes, const torch::Tensor& scale_invs);
   /// Replaces the weight with high-precision `values` ([out, in]): quantizes them with
   /// update_fp8_weight and keeps them (float32) as the high-precision initial value, which
   /// seeds the FP32 master weight. Used when an existing layer's weights move into this one.

@@ -303,12 +303,9 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
     torch::NoGradGuard no_grad;
     if (distributed_) distributed_->gather_params();
     for (auto& entry : masters_) {
-      if (entry.fp8_owner) {
-        entry.fp8_owner->update_fp8_weight(entry.master);
-      } else if (!entry.master.is_same(entry.model)) {
-        entry.model.copy_(entry.master);
-      }
+      if (!entry.fp8_owner && !entry.master.is_same(entry.model)) entry.model.copy_(entry.master);
     }
+    update_fp8_weights();
   } else {
     ++skipped_steps_;
   }
@@ -363,9 +360,18 @@ void MixedPrecisionPlugin::fused_step(torch::optim::Optimizer& optimizer) {
         const bool half_copy = !entry.fp8_owner && !entry.master.is_same(entry.model);
         return half_copy ? entry.model : torch::Tensor();
       });
-  for (auto& entry : masters_) {
-    if (entry.fp8_owner) entry.fp8_owner->update_fp8_weight(entry.master);
+  update_fp8_weights();
+}
+
+void MixedPrecisionPlugin::update_fp8_weights() {
+  std::vector<Fp8LinearImpl*> layers;
+  std::vector<torch::Tensor> masters;
+  for (const auto& entry : masters_) {
+    if (!entry.fp8_owner) continue;
+    layers.push_back(entry.fp8_owner.get());
+    masters.push_back(entry.master);
   }
+  Fp8LinearImpl::update_fp8_weights(layers, masters);
 }
 
 void MixedPrecisionPlugin::step_optimizer(torch::optim::Optimizer& optimizer) {

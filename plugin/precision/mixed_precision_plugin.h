@@ -178,6 +178,8 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   void prepare_fused_gradients();
   void fused_step(torch::optim::Optimizer& optimizer);
   void step_optimizer(torch::optim::Optimizer& optimizer);
+  // Re-quantizes every FP8 weight (fp8_params) from its master, all layers in one batch.
+  void update_fp8_weights();
 
   MixedPrecisionOptions options_;
   std::optional<LossScaler> scaler_;
