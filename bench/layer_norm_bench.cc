@@ -100,15 +100,14 @@ int main(int argc, char** argv) {
     auto bx = x.narrow(0, 0, r).narrow(1, 0, h).contiguous();
     auto bdy = dy.narrow(0, 0, r).narrow(1, 0, h).contiguous();
     auto bgamma = gamma.narrow(0, 0, h).contiguous(), bbeta = beta.narrow(0, 0, h).contiguous();
+    auto bgamma_bf16 = bgamma.to(torch::kBFloat16), bbeta_bf16 = bbeta.to(torch::kBFloat16);
     auto stats = layer_norm(bx, bgamma, bbeta, 1e-5).stats;
-    auto aten_fwd = at::native_layer_norm(bx, {h}, bgamma.to(torch::kBFloat16),
-                                          bbeta.to(torch::kBFloat16), 1e-5);
+    auto aten_fwd = at::native_layer_norm(bx, {h}, bgamma_bf16, bbeta_bf16, 1e-5);
     const double belems = static_cast<double>(r) * h;
     const double ours = bench::median_ms([&] { layer_norm_backward(bdy, bx, stats, bgamma, bbeta); });
     const double aten = bench::median_ms([&] {
       at::native_layer_norm_backward(bdy, bx, {h}, std::get<1>(aten_fwd), std::get<2>(aten_fwd),
-                                     bgamma.to(torch::kBFloat16), bbeta.to(torch::kBFloat16),
-                                     {true, true, true});
+                                     bgamma_bf16, bbeta_bf16, {true, true, true});
     });
     auto dx = torch::empty_like(bx);
     const int default_parts = cuda::layer_norm_bwd_parts(
