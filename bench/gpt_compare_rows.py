@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Runs `gpt_pretrain ... --compare A,B,...` once and prints one JSON row per run, as bench/results
-keeps them: the run's final loss and tokens/s from compare.jsonl, their ratios against the
+keeps them (the issue's fields: `precision` is the run's name in the --compare list): the run's
+final loss and tokens/s from compare.jsonl, their ratios against the
 bf16-mixed run of the same call, and the command, device, torch version and date.
 
   python3 bench/gpt_compare_rows.py --case gpt_fidelity --binary build/gpt_pretrain -- \
@@ -50,11 +51,11 @@ def main():
     baseline = next((r for r in runs if r["run"] == "bf16-mixed"), None)
     for r in runs:
         row = {
-            "case": options.case, "config": config, "run": r["run"], "precision": r["run"],
+            "case": options.case, "config": config, "precision": r["run"],
             "recipe": r.get("fp8_recipe", "none"), "fp8": r.get("fp8", "none"),
             "fp8_params": r.get("fp8_params", False), "steps": r.get("steps"),
             "final_loss": r.get("final_loss"), "tokens_per_s": r.get("steady_tokens_per_s"),
-            "peak_memory_bytes": r.get("peak_memory_bytes"), "peak_mem_bytes": r.get("peak_memory_bytes"),
+            "peak_mem_bytes": r.get("peak_memory_bytes"),
         }
         if config in CONFIGS and r.get("parameters"):
             layers, hidden, seq = CONFIGS[config]

@@ -40,6 +40,27 @@ at::Tensor as_float(const at::Tensor& t) {
   return t.defined() ? t.to(at::kFloat).contiguous() : at::Tensor();
 }
 
+#ifdef AMP8_WITH_CUDA
+// gamma and beta as the CUDA kernels read them (and write their gradients): as they are when
+// the defined ones share one dtype that is float32 or x's, else float32 copies. A bf16 model's
+// LayerNorm then launches no casts (five per LayerNorm and step, forward and backward, before).
+struct KernelAffine {
+  at::Tensor gamma, beta;
+};
+
+KernelAffine kernel_affine(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta) {
+  const auto& first = gamma.defined() ? gamma : beta;
+  if (!first.defined()) return {};
+  const auto dtype = first.scalar_type();
+  const bool taken = (dtype == at::kFloat || dtype == x.scalar_type()) &&
+                     (!beta.defined() || beta.scalar_type() == dtype) &&
+                     (!gamma.defined() || gamma.is_contiguous()) &&
+                     (!beta.defined() || beta.is_contiguous());
+  if (taken) return {gamma, beta};
+  return {as_float(gamma), as_float(beta)};
+}
+#endif
+
 // ---- CPU reference ----
 
 // Statistics of one row, accumulated in float64, rounded to float32 once.
@@ -192,20 +213,20 @@ LayerNormStats new_stats(const at::Tensor& x) {
 LayerNormResult layer_norm(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                            double eps) {
   check_forward_args(x, gamma, beta, eps, "layer_norm");
-  const auto gamma_f = as_float(gamma), beta_f = as_float(beta);
   auto stats = new_stats(x);
   auto out = at::empty_like(x);
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
-    if (!detail::layer_norm_cuda(x, gamma_f, beta_f, eps, out, stats.mean, stats.rstd, {}, {},
-                                 nullptr, false)) {
-      out.copy_(normalized_composite(x, gamma_f, beta_f, eps, stats));
+    const auto affine = kernel_affine(x, gamma, beta);
+    if (!detail::layer_norm_cuda(x, affine.gamma, affine.beta, eps, out, stats.mean, stats.rstd,
+                                 {}, {}, nullptr, false)) {
+      out.copy_(normalized_composite(x, affine.gamma, affine.beta, eps, stats));
     }
 #else
     detail::no_cuda("layer_norm");
 #endif
   } else {
-    layer_norm_cpu(x, gamma_f, beta_f, eps, out, stats.mean, stats.rstd);
+    layer_norm_cpu(x, as_float(gamma), as_float(beta), eps, out, stats.mean, stats.rstd);
   }
   return {out, stats};
 }
@@ -230,15 +251,15 @@ LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
   } else {
     result = at::empty(x.sizes(), x.options().dtype(fp8_dtype(format)));
   }
-  const auto gamma_f = as_float(gamma), beta_f = as_float(beta);
   auto stats = new_stats(x);
   auto scale_inv = at::empty({1}, scale.options());
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
+    const auto affine = kernel_affine(x, gamma, beta);
     float* amax = amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
-    if (!detail::layer_norm_cuda(x, gamma_f, beta_f, eps, result, stats.mean, stats.rstd, scale,
-                                 scale_inv, amax, accumulate_amax)) {
-      auto y = normalized_composite(x, gamma_f, beta_f, eps, stats);
+    if (!detail::layer_norm_cuda(x, affine.gamma, affine.beta, eps, result, stats.mean,
+                                 stats.rstd, scale, scale_inv, amax, accumulate_amax)) {
+      auto y = normalized_composite(x, affine.gamma, affine.beta, eps, stats);
       auto q = quantize(y, scale, format, amax_out, accumulate_amax);
       result.copy_(q.data);
       scale_inv.copy_(q.scale_inv);
@@ -247,6 +268,7 @@ LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
     detail::no_cuda("layer_norm_fp8");
 #endif
   } else {
+    const auto gamma_f = as_float(gamma), beta_f = as_float(beta);
     const float s = scale.item<float>();
     float m = 0.0f;
     if (format == Fp8Format::kE4M3) {
@@ -286,18 +308,19 @@ LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor&
                 " (from layer_norm / layer_norm_fp8)");
   }
   const auto dy = grad_out.to(x.scalar_type()).contiguous();
-  const auto gamma_f = as_float(gamma);
   auto dx = at::empty_like(x);
-  auto float_options = x.options().dtype(at::kFloat);
-  at::Tensor dgamma = gamma.defined() ? at::empty({x.size(1)}, float_options) : at::Tensor();
-  at::Tensor dbeta = beta.defined() ? at::empty({x.size(1)}, float_options) : at::Tensor();
+  at::Tensor dgamma, dbeta;
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
-    if (!detail::layer_norm_backward_cuda(dy, x, stats.mean, stats.rstd, gamma_f, dx, dgamma,
+    // dgamma and dbeta in the dtype the kernels read gamma in (gamma's own, usually).
+    const auto affine = kernel_affine(x, gamma, beta);
+    if (affine.gamma.defined()) dgamma = at::empty_like(affine.gamma);
+    if (affine.beta.defined()) dbeta = at::empty_like(affine.beta);
+    if (!detail::layer_norm_backward_cuda(dy, x, stats.mean, stats.rstd, affine.gamma, dx, dgamma,
                                           dbeta)) {
       auto xhat = (x.to(at::kFloat) - stats.mean.unsqueeze(1)) * stats.rstd.unsqueeze(1);
       auto dyf = dy.to(at::kFloat);
-      auto wdy = gamma_f.defined() ? dyf * gamma_f : dyf;
+      auto wdy = affine.gamma.defined() ? dyf * affine.gamma : dyf;
       dx.copy_(stats.rstd.unsqueeze(1) *
                (wdy - wdy.mean(1, true) - xhat * (wdy * xhat).mean(1, true)));
       if (dgamma.defined()) dgamma.copy_((dyf * xhat).sum(0));
@@ -307,12 +330,21 @@ LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor&
     detail::no_cuda("layer_norm_backward");
 #endif
   } else {
+    auto float_options = x.options().dtype(at::kFloat);
+    if (gamma.defined()) dgamma = at::empty({x.size(1)}, float_options);
+    if (beta.defined()) dbeta = at::empty({x.size(1)}, float_options);
     AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_layer_norm_bwd",
-        [&] { layer_norm_backward_cpu_typed<scalar_t>(dy, x, stats, gamma_f, dx, dgamma, dbeta); });
+        at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_layer_norm_bwd", [&] {
+          layer_norm_backward_cpu_typed<scalar_t>(dy, x, stats, as_float(gamma), dx, dgamma,
+                                                  dbeta);
+        });
   }
-  if (dgamma.defined()) dgamma = dgamma.to(gamma.scalar_type());
-  if (dbeta.defined()) dbeta = dbeta.to(beta.scalar_type());
+  if (dgamma.defined() && dgamma.scalar_type() != gamma.scalar_type()) {
+    dgamma = dgamma.to(gamma.scalar_type());
+  }
+  if (dbeta.defined() && dbeta.scalar_type() != beta.scalar_type()) {
+    dbeta = dbeta.to(beta.scalar_type());
+  }
   return {dx, dgamma, dbeta};
 }
 

@@ -8,6 +8,7 @@
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/fp8_cpu.h"
 #include "ops/detail/gelu_formula.h"
+#include "ops/detail/row_sum.h"
 #include "ops/detail/scale_formula.h"
 
 namespace amp8 {
@@ -77,11 +78,13 @@ void check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const at:
 
 void check_dbias_out(const at::Tensor& dbias_out, const at::Tensor& x, std::string_view op) {
   const int64_t cols = x.size(1);
-  TORCH_CHECK(dbias_out.scalar_type() == at::kFloat && dbias_out.dim() == 1 &&
-                  dbias_out.size(0) == cols && dbias_out.is_contiguous() &&
-                  dbias_out.device() == x.device(),
-              op, ": dbias_out must be a contiguous float32 [", cols, "] tensor on ", x.device(),
-              ", got ", dbias_out.scalar_type(), " ", dbias_out.sizes(), " on ", dbias_out.device());
+  const auto dtype = dbias_out.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                  dbias_out.dim() == 1 && dbias_out.size(0) == cols &&
+                  dbias_out.is_contiguous() && dbias_out.device() == x.device(),
+              op, ": dbias_out must be a contiguous float32, bfloat16 or float16 [", cols,
+              "] tensor on ", x.device(), ", got ", dtype, " ", dbias_out.sizes(), " on ",
+              dbias_out.device());
 }
 
 void record_amax(const at::Tensor& amax_out, float value, bool accumulate) {
@@ -177,10 +180,7 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
     out_t = out.t().contiguous();
     scale_inv.fill_(1.0f / s);
     record_amax(amax_out, m, accumulate_amax);
-    if (dbias_out.defined()) {
-      at::Tensor dbias = dbias_out;  // a handle to the caller's storage
-      at::sum_out(dbias, x, {0}, /*keepdim=*/false, at::kFloat);
-    }
+    if (dbias_out.defined()) detail::sum_rows_into(dbias_out, x);
   }
   return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
 }

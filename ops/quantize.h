@@ -39,7 +39,8 @@ struct Fp8CastTranspose {
 
 /// Fused cast + transpose + amax of a 2-D `x` [rows, cols]: what Hopper's TN-only FP8 GEMMs
 /// need to compute both y = x·Wᵀ and the backward GEMMs without a separate transpose.
-/// `dbias_out`, when defined (float32 [cols], on x's device), receives Σ_rows x (TE's
+/// `dbias_out`, when defined (a contiguous [cols] tensor on x's device, float32, bfloat16 or
+/// float16: the bias's own dtype), receives Σ_rows x, summed in float32 and rounded once (TE's
 /// cast_transpose_dbias: a layer's bias gradient from the read that quantizes its output
 /// gradient; on the GPU in the same kernel where the shape allows).
 Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,

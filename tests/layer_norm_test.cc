@@ -172,6 +172,51 @@ TEST_P(LayerNormTest, Fp8OutputMatchesCpu_CUDA) {
   }
 }
 
+// gamma and beta held in a half dtype (as a bf16 model holds them; the CUDA kernels read them
+// as they are when that is x's dtype, through float32 copies otherwise, and write dgamma/dbeta
+// in it): the same output, statistics and dx as float32 copies of the same values, bit for bit,
+// and dgamma/dbeta those float32 sums rounded once. Also gamma and beta of different dtypes.
+void half_params_case(const Case& c, at::Device device) {
+  const auto [dtype, rows, hidden] = c;
+  auto x = activation(rows, hidden, dtype, device);
+  auto grad_out = at::randn({rows, hidden}).to(dtype).to(device);
+  auto scale = at::full({1}, 19.0f, device);
+  for (auto param_dtype : {at::kBFloat16, at::kHalf}) {
+    auto gamma = (at::rand({hidden}) + 0.5).to(param_dtype).to(device);
+    for (const bool beta_in_float : {false, true}) {
+      auto beta = at::randn({hidden}).to(beta_in_float ? at::kFloat : param_dtype).to(device);
+      SCOPED_TRACE(std::string(c10::toString(param_dtype)) +
+                   (beta_in_float ? " gamma, float32 beta" : " gamma and beta"));
+      auto gamma_f = gamma.to(at::kFloat), beta_f = beta.to(at::kFloat);
+      auto ours = layer_norm(x, gamma, beta, 1e-5);
+      auto expected = layer_norm(x, gamma_f, beta_f, 1e-5);
+      EXPECT_TRUE(BytesEqual(ours.out, expected.out)) << "out";
+      EXPECT_TRUE(BytesEqual(ours.stats.rstd, expected.stats.rstd)) << "rstd";
+      auto ours_fp8 = layer_norm_fp8(x, gamma, beta, 1e-5, scale, Fp8Format::kE4M3);
+      auto expected_fp8 = layer_norm_fp8(x, gamma_f, beta_f, 1e-5, scale, Fp8Format::kE4M3);
+      EXPECT_TRUE(BytesEqual(ours_fp8.out.data, expected_fp8.out.data)) << "fp8 out";
+      auto grads = layer_norm_backward(grad_out, x, ours.stats, gamma, beta);
+      auto expected_grads = layer_norm_backward(grad_out, x, expected.stats, gamma_f, beta_f);
+      EXPECT_TRUE(BytesEqual(grads.grad_input, expected_grads.grad_input)) << "dx";
+      EXPECT_EQ(grads.grad_gamma.scalar_type(), gamma.scalar_type());
+      EXPECT_EQ(grads.grad_beta.scalar_type(), beta.scalar_type());
+      EXPECT_TRUE(BytesEqual(grads.grad_gamma, expected_grads.grad_gamma.to(gamma.scalar_type())))
+          << "dgamma";
+      EXPECT_TRUE(BytesEqual(grads.grad_beta, expected_grads.grad_beta.to(beta.scalar_type())))
+          << "dbeta";
+    }
+  }
+}
+
+TEST_P(LayerNormTest, HalfParamsGiveTheirFloatValuesResults) {
+  half_params_case(GetParam(), at::kCPU);
+}
+
+TEST_P(LayerNormTest, HalfParamsGiveTheirFloatValuesResults_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  half_params_case(GetParam(), at::kCUDA);
+}
+
 // Shapes: odd and prime hidden sizes (scalar path), 16-byte rows (vector path), rows with a
 // single element, and hidden sizes beyond the fused kernels' register budget (ATen path).
 INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,

@@ -305,11 +305,25 @@ TEST_F(QuantizeTest, CastTransposeDbiasIsTheColumnSum) {
   EXPECT_TRUE(BytesEqual(dbias, x.sum(0, false, at::kFloat)));
   EXPECT_TRUE(BytesEqual(ct.data.data, quantize(x, scalar(0.5f), Fp8Format::kE4M3).data));
   for (const auto& [bad, what] : std::vector<std::pair<at::Tensor, std::string>>{
-           {at::zeros({44}), "float32 [45]"}, {at::zeros({45}, at::kBFloat16), "got BFloat16"},
+           {at::zeros({44}), "got Float [44]"}, {at::zeros({45}, at::kDouble), "got Double"},
            {at::zeros({2, 45}), "got Float [2, 45]"}}) {
     auto call = [&] { cast_transpose(x, scalar(0.5f), Fp8Format::kE4M3, {}, false, bad); };
-    testing::ExpectErrorContaining(call, "cast_transpose: dbias_out must be a contiguous float32 [45] tensor");
+    testing::ExpectErrorContaining(call,
+                                   "cast_transpose: dbias_out must be a contiguous float32, "
+                                   "bfloat16 or float16 [45] tensor");
     testing::ExpectErrorContaining(call, what);
+  }
+}
+
+// dbias_out in the bias's own half dtype: the float32 column sum rounded once, no float32 copy
+// for the caller to cast.
+TEST_F(QuantizeTest, CastTransposeDbiasInTheBiasDtype) {
+  auto x = testing::random_wide({77, 45}, at::kBFloat16);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    auto dbias = at::full({45}, 7.0f, dtype);
+    cast_transpose(x, scalar(0.5f), Fp8Format::kE4M3, {}, false, dbias);
+    EXPECT_EQ(dbias.scalar_type(), dtype);
+    EXPECT_TRUE(BytesEqual(dbias, x.sum(0, false, at::kFloat).to(dtype))) << dtype;
   }
 }
 
@@ -372,7 +386,8 @@ TEST_F(QuantizeTest, CastTransposeDgeluIsTheCastOfLibTorchsGeluBackward) {
   testing::ExpectErrorContaining(
       [&] { cast_transpose_dgelu(grad, gelu_input, scalar(1.0f), Fp8Format::kE5M2, {}, false,
                                  at::zeros({44})); },
-      "cast_transpose_dgelu: dbias_out must be a contiguous float32 [45] tensor");
+      "cast_transpose_dgelu: dbias_out must be a contiguous float32, bfloat16 or float16 [45] "
+      "tensor");
 }
 
 }  // namespace
@@ -471,6 +486,26 @@ TEST_P(QuantizeGpuTest, CastTransposeDbiasMatchesCpu_CUDA) {
   EXPECT_TRUE((error <= bound).all().item<bool>())
       << "largest error " << error.max().item<float>() << " at column "
       << error.argmax().item<int64_t>() << "; bound there " << bound[error.argmax()].item<float>();
+}
+
+// A bf16 / fp16 dbias_out is the float32 one rounded once, on the fused path and off it, for the
+// plain cast and the GELU-backward cast.
+TEST_P(QuantizeGpuTest, DbiasInTheBiasDtypeIsTheRoundedFloatSum_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto x = at::randn({p.rows, p.cols}, at::kCUDA).to(p.dtype);
+  auto gelu_input = (at::randn({p.rows, p.cols}, at::kCUDA) * 3).clamp(-4, 4).to(p.dtype);
+  auto scale = scalar(fp8_max(p.format) / 8.0f).cuda();
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    auto as_float = at::full({p.cols}, NAN, at::kCUDA);
+    auto rounded = at::full({p.cols}, NAN, at::kCUDA).to(dtype);
+    cast_transpose(x, scale, p.format, {}, false, as_float);
+    cast_transpose(x, scale, p.format, {}, false, rounded);
+    EXPECT_TRUE(BytesEqual(rounded, as_float.to(dtype))) << "cast_transpose " << dtype;
+    cast_transpose_dgelu(x, gelu_input, scale, p.format, {}, false, as_float);
+    cast_transpose_dgelu(x, gelu_input, scale, p.format, {}, false, rounded);
+    EXPECT_TRUE(BytesEqual(rounded, as_float.to(dtype))) << "cast_transpose_dgelu " << dtype;
+  }
 }
 
 // The activation-fused casts against the CPU reference (the same float32 formula; tanh is

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ops/cuda/kernels.h"
+#include "ops/detail/row_sum.h"
 
 #define AMP8_CUDA_CHECK(expr)                                                               \
   do {                                                                                      \
@@ -35,6 +36,19 @@ cuda::InputType input_type(const at::Tensor& x) {
 }
 
 cuda::Stream current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+
+const void* optional_ptr(const at::Tensor& t) { return t.defined() ? t.const_data_ptr() : nullptr; }
+void* optional_mutable_ptr(const at::Tensor& t) {
+  return t.defined() ? t.mutable_data_ptr() : nullptr;
+}
+
+// The type the LayerNorm kernels read gamma and beta in: that of whichever is defined (the
+// caller makes them agree), float32 when neither is.
+cuda::InputType weight_type(const at::Tensor& gamma, const at::Tensor& beta) {
+  if (gamma.defined()) return input_type(gamma);
+  if (beta.defined()) return input_type(beta);
+  return cuda::InputType::kFloat;
+}
 
 }  // namespace
 
@@ -67,8 +81,8 @@ bool cast_transpose_fused_cuda(const at::Tensor& x, const at::Tensor& gate,
       activation, out.mutable_data_ptr(), out_t.mutable_data_ptr(), x.size(0), x.size(1),
       scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(), amax,
       accumulate_amax, format == Fp8Format::kE5M2,
-      part.defined() ? part.mutable_data_ptr<float>() : nullptr,
-      dbias_out.defined() ? dbias_out.mutable_data_ptr<float>() : nullptr, current_stream());
+      part.defined() ? part.mutable_data_ptr<float>() : nullptr, optional_mutable_ptr(dbias_out),
+      dbias_out.defined() ? input_type(dbias_out) : cuda::InputType::kFloat, current_stream());
   if (err == cuda::kUnsupportedShape) return false;
   AMP8_CUDA_CHECK(err);
   return true;
@@ -86,8 +100,7 @@ void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format
                                   scale_inv_out, amax, accumulate_amax, dbias_out)) {
       return;
     }
-    at::Tensor dbias = dbias_out;  // a handle to the caller's storage
-    at::sum_out(dbias, x, {0}, /*keepdim=*/false, at::kFloat);
+    sum_rows_into(dbias_out, x);
   }
   AMP8_CUDA_CHECK(cuda::launch_cast_transpose(
       x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
@@ -138,13 +151,8 @@ void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups,
       algo == AmaxComputeAlgo::kMostRecent, fp8_max, margin_divisor, current_stream()));
 }
 
-namespace {
-float* optional_float_ptr(const at::Tensor& t) {
-  return t.defined() ? t.mutable_data_ptr<float>() : nullptr;
-}
-}  // namespace
 
-bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma_f, const at::Tensor& beta_f,
+bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                      double eps, const at::Tensor& out, const at::Tensor& mean,
                      const at::Tensor& rstd, const at::Tensor& scale,
                      const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax) {
@@ -153,10 +161,10 @@ bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma_f, const at::T
   if (out.scalar_type() == at::kFloat8_e4m3fn) out_fp8 = 1;
   if (out.scalar_type() == at::kFloat8_e5m2) out_fp8 = 2;
   const int rc = cuda::launch_layer_norm_fwd(
-      x.const_data_ptr(), input_type(x), optional_float_ptr(gamma_f), optional_float_ptr(beta_f),
-      x.size(0), x.size(1), static_cast<float>(eps), out.mutable_data_ptr(), out_fp8,
-      mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(),
-      out_fp8 ? scale.const_data_ptr<float>() : nullptr,
+      x.const_data_ptr(), input_type(x), optional_ptr(gamma), optional_ptr(beta),
+      weight_type(gamma, beta), x.size(0), x.size(1), static_cast<float>(eps),
+      out.mutable_data_ptr(), out_fp8, mean.mutable_data_ptr<float>(),
+      rstd.mutable_data_ptr<float>(), out_fp8 ? scale.const_data_ptr<float>() : nullptr,
       out_fp8 ? scale_inv_out.mutable_data_ptr<float>() : nullptr, amax, accumulate_amax,
       current_stream());
   if (rc == cuda::kUnsupportedShape) return false;
@@ -166,20 +174,21 @@ bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma_f, const at::T
 
 bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& mean, const at::Tensor& rstd,
-                              const at::Tensor& gamma_f, const at::Tensor& grad_input,
-                              const at::Tensor& grad_gamma_f, const at::Tensor& grad_beta_f) {
+                              const at::Tensor& gamma, const at::Tensor& grad_input,
+                              const at::Tensor& grad_gamma, const at::Tensor& grad_beta) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), hidden = x.size(1);
-  const int parts = cuda::layer_norm_bwd_parts(
-      grad_out.const_data_ptr(), x.const_data_ptr(), grad_input.const_data_ptr(),
-      optional_float_ptr(gamma_f), rows, hidden, static_cast<int>(x.element_size()));
+  const auto weights = weight_type(gamma.defined() ? gamma : grad_gamma, grad_beta);
+  const int parts = cuda::layer_norm_bwd_parts(grad_out.const_data_ptr(), x.const_data_ptr(),
+                                               grad_input.const_data_ptr(), optional_ptr(gamma),
+                                               input_type(x), weights, rows, hidden);
   if (parts == 0) return false;
   auto workspace = at::empty({2, parts, hidden}, x.options().dtype(at::kFloat));
   const int rc = cuda::launch_layer_norm_bwd(
       grad_out.const_data_ptr(), x.const_data_ptr(), input_type(x), mean.const_data_ptr<float>(),
-      rstd.const_data_ptr<float>(), optional_float_ptr(gamma_f), rows, hidden,
+      rstd.const_data_ptr<float>(), optional_ptr(gamma), weights, rows, hidden,
       grad_input.mutable_data_ptr(), workspace.mutable_data_ptr<float>(), parts,
-      optional_float_ptr(grad_gamma_f), optional_float_ptr(grad_beta_f), current_stream());
+      optional_mutable_ptr(grad_gamma), optional_mutable_ptr(grad_beta), current_stream());
   if (rc == cuda::kUnsupportedShape) return false;
   AMP8_CUDA_CHECK(rc);
   return true;

@@ -44,7 +44,8 @@ int64_t cast_transpose_dbias_parts(int64_t rows);
 enum class CastActivation { kNone, kGelu, kDGelu };
 
 // launch_cast_transpose of activation(x), with the amax of those values; with `dbias` non-null
-// also dbias[c] = Σ_r activation(x)[r, c] (float32 [cols]) from the same read (TE's
+// also dbias[c] = Σ_r activation(x)[r, c] ([cols] in dbias_type, summed in float32) from the
+// same read (TE's
 // cast_transpose_dbias / cast_transpose_dbias_dgelu): per-tile column sums into `part`
 // [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast shape
 // (cols % 8 == 0, rows % 16 == 0, 16-byte aligned pointers) and the variants the layers use
@@ -53,12 +54,13 @@ enum class CastActivation { kNone, kGelu, kDGelu };
 int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 CastActivation activation, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
-                                bool accumulate_amax, bool e5m2, float* part, float* dbias,
-                                Stream stream);
+                                bool accumulate_amax, bool e5m2, float* part, void* dbias,
+                                InputType dbias_type, Stream stream);
 
 // out[c] = Σ_p part[p, c] over `parts` rows of float32 partial sums [parts, cols], in a fixed
-// order (layer_norm_kernels.cu).
-int launch_column_sum(const float* part, int parts, int64_t cols, float* out, Stream stream);
+// order, summed in float32 and rounded once to out_type (layer_norm_kernels.cu).
+int launch_column_sum(const float* part, int parts, int64_t cols, void* out, InputType out_type,
+                      Stream stream);
 
 int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream stream);
 
@@ -87,30 +89,34 @@ int launch_delayed_scaling_update(const ScalingGroupPointers* groups, int num_gr
 // not fit in their registers). Measured: bench/results/layer_norm_bench.jsonl.
 inline constexpr int kDefaultLayerNormThreads = 128;
 
+// gamma and beta (and dgamma and dbeta) are in `weight_type`: float32 or x's own type, read and
+// written as they are (the kernels compute in float32 either way; any other pairing is
+// cudaErrorInvalidValue).
+
 // One row of x [rows, hidden] per block: mean/rstd (float32 [rows]) and the normalized output
 // into `out` in x's type (out_fp8 = 0) or FP8 E4M3 (1) / E5M2 (2) with *scale, writing
 // 1/scale into scale_inv and max|y| into amax (both required for FP8; amax max-merged with
-// accumulate_amax). gamma/beta are float32 [hidden] or null.
-int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, const float* beta,
-                          int64_t rows, int64_t hidden, float eps, void* out, int out_fp8,
-                          float* mean, float* rstd, const float* scale, float* scale_inv,
-                          float* amax, bool accumulate_amax, Stream stream,
+// accumulate_amax). gamma/beta are [hidden] or null.
+int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, const void* beta,
+                          InputType weight_type, int64_t rows, int64_t hidden, float eps, void* out,
+                          int out_fp8, float* mean, float* rstd, const float* scale,
+                          float* scale_inv, float* amax, bool accumulate_amax, Stream stream,
                           int preferred_threads = kDefaultLayerNormThreads);
 
 // Rows of the float32 partial-sum workspace launch_layer_norm_bwd needs (its `part` holds
 // 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.
 // The pointers are those launch_layer_norm_bwd will get (their alignment picks the plan).
-int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const float* gamma,
-                         int64_t rows, int64_t hidden, int elem_bytes);
+int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
+                         InputType type, InputType weight_type, int64_t rows, int64_t hidden);
 
-// dx (x's type) from dy (x's type); dgamma/dbeta (float32 [hidden], either may be null).
+// dx (x's type) from dy (x's type); dgamma/dbeta ([hidden], either may be null).
 // `parts` blocks each sum dgamma/dbeta over a grid-strided share of the rows into `part`
-// [2, parts, hidden], then launch_column_sum adds them up. layer_norm_bwd_parts gives one wave
-// of resident blocks; any parts >= 1 is correct (the benchmark sweeps it).
+// [2, parts, hidden] (float32), then launch_column_sum adds them up. layer_norm_bwd_parts gives
+// one wave of resident blocks; any parts >= 1 is correct (the benchmark sweeps it).
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
-                          const float* rstd, const float* gamma, int64_t rows, int64_t hidden,
-                          void* dx, float* part, int parts, float* dgamma, float* dbeta,
-                          Stream stream);
+                          const float* rstd, const void* gamma, InputType weight_type,
+                          int64_t rows, int64_t hidden, void* dx, float* part, int parts,
+                          void* dgamma, void* dbeta, Stream stream);
 
 // out [cols, rows] = in [rows, cols]ᵀ, bytes.
 int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream);

@@ -55,6 +55,19 @@ __device__ __forceinline__ void load_floats(const float* __restrict__ p, float (
   }
 }
 
+// gamma or beta p[0..kVec) as float32; W is float32 or the rows' half type (p is aligned to
+// the whole vector when kVec is the row's wide vector).
+template <int kVec, typename W>
+__device__ __forceinline__ void load_weights(const W* __restrict__ p, float (&out)[kVec]) {
+  if constexpr (std::is_same_v<W, float>) {
+    load_floats<kVec>(p, out);
+  } else {
+    const Vec<W, kVec> q = *reinterpret_cast<const Vec<W, kVec>*>(p);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out[j] = to_float(q.v[j]);
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -94,10 +107,10 @@ constexpr int kMaxThreads = 512;
 template <typename T, int kVec, int kIters>
 constexpr int kFwdMinBlocks = (sizeof(T) == 4 && kVec * kIters > 16) ? 1 : 2;
 
-template <typename T, int kVec, int kIters, int kOut>
+template <typename T, typename W, int kVec, int kIters, int kOut>
 __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
-    layer_norm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
-                          const float* __restrict__ beta, int64_t rows, int hidden, float eps,
+    layer_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma,
+                          const W* __restrict__ beta, int64_t rows, int hidden, float eps,
                           void* __restrict__ out, float* __restrict__ mean_out,
                           float* __restrict__ rstd_out, const float* __restrict__ scale_ptr,
                           float* __restrict__ scale_inv, float* __restrict__ amax) {
@@ -150,13 +163,13 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
       if (i >= nvec) continue;
       float y[kVec], g[kVec], b[kVec];
       if (gamma != nullptr) {
-        load_floats<kVec>(gamma + i * kVec, g);
+        load_weights<kVec>(gamma + i * kVec, g);
       } else {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) g[j] = 1.0f;
       }
       if (beta != nullptr) {
-        load_floats<kVec>(beta + i * kVec, b);
+        load_weights<kVec>(beta + i * kVec, b);
       } else {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) b[j] = 0.0f;
@@ -193,11 +206,11 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
 }
 
 // dx per row; dgamma/dbeta partial sums per block (rows strided by gridDim.x), reduced later.
-template <typename T, int kVec, int kIters>
+template <typename T, typename W, int kVec, int kIters>
 __global__ void __launch_bounds__(kMaxThreads)
     layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                           const float* __restrict__ mean, const float* __restrict__ rstd,
-                          const float* __restrict__ gamma, int64_t rows, int hidden,
+                          const W* __restrict__ gamma, int64_t rows, int hidden,
                           T* __restrict__ dx, float* __restrict__ dgamma_part,
                           float* __restrict__ dbeta_part) {
   // Two slot sets, alternating row by row (see block_sum2).
@@ -212,7 +225,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   auto gamma_at = [&](int i, float(&g)[kVec]) {
     if (gamma != nullptr) {
-      load_floats<kVec>(gamma + i * kVec, g);
+      load_weights<kVec>(gamma + i * kVec, g);
     } else {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) g[j] = 1.0f;
@@ -282,9 +295,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 // quarter of the SMs busy and one load in flight per lane).
 constexpr int kSumCols = 8, kSumLanes = 64, kSumUnroll = 4;
 static_assert(kSumUnroll == 4, "column_sum_kernel adds its four sums by hand");
+template <typename O>
 __global__ void __launch_bounds__(kSumCols* kSumLanes)
-    column_sum_kernel(const float* __restrict__ part, int parts, int cols,
-                      float* __restrict__ out) {
+    column_sum_kernel(const float* __restrict__ part, int parts, int cols, O* __restrict__ out) {
   __shared__ float acc[kSumLanes][kSumCols + 1];
   const int c = blockIdx.x * kSumCols + threadIdx.x;
   float sum[kSumUnroll] = {};
@@ -305,7 +318,7 @@ __global__ void __launch_bounds__(kSumCols* kSumLanes)
     float total = 0.0f;
 #pragma unroll 8
     for (int k = 0; k < kSumLanes; ++k) total += acc[k][threadIdx.x];
-    out[c] = total;
+    out[c] = from_float<O>(total);
   }
 }
 
@@ -403,10 +416,20 @@ int dispatch_plan(const RowPlan& plan, F&& f) {
 constexpr int kFwdMaxElems = 32;
 constexpr int kBwdPreferredThreads = 512, kBwdMaxElems = 16;
 
+// Calls f(W{}) with W the type gamma and beta are read in (and dgamma, dbeta written in):
+// float32 or the rows' own type T, nothing else (a parameter in another half type is cast to
+// float32 by the caller).
+template <typename T, typename F>
+int dispatch_weight(InputType weight_type, InputType type, F&& f) {
+  if (weight_type == InputType::kFloat) return f(float{});
+  if (weight_type == type) return f(T{});
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
 // Blocks of the backward kernel for `plan` resident on one SM at once. The occupancy API, not
 // 2048 / threads: the kernel's registers decide it (61 per thread for bf16 rows of 8-element
 // vectors: two blocks of 512 threads, not four). Cached per instance: this runs on every call.
-template <typename T>
+template <typename T, typename W>
 int bwd_blocks_per_sm(const RowPlan& plan) {
   constexpr int kWide = 16 / sizeof(T);
   // [vec is 1 or kWide][log2 iters][threads / 32 - 1]; 0 = not asked yet.
@@ -419,7 +442,8 @@ int bwd_blocks_per_sm(const RowPlan& plan) {
     constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
     if constexpr (kVec * kIters <= kBwdMaxElems) {
       if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-              &blocks, layer_norm_bwd_kernel<T, kVec, kIters>, plan.threads, 0) != cudaSuccess) {
+              &blocks, layer_norm_bwd_kernel<T, W, kVec, kIters>, plan.threads, 0) !=
+          cudaSuccess) {
         blocks = 0;
       }
     }
@@ -433,18 +457,19 @@ int bwd_blocks_per_sm(const RowPlan& plan) {
 // One wave of resident blocks, each a grid-strided share of the rows and one row of dgamma and
 // dbeta partial sums: more blocks would add partial rows (written, then read by the column
 // sum) without adding rows in flight.
-template <typename T>
+template <typename T, typename W>
 int bwd_parts(int64_t rows, const RowPlan& plan) {
-  const int64_t resident = static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T>(plan);
+  const int64_t resident = static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan);
   return static_cast<int>(std::max<int64_t>(1, std::min(rows, resident)));
 }
 
 }  // namespace
 
-int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, const float* beta,
-                          int64_t rows, int64_t hidden, float eps, void* out, int out_fp8,
-                          float* mean, float* rstd, const float* scale, float* scale_inv,
-                          float* amax, bool accumulate_amax, Stream stream, int preferred_threads) {
+int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, const void* beta,
+                          InputType weight_type, int64_t rows, int64_t hidden, float eps, void* out,
+                          int out_fp8, float* mean, float* rstd, const float* scale,
+                          float* scale_inv, float* amax, bool accumulate_amax, Stream stream,
+                          int preferred_threads) {
   if (preferred_threads < 32 || preferred_threads > kMaxThreads || preferred_threads % 32 != 0) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -453,43 +478,49 @@ int launch_layer_norm_fwd(const void* x, InputType type, const float* gamma, con
   }
   return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kWide = 16 / sizeof(T);
-    const bool aligned = aligned16(x) && aligned16(out) && (gamma == nullptr || aligned16(gamma)) &&
-                         (beta == nullptr || aligned16(beta)) &&
-                         (out_fp8 == 0 || (reinterpret_cast<uintptr_t>(out) % kWide == 0));
-    const RowPlan plan = plan_row(hidden, sizeof(T), aligned, preferred_threads, kFwdMaxElems);
-    if (!plan.ok() || hidden > (int64_t{1} << 30)) return kUnsupportedShape;
-    const int64_t resident = static_cast<int64_t>(num_sms()) * (2048 / plan.threads);
-    const int grid = static_cast<int>(std::min(rows, resident));
-    return dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
-      constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
-      if constexpr (kVec * kIters > kFwdMaxElems) {
-        return kUnsupportedShape;  // never planned
-      } else {
-        const auto* in = static_cast<const T*>(x);
-        const int h = static_cast<int>(hidden);
-        switch (out_fp8) {
-          case 0:
-            layer_norm_fwd_kernel<T, kVec, kIters, 0><<<grid, plan.threads, 0, stream>>>(
-                in, gamma, beta, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
-            break;
-          case 1:
-            layer_norm_fwd_kernel<T, kVec, kIters, 1><<<grid, plan.threads, 0, stream>>>(
-                in, gamma, beta, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
-            break;
-          default:
-            layer_norm_fwd_kernel<T, kVec, kIters, 2><<<grid, plan.threads, 0, stream>>>(
-                in, gamma, beta, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
-            break;
+    return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
+      using W = decltype(weight_tag);
+      constexpr int kWide = 16 / sizeof(T);
+      const bool aligned = aligned16(x) && aligned16(out) &&
+                           (gamma == nullptr || aligned16(gamma)) &&
+                           (beta == nullptr || aligned16(beta)) &&
+                           (out_fp8 == 0 || (reinterpret_cast<uintptr_t>(out) % kWide == 0));
+      const RowPlan plan = plan_row(hidden, sizeof(T), aligned, preferred_threads, kFwdMaxElems);
+      if (!plan.ok() || hidden > (int64_t{1} << 30)) return kUnsupportedShape;
+      const int64_t resident = static_cast<int64_t>(num_sms()) * (2048 / plan.threads);
+      const int grid = static_cast<int>(std::min(rows, resident));
+      return dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
+        constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
+        if constexpr (kVec * kIters > kFwdMaxElems) {
+          return kUnsupportedShape;  // never planned
+        } else {
+          const auto* in = static_cast<const T*>(x);
+          const auto* g = static_cast<const W*>(gamma);
+          const auto* b = static_cast<const W*>(beta);
+          const int h = static_cast<int>(hidden);
+          switch (out_fp8) {
+            case 0:
+              layer_norm_fwd_kernel<T, W, kVec, kIters, 0><<<grid, plan.threads, 0, stream>>>(
+                  in, g, b, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+              break;
+            case 1:
+              layer_norm_fwd_kernel<T, W, kVec, kIters, 1><<<grid, plan.threads, 0, stream>>>(
+                  in, g, b, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+              break;
+            default:
+              layer_norm_fwd_kernel<T, W, kVec, kIters, 2><<<grid, plan.threads, 0, stream>>>(
+                  in, g, b, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+              break;
+          }
+          return static_cast<int>(cudaGetLastError());
         }
-        return static_cast<int>(cudaGetLastError());
-      }
+      });
     });
   });
 }
 
 namespace {
-RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const float* gamma, int64_t hidden,
+RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const void* gamma, int64_t hidden,
                  int elem_bytes) {
   const bool aligned =
       aligned16(dy) && aligned16(x) && aligned16(dx) && (gamma == nullptr || aligned16(gamma));
@@ -498,54 +529,72 @@ RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const float* gam
 }
 }  // namespace
 
-int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const float* gamma,
-                         int64_t rows, int64_t hidden, int elem_bytes) {
-  const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, elem_bytes);
-  if (!plan.ok()) return 0;
-  // float16 and bfloat16 instances take the same registers.
-  return elem_bytes == 4 ? bwd_parts<float>(rows, plan) : bwd_parts<__nv_bfloat16>(rows, plan);
-}
-
-int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
-                          const float* rstd, const float* gamma, int64_t rows, int64_t hidden,
-                          void* dx, float* part, int parts, float* dgamma, float* dbeta,
-                          Stream stream) {
+int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
+                         InputType type, InputType weight_type, int64_t rows, int64_t hidden) {
+  if (weight_type != InputType::kFloat && weight_type != type) return 0;
   return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
-    constexpr int kWide = 16 / sizeof(T);
     const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
-    if (!plan.ok()) return kUnsupportedShape;
-    if (parts < 1) return static_cast<int>(cudaErrorInvalidValue);
-    float* dgamma_part = dgamma != nullptr ? part : nullptr;
-    float* dbeta_part = dbeta != nullptr ? part + static_cast<int64_t>(parts) * hidden : nullptr;
-    const int err = dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
-      constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
-      if constexpr (kVec * kIters > kBwdMaxElems) {
-        return kUnsupportedShape;  // never planned
-      } else {
-        layer_norm_bwd_kernel<T, kVec, kIters><<<parts, plan.threads, 0, stream>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, gamma, rows,
-            static_cast<int>(hidden), static_cast<T*>(dx), dgamma_part, dbeta_part);
-        return static_cast<int>(cudaGetLastError());
-      }
+    if (!plan.ok()) return 0;
+    return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
+      return bwd_parts<T, decltype(weight_tag)>(rows, plan);
     });
-    if (err != 0) return err;
-    if (dgamma != nullptr) {
-      if (auto e = launch_column_sum(dgamma_part, parts, hidden, dgamma, stream)) return e;
-    }
-    if (dbeta != nullptr) return launch_column_sum(dbeta_part, parts, hidden, dbeta, stream);
-    return 0;
   });
 }
 
-int launch_column_sum(const float* part, int parts, int64_t cols, float* out, Stream stream) {
+int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
+                          const float* rstd, const void* gamma, InputType weight_type,
+                          int64_t rows, int64_t hidden, void* dx, float* part, int parts,
+                          void* dgamma, void* dbeta, Stream stream) {
+  return dispatch_input(type, [&](auto tag) {
+    using T = decltype(tag);
+    return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
+      using W = decltype(weight_tag);
+      constexpr int kWide = 16 / sizeof(T);
+      const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
+      if (!plan.ok()) return kUnsupportedShape;
+      if (parts < 1) return static_cast<int>(cudaErrorInvalidValue);
+      float* dgamma_part = dgamma != nullptr ? part : nullptr;
+      float* dbeta_part = dbeta != nullptr ? part + static_cast<int64_t>(parts) * hidden : nullptr;
+      const int err = dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
+        constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
+        if constexpr (kVec * kIters > kBwdMaxElems) {
+          return kUnsupportedShape;  // never planned
+        } else {
+          layer_norm_bwd_kernel<T, W, kVec, kIters><<<parts, plan.threads, 0, stream>>>(
+              static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd,
+              static_cast<const W*>(gamma), rows, static_cast<int>(hidden), static_cast<T*>(dx),
+              dgamma_part, dbeta_part);
+          return static_cast<int>(cudaGetLastError());
+        }
+      });
+      if (err != 0) return err;
+      if (dgamma != nullptr) {
+        if (auto e = launch_column_sum(dgamma_part, parts, hidden, dgamma, weight_type, stream)) {
+          return e;
+        }
+      }
+      if (dbeta != nullptr) {
+        return launch_column_sum(dbeta_part, parts, hidden, dbeta, weight_type, stream);
+      }
+      return 0;
+    });
+  });
+}
+
+int launch_column_sum(const float* part, int parts, int64_t cols, void* out, InputType out_type,
+                      Stream stream) {
   if (parts < 1 || cols < 1 || cols > (int64_t{1} << 30)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const dim3 block(kSumCols, kSumLanes);
   const int grid = static_cast<int>((cols + kSumCols - 1) / kSumCols);
-  column_sum_kernel<<<grid, block, 0, stream>>>(part, parts, static_cast<int>(cols), out);
-  return static_cast<int>(cudaGetLastError());
+  return dispatch_input(out_type, [&](auto tag) {
+    using O = decltype(tag);
+    column_sum_kernel<O><<<grid, block, 0, stream>>>(part, parts, static_cast<int>(cols),
+                                                     static_cast<O*>(out));
+    return static_cast<int>(cudaGetLastError());
+  });
 }
 
 int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream) {

@@ -325,8 +325,8 @@ int64_t cast_transpose_dbias_parts(int64_t rows) { return (rows + kTileRows - 1)
 int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 CastActivation activation, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
-                                bool accumulate_amax, bool e5m2, float* part, float* dbias,
-                                Stream stream) {
+                                bool accumulate_amax, bool e5m2, float* part, void* dbias,
+                                InputType dbias_type, Stream stream) {
   constexpr int kCols = kDefaultCastTransposeTileCols;
   const bool gated = activation == CastActivation::kDGelu;
   const bool with_dbias = dbias != nullptr;
@@ -377,7 +377,7 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
     return static_cast<int>(cudaGetLastError());
   });
   if (err != 0 || !with_dbias) return err;
-  return launch_column_sum(part, static_cast<int>(parts), cols, dbias, stream);
+  return launch_column_sum(part, static_cast<int>(parts), cols, dbias, dbias_type, stream);
 }
 
 int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,

@@ -20,7 +20,8 @@ void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
                    const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax,
                    bool accumulate_amax);
 // The same plus out_t = outᵀ for a 2-D x, from one read of x.
-// With dbias_out (float32 [cols]) also dbias_out = Σ_rows x, from the same read where the fused
+// With dbias_out ([cols]; float32, bfloat16 or float16) also dbias_out = Σ_rows x (summed in
+// float32), from the same read where the fused
 // kernel takes the shape, else by ATen after the cast.
 void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                          const at::Tensor& out, const at::Tensor& out_t,
@@ -44,17 +45,18 @@ void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divi
 void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups, float fp8_max,
                                  float margin_divisor, AmaxComputeAlgo algo);
 
-// LayerNorm kernels (ops/cuda/layer_norm_kernels.cu). gamma_f/beta_f are float32 [hidden] or
-// undefined; `out` is x's dtype or FP8 (then scale/scale_inv/amax are used). Return false,
-// having done nothing but perhaps zeroed amax, when the fused kernels do not take the shape.
-bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma_f, const at::Tensor& beta_f,
+// LayerNorm kernels (ops/cuda/layer_norm_kernels.cu). gamma/beta (and grad_gamma/grad_beta)
+// are contiguous [hidden] or undefined, all defined ones of one dtype: float32 or x's; `out` is
+// x's dtype or FP8 (then scale/scale_inv/amax are used). Return false, having done nothing but
+// perhaps zeroed amax, when the fused kernels do not take the shape.
+bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
                      double eps, const at::Tensor& out, const at::Tensor& mean,
                      const at::Tensor& rstd, const at::Tensor& scale,
                      const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
 bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& mean, const at::Tensor& rstd,
-                              const at::Tensor& gamma_f, const at::Tensor& grad_input,
-                              const at::Tensor& grad_gamma_f, const at::Tensor& grad_beta_f);
+                              const at::Tensor& gamma, const at::Tensor& grad_input,
+                              const at::Tensor& grad_gamma, const at::Tensor& grad_beta);
 void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out);
 
 // Multi-tensor Adam / AdamW (fused_adam_kernels.cu); arguments checked by fused_adam_step.

@@ -271,6 +271,21 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
     }
   }
   for (const auto& piece : pieces_) master_shards_.push_back(piece.master);
+  // Each local FP8 piece's weight slot, in pieces_ order (gather_params scatters their amaxes
+  // with it). A rank holds at most one piece of a weight: its shard of the weight's bucket is
+  // one contiguous range.
+  std::vector<int64_t> fp8_piece_slots;
+  for (const auto& piece : pieces_) {
+    if (params_[piece.param].fp8_owner) fp8_piece_slots.push_back(params_[piece.param].fp8_slot);
+  }
+  if (!fp8_piece_slots.empty()) {
+    auto sorted = fp8_piece_slots;
+    std::sort(sorted.begin(), sorted.end());
+    TORCH_INTERNAL_ASSERT(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                          "DistributedOptimizer: two local pieces of one FP8 weight");
+    fp8_piece_slots_ = torch::tensor(fp8_piece_slots, torch::TensorOptions().dtype(at::kLong))
+                           .to(buffers_.front().params.device());
+  }
   for (size_t g = 0; g < group_params.size(); ++g) optimizer.param_groups()[g].params() = group_params[g];
   // FP8 weights: quantized again from the (rank 0) masters with an all-reduced amax, so their
   // bytes and scales agree on every rank from the first forward pass.
@@ -413,24 +428,12 @@ void DistributedOptimizer::gather_params() {
     amaxes = torch::zeros({static_cast<int64_t>(fp8_params.size())},
                           torch::TensorOptions().dtype(at::kFloat).device(device));
     std::vector<torch::Tensor> fp8_masters;
-    std::vector<int64_t> fp8_slots;
     for (const auto& piece : pieces_) {
-      if (!params_[piece.param].fp8_owner) continue;
-      fp8_masters.push_back(piece.master.detach());
-      fp8_slots.push_back(params_[piece.param].fp8_slot);
+      if (params_[piece.param].fp8_owner) fp8_masters.push_back(piece.master.detach());
     }
     if (!fp8_masters.empty()) {
-      // max|x| of each piece (the infinity norm; NaN when it holds one). A rank holds at most
-      // one piece of a weight (its shard of the weight's bucket is one contiguous range).
+      // max|x| of each piece (the infinity norm; NaN when it holds one), into its weight's slot.
       auto piece_amaxes = at::stack(at::_foreach_norm(fp8_masters, INFINITY)).to(at::kFloat);
-      if (fp8_piece_slots_.numel() != static_cast<int64_t>(fp8_slots.size()) ||
-          fp8_piece_slots_.device() != device) {
-        auto sorted = fp8_slots;
-        std::sort(sorted.begin(), sorted.end());
-        TORCH_INTERNAL_ASSERT(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
-                              "DistributedOptimizer: two local pieces of one FP8 weight");
-        fp8_piece_slots_ = torch::tensor(fp8_slots, torch::TensorOptions().dtype(at::kLong)).to(device);
-      }
       amaxes.index_copy_(0, fp8_piece_slots_, piece_amaxes);
     }
     std::vector<torch::Tensor> tensors{amaxes};

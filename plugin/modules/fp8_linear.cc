@@ -169,29 +169,17 @@ void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {
               "Fp8Linear::update_fp8_weight: master must have "
               "shape ",
               weight.sizes(), ", got ", master.sizes());
-  torch::NoGradGuard no_grad;
-  auto values = master.detach().to(weight_scale_inv.device());
-  if (values.scalar_type() != at::kFloat && values.scalar_type() != at::kBFloat16 &&
-      values.scalar_type() != at::kHalf) {
-    values = values.to(at::kFloat);
-  }
-  values = values.contiguous();
-  auto amax = compute_amax(values);
-  auto slot = fp8_fwd_amax_history[0][1];
-  slot.copy_(at::maximum(slot, amax.reshape({})));
-  auto q = quantize(values, compute_current_scale(amax, Fp8Format::kE4M3), Fp8Format::kE4M3);
-  weight.set_data(q.data);
-  weight_scale_inv.copy_(q.scale_inv);
+  update_fp8_weights({this}, {master});
 }
 
 void Fp8LinearImpl::fp8_weight_written(const torch::Tensor& amax, const torch::Tensor& scale_inv) {
   TORCH_CHECK(options.fp8_params(),
               "Fp8Linear::fp8_weight_written: the module was not built with fp8_params");
-  torch::NoGradGuard no_grad;
-  auto slot = fp8_fwd_amax_history[0][1];
-  slot.copy_(at::maximum(slot, amax.reshape({}).to(slot.device())));
-  weight_scale_inv.copy_(scale_inv.reshape({1}));
-  weight_cache_.reset();
+  TORCH_CHECK(amax.numel() == 1 && scale_inv.numel() == 1,
+              "Fp8Linear::fp8_weight_written: amax and scale_inv must hold one value each, got "
+              "shapes ", amax.sizes(), " and ", scale_inv.sizes());
+  fp8_weights_written({this}, amax.reshape({1}).to(at::kFloat),
+                      scale_inv.reshape({1}).to(at::kFloat));
 }
 
 void Fp8LinearImpl::update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers,

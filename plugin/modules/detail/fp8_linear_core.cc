@@ -164,17 +164,24 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   }
   // The bias gradient comes from the read that quantizes the gradient (cast_transpose's dbias;
   // the zero rows of the padding add nothing), with a workspace of one float per 128 rows and
-  // column. LibTorch's own column reduction read the gradient once more and staged its partial
-  // sums in a workspace about the gradient's size (138 MB at 16384 × 4096 in bf16).
+  // column, written in the bias's dtype. LibTorch's own column reduction read the gradient once
+  // more and staged its partial sums in a workspace about the gradient's size (138 MB at
+  // 16384 × 4096 in bf16).
   at::Tensor dbias;
-  if (need_bias && saved.has_bias) dbias = at::empty({g.size(1)}, g.options().dtype(at::kFloat));
+  if (need_bias && saved.has_bias) {
+    const auto w = saved.weight_dtype;
+    const bool direct = w == at::kFloat || w == at::kBFloat16 || w == at::kHalf;
+    dbias = at::empty({g.size(1)}, g.options().dtype(direct ? w : at::kFloat));
+  }
   const auto& slots = Fp8LinearInternals::slots(module);
   QuantizeActivation activation;
   if (gelu_input.defined()) activation = {QuantizeActivation::kDGelu, gelu_input};
   auto g_q = quantize_for(g, recipe, recipe.backward_format, slots.grad_scale, slots.grad_amax,
                           dbias, activation);
   g = at::Tensor();
-  if (dbias.defined()) grads.bias = dbias.to(saved.weight_dtype);
+  if (dbias.defined()) {
+    grads.bias = dbias.scalar_type() == saved.weight_dtype ? dbias : dbias.to(saved.weight_dtype);
+  }
   if (recipe.delayed()) {
     register_backward_group(
         &module, {module.fp8_bwd_amax_history, module.fp8_bwd_scale, module.fp8_bwd_scale_inv},
