@@ -125,6 +125,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
                                        has_bias,
                                        x2d.scalar_type(),
                                        weight.scalar_type(),
+                                       bias.scalar_type(),
                                        input.sizes().vec()};
     saved.save(ctx);
     return saved.unflatten(y);
@@ -203,6 +204,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                            fc1->options.bias(),
                                            x2d.scalar_type(),
                                            fc1_weight.scalar_type(),
+                                           fc1_bias.scalar_type(),
                                            input.sizes().vec()};
     const detail::Fp8LinearSaved fc2_saved{fc2,
                                            fc2_call.recipe,
@@ -210,6 +212,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                            fc2->options.bias(),
                                            gelu_input.scalar_type(),
                                            fc2_weight.scalar_type(),
+                                           fc2_bias.scalar_type(),
                                            {rows, fc2->options.in_features()}};
     fc1_saved.save(ctx, "fc1");
     fc2_saved.save(ctx, "fc2");

@@ -49,6 +49,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                                        has_bias,
                                        input.scalar_type(),
                                        weight.scalar_type(),
+                                       bias.scalar_type(),
                                        input.sizes().vec()};
     saved.save(ctx);
     return saved.unflatten(y);

@@ -71,7 +71,8 @@ void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx, const std::stri
                                  recipe.margin,
                                  static_cast<int64_t>(recipe.amax_compute_algo),
                                  static_cast<int64_t>(recipe.scaling),
-                                 recipe.amax_history_len};
+                                 recipe.amax_history_len,
+                                 static_cast<int64_t>(bias_dtype)};
   ctx->saved_data[key] = std::move(packed);
   ctx->saved_data[key + ".input_sizes"] = input_sizes;
 }
@@ -91,6 +92,7 @@ Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx,
   saved.recipe.amax_compute_algo = static_cast<AmaxComputeAlgo>(packed[8]);
   saved.recipe.scaling = static_cast<Fp8Scaling>(packed[9]);
   saved.recipe.amax_history_len = packed[10];
+  saved.bias_dtype = static_cast<at::ScalarType>(packed[11]);
   saved.input_sizes = ctx->saved_data[key + ".input_sizes"].toIntVector();
   return saved;
 }
@@ -167,11 +169,14 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   // column, written in the bias's dtype. LibTorch's own column reduction read the gradient once
   // more and staged its partial sums in a workspace about the gradient's size (138 MB at
   // 16384 × 4096 in bf16).
+  // In the bias's dtype, not the weight's: under fp8_params the weight is FP8, and the bias
+  // gradient went through an E4M3 cast (3 mantissa bits, nothing below 2^-9) before the
+  // autograd engine cast it back to the bias's dtype.
   at::Tensor dbias;
   if (need_bias && saved.has_bias) {
-    const auto w = saved.weight_dtype;
-    const bool direct = w == at::kFloat || w == at::kBFloat16 || w == at::kHalf;
-    dbias = at::empty({g.size(1)}, g.options().dtype(direct ? w : at::kFloat));
+    const auto b = saved.bias_dtype;
+    const bool direct = b == at::kFloat || b == at::kBFloat16 || b == at::kHalf;
+    dbias = at::empty({g.size(1)}, g.options().dtype(direct ? b : at::kFloat));
   }
   const auto& slots = Fp8LinearInternals::slots(module);
   QuantizeActivation activation;
@@ -180,7 +185,7 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
                           dbias, activation);
   g = at::Tensor();
   if (dbias.defined()) {
-    grads.bias = dbias.scalar_type() == saved.weight_dtype ? dbias : dbias.to(saved.weight_dtype);
+    grads.bias = dbias.scalar_type() == saved.bias_dtype ? dbias : dbias.to(saved.bias_dtype);
   }
   if (recipe.delayed()) {
     register_backward_group(

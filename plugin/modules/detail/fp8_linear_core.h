@@ -92,7 +92,8 @@ struct Fp8LinearSaved {
   int64_t rows = 0;  ///< rows of the flattened input, before padding
   bool has_bias = false;
   at::ScalarType input_dtype = at::kFloat;
-  at::ScalarType weight_dtype = at::kFloat;
+  at::ScalarType weight_dtype = at::kFloat;  ///< FP8 under fp8_params
+  at::ScalarType bias_dtype = at::kFloat;    ///< the bias gradient's (the bias's own dtype)
   std::vector<int64_t> input_sizes;
 
   void save(torch::autograd::AutogradContext* ctx, const std::string& key = "fp8_linear") const;
