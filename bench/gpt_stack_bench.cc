@@ -14,8 +14,9 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <iostream>
 #include <functional>
+#include <iostream>
+#include <memory>
 #include <vector>
 #include <string>
 
@@ -159,9 +160,18 @@ struct Overhead {
   double params = 0;
 };
 
-Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps, bool fused) {
+// `sgd`: torch::optim::SGD with nesterov momentum instead of AdamW.
+Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps, bool fused,
+                       bool sgd = false) {
   auto model = make_stack();
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  std::unique_ptr<torch::optim::Optimizer> owned;
+  if (sgd) {
+    owned = std::make_unique<torch::optim::SGD>(
+        model->parameters(), torch::optim::SGDOptions(1e-4).momentum(0.9).nesterov(true));
+  } else {
+    owned = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-4));
+  }
+  auto& optimizer = *owned;
   amp8::MixedPrecisionPlugin plugin = amp8::recipes::bf16_mixed().fused_optimizer(fused);
   plugin.connect(*model, optimizer);
   double params = 0;
@@ -297,6 +307,25 @@ int main(int argc, char** argv) {
       .set("fraction_of_floor", fused_ms / floor_ms)
       .set("unfused_fraction_of_floor", unfused_ms / floor_ms)
       .print();
+  // SGD with nesterov momentum: the FP32 master and the momentum buffer read and written (16 B),
+  // the bf16 gradient read and the bf16 parameter written (4 B).
+  {
+    const auto fused_sgd = overhead_case(x, y, 10, /*fused=*/true, /*sgd=*/true);
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    const auto unfused_sgd = overhead_case(x, y, 10, /*fused=*/false, /*sgd=*/true);
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    const double sgd_floor_ms = 20.0 * fused_sgd.params / copy_rate * 1000.0;
+    const double sgd_fused_ms = fused_sgd.grad_copy_ms + fused_sgd.plugin_step_ms;
+    const double sgd_unfused_ms = unfused_sgd.grad_copy_ms + unfused_sgd.plugin_step_ms;
+    amp8::bench::Record("gpt_stack_optimizer_step_sgd", shape, cmd)
+        .timing(sgd_fused_ms, "unfused (grad copy + torch::optim::SGD + copy-back)", sgd_unfused_ms)
+        .set("params", fused_sgd.params)
+        .set("copy_rate_bytes_per_s", copy_rate)
+        .set("floor_ms", sgd_floor_ms)
+        .set("fraction_of_floor", sgd_fused_ms / sgd_floor_ms)
+        .set("unfused_fraction_of_floor", sgd_unfused_ms / sgd_floor_ms)
+        .print();
+  }
   const double copy_back_ms = overhead.plugin_step_ms - overhead.optimizer_step_ms;
   const double overhead_ms = overhead.grad_copy_ms + copy_back_ms;
   // For scale: a bf16 loop with no FP32 masters at all (bf16 params stepped by AdamW directly).

@@ -1,4 +1,5 @@
-// Fused Adam / AdamW (ops/fused_adam.h, plugin/optim/fused_optimizer.h): the CPU reference against
+// Fused Adam / AdamW / SGD (ops/fused_adam.h, ops/fused_sgd.h, plugin/optim/fused_optimizer.h):
+// the CPU reference against
 // torch::optim bit for bit, the CUDA kernels against the reference, checkpoints across the
 // two, bad input, and the MixedPrecisionPlugin's fused master-weight step.
 #include "plugin/optim/fused_optimizer.h"
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "ops/fused_adam.h"
+#include "ops/fused_sgd.h"
 #include "plugin/distributed/distributed_optimizer.h"
 #include "plugin/modules/fp8_linear.h"
 #include "plugin/precision/mixed_precision_plugin.h"
@@ -83,6 +85,48 @@ TEST_F(FusedOptimizerTest, AdamOnTheCpuIsTorchOptimBitForBit) {
   expect_bit_exact_steps<FusedAdam, torch::optim::Adam>(torch::optim::AdamOptions(1e-3));
 }
 
+TEST_F(FusedOptimizerTest, SgdOnTheCpuIsTorchOptimBitForBit) {
+  using torch::optim::SGDOptions;
+  expect_bit_exact_steps<FusedSGD, torch::optim::SGD>(SGDOptions(5e-2));
+  expect_bit_exact_steps<FusedSGD, torch::optim::SGD>(SGDOptions(5e-2).weight_decay(0.01));
+  expect_bit_exact_steps<FusedSGD, torch::optim::SGD>(
+      SGDOptions(3e-2).momentum(0.9).dampening(0.1).weight_decay(0.01));
+  expect_bit_exact_steps<FusedSGD, torch::optim::SGD>(
+      SGDOptions(3e-2).momentum(0.8).nesterov(true).weight_decay(0.05));
+}
+
+// fused_sgd_step with half gradients, a multiplier and half copies: torch::optim::SGD on the
+// multiplied float32 gradients, followed by a copy.
+TEST_F(FusedOptimizerTest, SgdMultiplierHalfGradientsAndCopiesMatchTheUnfusedSequence) {
+  for (const auto grad_dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(grad_dtype));
+    auto params = random_params();
+    auto reference_params = clones(params);
+    const auto options = torch::optim::SGDOptions(1e-2).momentum(0.9).nesterov(true).weight_decay(0.01);
+    torch::optim::SGD reference(reference_params, options);
+    std::vector<torch::Tensor> buffers, copies;
+    for (const auto& p : params) {
+      buffers.push_back(torch::full_like(p, NAN));  // not read on the first step
+      copies.push_back(torch::empty_like(p, at::kHalf));
+    }
+    const double multiplier = 1.0 / 1024 * 0.37;
+    for (int step = 1; step <= 3; ++step) {
+      std::vector<SgdStepTensor> tensors;
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto grad = torch::randn(params[i].sizes()).mul_(1024).to(grad_dtype);
+        reference_params[i].mutable_grad() = grad.to(at::kFloat).mul(multiplier);
+        tensors.push_back({params[i].detach(), grad, buffers[i], step == 1, copies[i]});
+      }
+      fused_sgd_step(tensors, SgdStepOptions{1e-2, 0.9, 0.0, 0.01, true}, multiplier);
+      reference.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(BytesEqual(params[i].detach(), reference_params[i].detach())) << "param " << i;
+      EXPECT_TRUE(BytesEqual(copies[i], params[i].detach().to(at::kHalf))) << "copy " << i;
+    }
+  }
+}
+
 // The step reads half gradients as they are, multiplies them first (1/loss scale × clipping)
 // and writes the half copy: the same as torch::optim on the multiplied float32 gradients,
 // followed by a copy.
@@ -149,6 +193,36 @@ TEST_F(FusedOptimizerTest, CheckpointsLoadAcrossFusedAndTorchOptim) {
   EXPECT_EQ(state.step(), 6);
 }
 
+// SGD's momentum buffers are torch::optim's SGDParamState: checkpoints load across the two.
+TEST_F(FusedOptimizerTest, SgdCheckpointsLoadAcrossFusedAndTorchOptim) {
+  const auto options = torch::optim::SGDOptions(2e-2).momentum(0.9).dampening(0.2);
+  auto fused_params = random_params();
+  auto reference_params = clones(fused_params);
+  FusedSGD fused(fused_params, options);
+  torch::optim::SGD reference(reference_params, options);
+  for (int step = 0; step < 3; ++step) {
+    set_grads(fused_params, reference_params, step);
+    fused.step();
+    reference.step();
+  }
+  std::stringstream fused_saved, reference_saved;
+  torch::save(fused, fused_saved);
+  torch::save(reference, reference_saved);
+  auto a_params = clones(fused_params), b_params = clones(reference_params);
+  torch::optim::SGD a(a_params, options);
+  FusedSGD b(b_params, options);
+  torch::load(a, fused_saved);
+  torch::load(b, reference_saved);
+  for (int step = 3; step < 6; ++step) {
+    set_grads(a_params, b_params, step);
+    a.step();
+    b.step();
+  }
+  for (size_t i = 0; i < a_params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(a_params[i].detach(), b_params[i].detach())) << "param " << i;
+  }
+}
+
 TEST_F(FusedOptimizerTest, BadInputNamesTheEntryAndField) {
   auto p = torch::randn({8, 8});
   auto m = torch::zeros({8, 8}), v = torch::zeros({8, 8});
@@ -166,21 +240,36 @@ TEST_F(FusedOptimizerTest, BadInputNamesTheEntryAndField) {
                         "tensors[0].model_copy must be bfloat16 or float16");
   ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 0, {}}}, options); },
                         "tensors[0].step must be >= 1");
-  auto sgd_param = torch::randn({4}).requires_grad_(true);
-  torch::optim::SGD sgd({sgd_param}, 0.1);
-  EXPECT_FALSE(is_fusable(sgd));
-  ExpectErrorContaining([&] { fused_optimizer_step(sgd, 1.0, [](const torch::Tensor& t) { return t.grad(); }); },
-                        "expected a torch::optim::Adam or AdamW without amsgrad");
-  torch::optim::AdamW amsgrad({sgd_param}, torch::optim::AdamWOptions(1e-3).amsgrad(true));
+  auto other_param = torch::randn({4}).requires_grad_(true);
+  torch::optim::RMSprop rmsprop({other_param}, torch::optim::RMSpropOptions(0.1));
+  EXPECT_FALSE(is_fusable(rmsprop));
+  ExpectErrorContaining(
+      [&] { fused_optimizer_step(rmsprop, 1.0, [](const torch::Tensor& t) { return t.grad(); }); },
+      "expected a torch::optim::Adam or AdamW without amsgrad, or a torch::optim::SGD");
+  torch::optim::AdamW amsgrad({other_param}, torch::optim::AdamWOptions(1e-3).amsgrad(true));
   EXPECT_FALSE(is_fusable(amsgrad));
+  torch::optim::SGD sgd({other_param}, 0.1);
+  EXPECT_TRUE(is_fusable(sgd));
+  // fused_sgd_step: a buffer where momentum needs one, and nesterov's conditions.
+  const SgdStepOptions momentum{0.1, 0.9, 0.0, 0.0, false};
+  ExpectErrorContaining([&] { fused_sgd_step({{p, torch::randn({8, 8}), {}, true, {}}}, momentum); },
+                        "fused_sgd_step: tensors[0].momentum_buffer must be a defined tensor");
+  ExpectErrorContaining(
+      [&] { fused_sgd_step({{p, torch::randn({8, 8}), torch::zeros({8, 8}, at::kHalf), false, {}}}, momentum); },
+      "tensors[0].momentum_buffer must be float32, got Half");
+  ExpectErrorContaining([&] { fused_sgd_step({{p, torch::randn({8, 8}), {}, true, {}}}, SgdStepOptions{0.1, 0.0, 0.0, 0.0, true}); },
+                        "fused_sgd_step: nesterov needs momentum > 0 and dampening 0");
+  ExpectErrorContaining([&] { fused_sgd_step({{p, torch::randn({7, 8}), {}, true, {}}}, SgdStepOptions{}); },
+                        "fused_sgd_step: tensors[0].grad must have the param's shape");
 }
 
-// FusedAdamW as the user's optimizer under the distributed optimizer: each rank steps its
-// shards of the masters; the result is torch::optim::AdamW's, bit for bit, for 1–4 ranks.
+// FusedAdamW / FusedSGD as the user's optimizer under the distributed optimizer: each rank steps
+// its shards of the masters; the result is torch::optim::AdamW's / SGD's, bit for bit, for 1–4
+// ranks.
 TEST_F(FusedOptimizerTest, StepsTheDistributedOptimizersShardsLikeTorchOptim) {
   const auto options = MixedPrecisionOptions("32");
   testing::MlpData data(3);
-  auto train = [&](int world, bool fused) {
+  auto train = [&](int world, bool fused, bool sgd) {
     std::vector<torch::nn::Sequential> models;
     for (int r = 0; r < world; ++r) {
       torch::manual_seed(11);
@@ -189,8 +278,13 @@ TEST_F(FusedOptimizerTest, StepsTheDistributedOptimizersShardsLikeTorchOptim) {
     const auto errors = testing::run_ranks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
       auto& model = models[rank];
       const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      const auto sgd_options = torch::optim::SGDOptions(5e-2).momentum(0.9).nesterov(true);
       std::unique_ptr<torch::optim::Optimizer> optimizer;
-      if (fused) {
+      if (sgd && fused) {
+        optimizer = std::make_unique<FusedSGD>(model->parameters(), sgd_options);
+      } else if (sgd) {
+        optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), sgd_options);
+      } else if (fused) {
         optimizer = std::make_unique<FusedAdamW>(model->parameters(), adamw);
       } else {
         optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), adamw);
@@ -209,11 +303,13 @@ TEST_F(FusedOptimizerTest, StepsTheDistributedOptimizersShardsLikeTorchOptim) {
     for (const auto& e : errors) EXPECT_EQ(e, "");
     return models[0];
   };
-  for (int world : {1, 2, 4}) {
-    SCOPED_TRACE("world " + std::to_string(world));
-    auto fused = train(world, true)->parameters();
-    auto reference = train(world, false)->parameters();
-    for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(BytesEqual(fused[i].detach(), reference[i].detach()));
+  for (const bool sgd : {false, true}) {
+    for (int world : {1, 2, 4}) {
+      SCOPED_TRACE(std::string(sgd ? "SGD" : "AdamW") + ", world " + std::to_string(world));
+      auto fused = train(world, true, sgd)->parameters();
+      auto reference = train(world, false, sgd)->parameters();
+      for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(BytesEqual(fused[i].detach(), reference[i].detach()));
+    }
   }
 }
 
@@ -267,6 +363,115 @@ TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
           EXPECT_TRUE(BytesEqual(gpu_copy[i], gpu_p[i].to(gpu_copy[i].scalar_type()))) << "copy " << i;
         }
       }
+    }
+  }
+}
+
+// The SGD kernels against the CPU reference (same bound and reasoning as Adam's above): with
+// and without momentum, nesterov, dampening, half gradients, some tensors without a copy.
+TEST_F(FusedOptimizerTest, SgdKernelsMatchTheCpuReference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const std::vector<std::pair<const char*, SgdStepOptions>> variants = {
+      {"plain", {1e-2, 0.0, 0.0, 0.0, false}},
+      {"momentum, dampening, weight decay", {1e-2, 0.9, 0.1, 0.01, false}},
+      {"nesterov", {1e-2, 0.8, 0.0, 0.05, true}}};
+  for (const auto grad_dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const auto& [name, options] : variants) {
+      SCOPED_TRACE(std::string(c10::toString(grad_dtype)) + " " + name);
+      // 130 tensors: more than one launch's table (128).
+      std::vector<torch::Tensor> cpu_p, cpu_b, cpu_copy, gpu_p, gpu_b, gpu_copy;
+      const auto all_shapes = shapes();
+      for (int i = 0; i < 130; ++i) {
+        const auto& shape = all_shapes[i % all_shapes.size()];
+        cpu_p.push_back(torch::randn(shape));
+        cpu_b.push_back(torch::full(shape, NAN));  // written on the first step, not read
+        cpu_copy.push_back(torch::empty(shape, i % 2 ? at::kBFloat16 : at::kHalf));
+        gpu_p.push_back(cpu_p.back().cuda());
+        gpu_b.push_back(cpu_b.back().cuda());
+        gpu_copy.push_back(cpu_copy.back().cuda());
+      }
+      for (int step = 1; step <= 5; ++step) {
+        std::vector<SgdStepTensor> cpu, gpu;
+        for (size_t i = 0; i < cpu_p.size(); ++i) {
+          auto grad = torch::randn(cpu_p[i].sizes()).mul_(64).to(grad_dtype);
+          auto copy = i % 3 == 0 ? torch::Tensor() : cpu_copy[i];  // some without a copy
+          cpu.push_back({cpu_p[i], grad, cpu_b[i], step == 1, copy});
+          gpu.push_back({gpu_p[i], grad.cuda(), gpu_b[i], step == 1,
+                         copy.defined() ? gpu_copy[i] : torch::Tensor()});
+        }
+        fused_sgd_step(cpu, options, 1.0 / 64);
+        fused_sgd_step(gpu, options, 1.0 / 64);
+      }
+      for (size_t i = 0; i < cpu_p.size(); ++i) {
+        std::vector<std::tuple<torch::Tensor, torch::Tensor, const char*>> pairs = {{gpu_p[i], cpu_p[i], "param"}};
+        if (options.momentum != 0) pairs.emplace_back(gpu_b[i], cpu_b[i], "momentum_buffer");
+        for (const auto& [a, b, what] : pairs) {
+          const auto diff = (a.cpu() - b).abs();
+          const auto bound = b.abs() * 2e-6 + 1e-7;
+          EXPECT_TRUE(diff.le(bound).all().item<bool>())
+              << what << " " << i << ": max difference " << diff.max().item<float>();
+        }
+        if (i % 3 != 0) {
+          EXPECT_TRUE(BytesEqual(gpu_copy[i], gpu_p[i].to(gpu_copy[i].scalar_type()))) << "copy " << i;
+        }
+      }
+    }
+  }
+}
+
+// The plugin steps a torch::optim::SGD (nesterov momentum, weight decay) through the kernels on
+// CUDA and through SGD::step with fused_optimizer off. One step from the same model and batch:
+// the gradients are the same, so the masters differ by the kernel's float32 roundings only
+// (the bound of the kernel test), the momentum buffers likewise, and the half parameters are
+// the fused masters rounded.
+TEST_F(FusedOptimizerTest, PluginFusedSgdStepMatchesTheUnfusedStep_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  testing::MlpData data(5);
+  for (const auto& [name, precision] : std::vector<std::pair<const char*, MixedPrecisionOptions>>{
+           {"bf16-mixed", recipes::bf16_mixed()},
+           {"16-mixed", recipes::fp16_mixed().fp16_initial_loss_scale(1024)}}) {
+    SCOPED_TRACE(name);
+    std::vector<std::vector<torch::Tensor>> masters(2), buffers(2);
+    std::vector<torch::nn::Sequential> models;
+    for (const bool fused : {true, false}) {
+      torch::manual_seed(17);
+      auto model = testing::make_mlp();
+      model->to(torch::kCUDA);
+      torch::optim::SGD optimizer(
+          model->parameters(),
+          torch::optim::SGDOptions(3e-2).momentum(0.9).nesterov(true).weight_decay(0.01));
+      MixedPrecisionPlugin plugin(MixedPrecisionOptions(precision).fused_optimizer(fused));
+      plugin.connect(*model, optimizer);
+      auto [x, y] = data.batch(0, 0);
+      torch::Tensor loss;
+      {
+        auto context = plugin.forward_context();
+        loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x.cuda()))), y.cuda());
+        context.close();
+      }
+      plugin.backward(loss);
+      plugin.clip_gradients(optimizer, 0.05);
+      EXPECT_TRUE(plugin.optimizer_step(optimizer));
+      for (const auto& m : plugin.master_params()) {
+        masters[fused ? 0 : 1].push_back(m.detach().cpu());
+        const auto& state = optimizer.state().at(m.unsafeGetTensorImpl());
+        buffers[fused ? 0 : 1].push_back(
+            static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer().cpu());
+      }
+      models.push_back(model);
+    }
+    ASSERT_EQ(masters[0].size(), masters[1].size());
+    for (size_t i = 0; i < masters[0].size(); ++i) {
+      for (const auto& [a, b, what] : {std::tuple{masters[0][i], masters[1][i], "master"},
+                                       std::tuple{buffers[0][i], buffers[1][i], "momentum_buffer"}}) {
+        const auto diff = (a - b).abs();
+        EXPECT_TRUE(diff.le(b.abs() * 2e-6 + 1e-7).all().item<bool>())
+            << what << " " << i << ": max difference " << diff.max().item<float>();
+      }
+    }
+    auto params = models[0]->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(BytesEqual(params[i].detach().cpu(), masters[0][i].to(params[i].scalar_type()))) << i;
     }
   }
 }

@@ -42,6 +42,12 @@ void* optional_mutable_ptr(const at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr() : nullptr;
 }
 
+// The model copy an optimizer kernel writes: none, bf16 or fp16.
+cuda::CopyType copy_type(const at::Tensor& copy) {
+  if (!copy.defined()) return cuda::CopyType::kNone;
+  return copy.scalar_type() == at::kBFloat16 ? cuda::CopyType::kBFloat16 : cuda::CopyType::kHalf;
+}
+
 // The type the LayerNorm kernels read gamma and beta in: that of whichever is defined (the
 // caller makes them agree), float32 when neither is.
 cuda::InputType weight_type(const at::Tensor& gamma, const at::Tensor& beta) {
@@ -215,10 +221,6 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
   scalars.eps = static_cast<float>(o.eps);
   scalars.grad_multiplier = static_cast<float>(grad_multiplier);
   // One launch sequence per (grad dtype, copy dtype).
-  auto copy_type = [](const at::Tensor& copy) {
-    if (!copy.defined()) return cuda::CopyType::kNone;
-    return copy.scalar_type() == at::kBFloat16 ? cuda::CopyType::kBFloat16 : cuda::CopyType::kHalf;
-  };
   std::vector<std::vector<cuda::AdamTensorPointers>> batches(9);
   for (const auto& t : tensors) {
     const int key = static_cast<int>(input_type(t.grad)) * 3 + static_cast<int>(copy_type(t.model_copy));
@@ -235,6 +237,35 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
                                             static_cast<cuda::InputType>(key / 3),
                                             static_cast<cuda::CopyType>(key % 3), scalars,
                                             current_stream()));
+  }
+}
+
+void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdStepOptions& o,
+                         double grad_multiplier) {
+  const c10::cuda::CUDAGuard guard(tensors.front().param.device());
+  cuda::SgdScalars scalars{};
+  scalars.neg_lr = static_cast<float>(-1 * o.lr);
+  scalars.momentum = static_cast<float>(o.momentum);
+  scalars.one_minus_dampening = static_cast<float>(1 - o.dampening);
+  scalars.weight_decay = static_cast<float>(o.weight_decay);
+  scalars.grad_multiplier = static_cast<float>(grad_multiplier);
+  scalars.nesterov = o.nesterov;
+  const bool with_momentum = o.momentum != 0;
+  // One launch sequence per (grad dtype, copy dtype).
+  std::vector<std::vector<cuda::SgdTensorPointers>> batches(9);
+  for (const auto& t : tensors) {
+    const int key = static_cast<int>(input_type(t.grad)) * 3 + static_cast<int>(copy_type(t.model_copy));
+    batches[key].push_back({t.param.mutable_data_ptr<float>(),
+                            with_momentum ? t.momentum_buffer.mutable_data_ptr<float>() : nullptr,
+                            t.grad.const_data_ptr(), optional_mutable_ptr(t.model_copy),
+                            t.param.numel(), t.first_step});
+  }
+  for (int key = 0; key < 9; ++key) {
+    if (batches[key].empty()) continue;
+    AMP8_CUDA_CHECK(cuda::launch_fused_sgd(batches[key].data(), static_cast<int>(batches[key].size()),
+                                           static_cast<cuda::InputType>(key / 3),
+                                           static_cast<cuda::CopyType>(key % 3), scalars,
+                                           current_stream()));
   }
 }
 

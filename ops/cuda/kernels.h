@@ -144,4 +144,26 @@ enum class CopyType { kNone, kBFloat16, kHalf };
 int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, InputType grad_type,
                       CopyType copy_type, const AdamScalars& scalars, Stream stream);
 
+// ---- Fused SGD with FP32 master weights (fused_sgd_kernels.cu) ----
+struct SgdTensorPointers {
+  float* param;            // FP32 master, updated in place
+  float* momentum_buffer;  // FP32, in place; null without momentum
+  const void* grad;        // the launch's grad type
+  void* model_copy;        // the launch's copy type, or null
+  int64_t numel;
+  bool first_step;  // the buffer's first step: buffer = d, its contents not read
+};
+struct SgdScalars {
+  float neg_lr;               // param += neg_lr · d
+  float momentum;             // 0 = none
+  float one_minus_dampening;  // 1 - dampening
+  float weight_decay;         // d += weight_decay · param (0 = none)
+  float grad_multiplier;      // every gradient is multiplied by it first
+  bool nesterov;
+};
+// One launch per 128 tensors; every tensor of the call has grads of `grad_type` and copies of
+// `copy_type`.
+int launch_fused_sgd(const SgdTensorPointers* tensors, int num_tensors, InputType grad_type,
+                     CopyType copy_type, const SgdScalars& scalars, Stream stream);
+
 }  // namespace amp8::cuda

@@ -8,6 +8,7 @@
 
 #include "ops/fp8_format.h"
 #include "ops/fused_adam.h"
+#include "ops/fused_sgd.h"
 #include "ops/fp8_gemm.h"
 #include "ops/fp8_tensor.h"
 #include "ops/scaling.h"
@@ -62,6 +63,10 @@ void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out);
 // Multi-tensor Adam / AdamW (fused_adam_kernels.cu); arguments checked by fused_adam_step.
 void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& options,
                           double grad_multiplier);
+
+// Multi-tensor SGD (fused_sgd_kernels.cu); arguments checked by fused_sgd_step.
+void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdStepOptions& options,
+                         double grad_multiplier);
 
 // cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
 at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "ops/fused_adam.h"
+#include "ops/fused_sgd.h"
 
 namespace amp8 {
 namespace {
@@ -59,6 +60,40 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
   }
 }
 
+// torch::optim::SGD: the momentum buffer created on a param's first step with momentum, as
+// torch::optim::SGD creates it (no state without momentum).
+void step_sgd_groups(torch::optim::Optimizer& optimizer, double grad_multiplier,
+                     const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
+                     const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
+  auto& states = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    SgdStepOptions step{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov()};
+    std::vector<SgdStepTensor> tensors;
+    tensors.reserve(group.params().size());
+    for (auto& param : group.params()) {
+      auto grad = grad_of(param);
+      if (!grad.defined()) continue;
+      SgdStepTensor entry;
+      entry.param = param;
+      entry.grad = grad;
+      if (step.momentum != 0) {
+        auto& slot = states[param.unsafeGetTensorImpl()];
+        if (!slot) {
+          auto state = std::make_unique<torch::optim::SGDParamState>();
+          state->momentum_buffer(torch::empty_like(param, at::MemoryFormat::Contiguous));
+          slot = std::move(state);
+          entry.first_step = true;
+        }
+        entry.momentum_buffer = static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer();
+      }
+      if (copy_of) entry.model_copy = copy_of(param);
+      tensors.push_back(std::move(entry));
+    }
+    fused_sgd_step(tensors, step, grad_multiplier);
+  }
+}
+
 template <typename Options>
 bool no_group_uses_amsgrad(const torch::optim::Optimizer& optimizer) {
   for (const auto& group : optimizer.param_groups()) {
@@ -84,16 +119,19 @@ bool is_fusable(const torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
     return no_group_uses_amsgrad<torch::optim::AdamOptions>(optimizer);
   }
-  return false;
+  return dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
 }
 
 void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
                           const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                           const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
   TORCH_CHECK(is_fusable(optimizer),
-              "fused_optimizer_step: expected a torch::optim::Adam or AdamW without amsgrad");
+              "fused_optimizer_step: expected a torch::optim::Adam or AdamW without amsgrad, or "
+              "a torch::optim::SGD");
   at::NoGradGuard no_grad;
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+    step_sgd_groups(optimizer, grad_multiplier, grad_of, copy_of);
+  } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
     step_groups<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
         optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of);
   } else {
@@ -103,6 +141,12 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
+  auto loss = closure_loss(closure);
+  fused_optimizer_step(*this, 1.0, own_grad);
+  return loss;
+}
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
   auto loss = closure_loss(closure);
   fused_optimizer_step(*this, 1.0, own_grad);
   return loss;

@@ -3,6 +3,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
 
 #include <functional>
 #include <vector>
@@ -10,13 +11,14 @@
 namespace amp8 {
 
 /// Whether fused_optimizer_step can step `optimizer`: a torch::optim::Adam or AdamW (FusedAdam
-/// and FusedAdamW included) without amsgrad.
+/// and FusedAdamW included) without amsgrad, or a torch::optim::SGD (FusedSGD included).
 bool is_fusable(const torch::optim::Optimizer& optimizer);
 
-/// Steps a fusable `optimizer` through fused_adam_step (ops/fused_adam.h): multi-tensor kernels
-/// on CUDA, torch::optim's own operations on the CPU. Each parameter's state is torch::optim's
-/// (AdamParamState / AdamWParamState: step, exp_avg, exp_avg_sq, created as torch::optim creates
-/// them), so checkpoints of the fused and the unfused optimizer load into each other.
+/// Steps a fusable `optimizer` through fused_adam_step / fused_sgd_step (ops/fused_adam.h,
+/// ops/fused_sgd.h): multi-tensor kernels on CUDA, torch::optim's own operations on the CPU.
+/// Each parameter's state is torch::optim's (AdamParamState / AdamWParamState: step, exp_avg,
+/// exp_avg_sq; SGDParamState: momentum_buffer, with momentum only; created when torch::optim
+/// creates them), so checkpoints of the fused and the unfused optimizer load into each other.
 ///
 /// `grad_of(param)`: the gradient to read (any float dtype: e.g. the model's bf16 gradient of a
 /// master param, read in place); an undefined tensor skips the param, as torch::optim skips
@@ -34,6 +36,14 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
 class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// torch::optim::SGD (momentum, dampening, nesterov, weight decay) stepped by the multi-tensor
+/// CUDA kernels (Apex's multi_tensor_sgd); see FusedAdamW.
+class FusedSGD : public torch::optim::SGD {
+ public:
+  using torch::optim::SGD::SGD;
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 

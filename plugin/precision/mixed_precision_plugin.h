@@ -41,10 +41,11 @@ struct MixedPrecisionOptions {
   /// Reduce gradients across data-parallel ranks in float32 (used by the distributed
   /// optimizer). Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
   TORCH_ARG(bool, grad_reduce_in_fp32) = true;
-  /// Step a torch::optim::Adam / AdamW (without amsgrad) whose masters are on a GPU with amp8's
-  /// multi-tensor kernels (fused_optimizer_step, TE's FusedAdam with master weights): one pass
-  /// per element reads the model's half gradient where it is (no FP32 gradient copy), unscales
-  /// and clips it on the fly, updates the FP32 master and the moments and writes the model's
+  /// Step a torch::optim::Adam / AdamW (without amsgrad) or SGD whose masters are on a GPU with
+  /// amp8's multi-tensor kernels (fused_optimizer_step, TE's FusedAdam / FusedSGD with master
+  /// weights): one pass per element reads the model's half gradient where it is (no FP32
+  /// gradient copy), unscales and clips it on the fly, updates the FP32 master and the optimizer
+  /// state (moments, momentum buffer) and writes the model's
   /// half parameter (no copy-back). The masters' .grad() then stays undefined. Other
   /// optimizers, the CPU, or false: the optimizer's own step(). Default: true.
   TORCH_ARG(bool, fused_optimizer) = true;
