@@ -189,16 +189,17 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
 #ifdef AMP8_WITH_CUDA
 // ---- ATen composite, for CUDA shapes the fused kernels do not take ----
 
-at::Tensor normalized_composite(const at::Tensor& x, const at::Tensor& gamma_f,
-                                const at::Tensor& beta_f, double eps, const LayerNormStats& stats) {
+// gamma/beta: float32 or x's dtype (kernel_affine); float32 arithmetic either way.
+at::Tensor normalized_composite(const at::Tensor& x, const at::Tensor& gamma,
+                                const at::Tensor& beta, double eps, const LayerNormStats& stats) {
   auto xf = x.to(at::kFloat);
   auto mean = xf.mean(1, /*keepdim=*/true);
   auto rstd = at::rsqrt((xf - mean).square().mean(1, /*keepdim=*/true) + eps);
   stats.mean.copy_(mean.squeeze(1));
   stats.rstd.copy_(rstd.squeeze(1));
   auto y = (xf - mean) * rstd;
-  if (gamma_f.defined()) y = y * gamma_f;
-  if (beta_f.defined()) y = y + beta_f;
+  if (gamma.defined()) y = y * gamma;
+  if (beta.defined()) y = y + beta;
   return y;
 }
 #endif

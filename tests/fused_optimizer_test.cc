@@ -223,6 +223,50 @@ TEST_F(FusedOptimizerTest, SgdCheckpointsLoadAcrossFusedAndTorchOptim) {
   }
 }
 
+// A step that throws on bad input leaves the optimizer's state as it was (no half-made momentum
+// buffer or moments, no advanced step count); the next good step is torch::optim's first. SGD
+// without momentum keeps no state, as torch::optim::SGD.
+TEST_F(FusedOptimizerTest, AFailedStepLeavesTheStateAsItWas) {
+  const auto sgd_options = torch::optim::SGDOptions(5e-2).momentum(0.9).dampening(0.3);
+  const auto adamw_options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  auto sgd_params = random_params(), adamw_params = random_params();
+  auto sgd_reference = clones(sgd_params), adamw_reference = clones(adamw_params);
+  FusedSGD sgd(sgd_params, sgd_options);
+  FusedAdamW adamw(adamw_params, adamw_options);
+  for (auto* params : {&sgd_params, &adamw_params}) {
+    for (auto& p : *params) p.mutable_grad() = torch::randn(p.sizes());
+    // The last param's gradient transposed: not contiguous.
+    auto& last = params->back();
+    last.mutable_grad() = torch::randn(last.sizes()).transpose(0, 1).contiguous().transpose(0, 1);
+  }
+  ExpectErrorContaining([&] { sgd.step(); }, "must be contiguous");
+  ExpectErrorContaining([&] { adamw.step(); }, "must be contiguous");
+  EXPECT_TRUE(sgd.state().empty());
+  EXPECT_TRUE(adamw.state().empty());
+  torch::optim::SGD sgd_unfused(sgd_reference, sgd_options);
+  torch::optim::AdamW adamw_unfused(adamw_reference, adamw_options);
+  for (int step = 0; step < 2; ++step) {
+    set_grads(sgd_params, sgd_reference, step);
+    set_grads(adamw_params, adamw_reference, step);
+    sgd.step();
+    sgd_unfused.step();
+    adamw.step();
+    adamw_unfused.step();
+  }
+  for (size_t i = 0; i < sgd_params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(sgd_params[i].detach(), sgd_reference[i].detach())) << "SGD param " << i;
+    EXPECT_TRUE(BytesEqual(adamw_params[i].detach(), adamw_reference[i].detach())) << "AdamW param " << i;
+  }
+  const auto& state = static_cast<torch::optim::AdamWParamState&>(
+      *adamw.state().at(adamw_params[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(state.step(), 2);
+  auto plain_params = random_params(), plain_reference = clones(plain_params);
+  FusedSGD plain(plain_params, torch::optim::SGDOptions(5e-2));
+  set_grads(plain_params, plain_reference, 0);
+  plain.step();
+  EXPECT_TRUE(plain.state().empty());
+}
+
 TEST_F(FusedOptimizerTest, BadInputNamesTheEntryAndField) {
   auto p = torch::randn({8, 8});
   auto m = torch::zeros({8, 8}), v = torch::zeros({8, 8});

@@ -166,9 +166,8 @@ void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {
   TORCH_CHECK(options.fp8_params(),
               "Fp8Linear::update_fp8_weight: the module was not built with fp8_params "
               "(construct it under amp8::Fp8ModelInit)");
-  TORCH_CHECK(master.sizes() == weight.sizes(),
-              "Fp8Linear::update_fp8_weight: master must have "
-              "shape ",
+  TORCH_CHECK(master.defined(), "Fp8Linear::update_fp8_weight: master must be a defined tensor");
+  TORCH_CHECK(master.sizes() == weight.sizes(), "Fp8Linear::update_fp8_weight: master must have shape ",
               weight.sizes(), ", got ", master.sizes());
   update_fp8_weights({this}, {master});
 }

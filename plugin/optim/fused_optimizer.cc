@@ -24,6 +24,9 @@ AdamStepOptions step_options(const Options& o, bool decoupled) {
   return step;
 }
 
+// State a step creates or advances joins the optimizer only once fused_*_step has checked its
+// input and written the tensors: a step that throws (bad input) leaves the optimizer's state as
+// it was, so neither a retry nor the unfused optimizer reads half-made state.
 template <typename Options, typename State>
 void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad_multiplier,
                  const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
@@ -33,35 +36,45 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
     const auto& options = static_cast<const Options&>(group.options());
     TORCH_CHECK(!options.amsgrad(), "fused_optimizer_step: amsgrad is not fused; step the optimizer itself");
     std::vector<AdamStepTensor> tensors;
+    std::vector<std::unique_ptr<State>> created;    // for tensors[i] with no state yet, else null
     tensors.reserve(group.params().size());
     for (auto& param : group.params()) {
       auto grad = grad_of(param);
       if (!grad.defined()) continue;
-      auto& slot = states[param.unsafeGetTensorImpl()];
-      if (!slot) {  // as torch::optim creates it
+      AdamStepTensor entry;
+      entry.param = param;
+      entry.grad = grad;
+      const auto found = states.find(param.unsafeGetTensorImpl());
+      if (found == states.end() || !found->second) {  // as torch::optim creates it
         auto state = std::make_unique<State>();
         state->step(0);
         state->exp_avg(torch::zeros_like(param, at::MemoryFormat::Preserve));
         state->exp_avg_sq(torch::zeros_like(param, at::MemoryFormat::Preserve));
-        slot = std::move(state);
+        entry.exp_avg = state->exp_avg();
+        entry.exp_avg_sq = state->exp_avg_sq();
+        entry.step = 1;
+        created.push_back(std::move(state));
+      } else {
+        const auto& state = static_cast<const State&>(*found->second);
+        entry.exp_avg = state.exp_avg();
+        entry.exp_avg_sq = state.exp_avg_sq();
+        entry.step = state.step() + 1;
+        created.push_back(nullptr);
       }
-      auto& state = static_cast<State&>(*slot);
-      state.step(state.step() + 1);
-      AdamStepTensor entry;
-      entry.param = param;
-      entry.grad = grad;
-      entry.exp_avg = state.exp_avg();
-      entry.exp_avg_sq = state.exp_avg_sq();
-      entry.step = state.step();
       if (copy_of) entry.model_copy = copy_of(param);
       tensors.push_back(std::move(entry));
     }
     fused_adam_step(tensors, step_options(options, decoupled), grad_multiplier);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      auto* key = tensors[i].param.unsafeGetTensorImpl();
+      if (created[i]) states[key] = std::move(created[i]);
+      static_cast<State&>(*states[key]).step(tensors[i].step);
+    }
   }
 }
 
 // torch::optim::SGD: the momentum buffer created on a param's first step with momentum, as
-// torch::optim::SGD creates it (no state without momentum).
+// torch::optim::SGD creates it (no state without momentum); joins the state as step_groups'.
 void step_sgd_groups(torch::optim::Optimizer& optimizer, double grad_multiplier,
                      const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                      const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
@@ -78,19 +91,25 @@ void step_sgd_groups(torch::optim::Optimizer& optimizer, double grad_multiplier,
       entry.param = param;
       entry.grad = grad;
       if (step.momentum != 0) {
-        auto& slot = states[param.unsafeGetTensorImpl()];
-        if (!slot) {
-          auto state = std::make_unique<torch::optim::SGDParamState>();
-          state->momentum_buffer(torch::empty_like(param, at::MemoryFormat::Contiguous));
-          slot = std::move(state);
+        const auto found = states.find(param.unsafeGetTensorImpl());
+        if (found == states.end() || !found->second) {
+          entry.momentum_buffer = torch::empty_like(param, at::MemoryFormat::Contiguous);
           entry.first_step = true;
+        } else {
+          entry.momentum_buffer =
+              static_cast<const torch::optim::SGDParamState&>(*found->second).momentum_buffer();
         }
-        entry.momentum_buffer = static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer();
       }
       if (copy_of) entry.model_copy = copy_of(param);
       tensors.push_back(std::move(entry));
     }
     fused_sgd_step(tensors, step, grad_multiplier);
+    for (const auto& t : tensors) {
+      if (!t.first_step) continue;
+      auto state = std::make_unique<torch::optim::SGDParamState>();
+      state->momentum_buffer(t.momentum_buffer);
+      states[t.param.unsafeGetTensorImpl()] = std::move(state);
+    }
   }
 }
 

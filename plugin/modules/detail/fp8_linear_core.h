@@ -70,8 +70,8 @@ struct QuantizeActivation {
 /// Quantizes x (or its activation) for the recipe: delayed scaling uses `scale` and max-merges
 /// the values' amax into `amax_slot`, fused into one kernel with the activation
 /// (cast_transpose_gelu / cast_transpose_dgelu); tensorwise scaling derives the scale from the
-/// values themselves. `dbias_out` (float32 [cols]), when defined, receives their column sums
-/// from the same read (not with kGelu).
+/// values themselves. `dbias_out` ([cols]; float32, bfloat16 or float16: the bias's dtype), when
+/// defined, receives their column sums from the same read (not with kGelu).
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Format format,
                               const at::Tensor& scale, const at::Tensor& amax_slot,
                               const at::Tensor& dbias_out = {},
