@@ -288,44 +288,38 @@ int main(int argc, char** argv) {
   c10::cuda::CUDACachingAllocator::emptyCache();
   emit("gpt_stack_step_bf16_fp8_params_unfused_optimizer", fp8_unfused, "bf16 + FP8 fp8_params (fused optimizer)", fp8.step_ms);
 
-  // The optimizer step with master weights against its bytes-moved floor: per parameter the
-  // FP32 master and both moments read and written (24 B), the bf16 gradient read and the bf16
-  // parameter written (4 B), at the copy rate measured here.
+  // The optimizer step with master weights against its bytes-moved floor, fused and unfused
+  // (grad copy + the torch::optim step + copy-back), at the copy rate measured here. Returns the
+  // unfused case's measurements.
   const double copy_rate = copy_bytes_per_s();
-  const auto fused_step = overhead_case(x, y, 10, /*fused=*/true);
-  c10::cuda::CUDACachingAllocator::emptyCache();
-  const double floor_ms = 28.0 * fused_step.params / copy_rate * 1000.0;
-  const auto overhead = overhead_case(x, y, 10, /*fused=*/false);
-  c10::cuda::CUDACachingAllocator::emptyCache();
-  const double unfused_ms = overhead.grad_copy_ms + overhead.plugin_step_ms;
-  const double fused_ms = fused_step.grad_copy_ms + fused_step.plugin_step_ms;
-  amp8::bench::Record("gpt_stack_optimizer_step", shape, cmd)
-      .timing(fused_ms, "unfused (grad copy + torch::optim::AdamW + copy-back)", unfused_ms)
-      .set("params", fused_step.params)
-      .set("copy_rate_bytes_per_s", copy_rate)
-      .set("floor_ms", floor_ms)
-      .set("fraction_of_floor", fused_ms / floor_ms)
-      .set("unfused_fraction_of_floor", unfused_ms / floor_ms)
-      .print();
-  // SGD with nesterov momentum: the FP32 master and the momentum buffer read and written (16 B),
-  // the bf16 gradient read and the bf16 parameter written (4 B).
-  {
-    const auto fused_sgd = overhead_case(x, y, 10, /*fused=*/true, /*sgd=*/true);
+  auto optimizer_step_row = [&](const char* name, bool sgd, double bytes_per_param,
+                                const char* baseline) {
+    const auto fused = overhead_case(x, y, 10, /*fused=*/true, sgd);
     c10::cuda::CUDACachingAllocator::emptyCache();
-    const auto unfused_sgd = overhead_case(x, y, 10, /*fused=*/false, /*sgd=*/true);
+    const auto unfused = overhead_case(x, y, 10, /*fused=*/false, sgd);
     c10::cuda::CUDACachingAllocator::emptyCache();
-    const double sgd_floor_ms = 20.0 * fused_sgd.params / copy_rate * 1000.0;
-    const double sgd_fused_ms = fused_sgd.grad_copy_ms + fused_sgd.plugin_step_ms;
-    const double sgd_unfused_ms = unfused_sgd.grad_copy_ms + unfused_sgd.plugin_step_ms;
-    amp8::bench::Record("gpt_stack_optimizer_step_sgd", shape, cmd)
-        .timing(sgd_fused_ms, "unfused (grad copy + torch::optim::SGD + copy-back)", sgd_unfused_ms)
-        .set("params", fused_sgd.params)
+    const double floor_ms = bytes_per_param * fused.params / copy_rate * 1000.0;
+    const double fused_ms = fused.grad_copy_ms + fused.plugin_step_ms;
+    const double unfused_ms = unfused.grad_copy_ms + unfused.plugin_step_ms;
+    amp8::bench::Record(name, shape, cmd)
+        .timing(fused_ms, baseline, unfused_ms)
+        .set("params", fused.params)
         .set("copy_rate_bytes_per_s", copy_rate)
-        .set("floor_ms", sgd_floor_ms)
-        .set("fraction_of_floor", sgd_fused_ms / sgd_floor_ms)
-        .set("unfused_fraction_of_floor", sgd_unfused_ms / sgd_floor_ms)
+        .set("floor_ms", floor_ms)
+        .set("fraction_of_floor", fused_ms / floor_ms)
+        .set("unfused_fraction_of_floor", unfused_ms / floor_ms)
         .print();
-  }
+    return unfused;
+  };
+  // AdamW: the FP32 master and both moments read and written (24 B), the bf16 gradient read and
+  // the bf16 parameter written (4 B).
+  const auto overhead = optimizer_step_row(
+      "gpt_stack_optimizer_step", /*sgd=*/false, 28.0,
+      "unfused (grad copy + torch::optim::AdamW + copy-back)");
+  // SGD with nesterov momentum: the master and the momentum buffer read and written (16 B), the
+  // gradient read and the parameter written (4 B).
+  optimizer_step_row("gpt_stack_optimizer_step_sgd", /*sgd=*/true, 20.0,
+                     "unfused (grad copy + torch::optim::SGD + copy-back)");
   const double copy_back_ms = overhead.plugin_step_ms - overhead.optimizer_step_ms;
   const double overhead_ms = overhead.grad_copy_ms + copy_back_ms;
   // For scale: a bf16 loop with no FP32 masters at all (bf16 params stepped by AdamW directly).

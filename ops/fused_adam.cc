@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
 
 namespace amp8 {
@@ -14,28 +15,10 @@ namespace {
 constexpr const char* kOp = "fused_adam_step";
 
 void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device) {
-  const std::string where = std::string(kOp) + ": tensors[" + std::to_string(index) + "].";
-  auto check = [&](const at::Tensor& x, const char* field, bool float32_only) {
-    TORCH_CHECK(x.defined(), where, field, " must be a defined tensor");
-    TORCH_CHECK(x.device() == device, where, field, " must be on ", device, " (the first param's "
-                "device), got ", x.device());
-    TORCH_CHECK(x.is_contiguous(), where, field, " must be contiguous");
-    TORCH_CHECK(x.sizes() == t.param.sizes(), where, field, " must have the param's shape ",
-                t.param.sizes(), ", got ", x.sizes());
-    const auto dtype = x.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || (!float32_only && (dtype == at::kBFloat16 || dtype == at::kHalf)),
-                where, field, float32_only ? " must be float32" : " must be float32, bfloat16 or float16",
-                ", got ", dtype);
-  };
-  check(t.param, "param", true);
-  check(t.grad, "grad", false);
-  check(t.exp_avg, "exp_avg", true);
-  check(t.exp_avg_sq, "exp_avg_sq", true);
-  if (t.model_copy.defined()) {
-    check(t.model_copy, "model_copy", false);
-    TORCH_CHECK(t.model_copy.scalar_type() != at::kFloat, where,
-                "model_copy must be bfloat16 or float16 (a float32 param is its own master), got float32");
-  }
+  const std::string where = detail::step_entry_name(kOp, index);
+  detail::check_step_param_grad_copy(t.param, t.grad, t.model_copy, device, where);
+  detail::check_step_tensor(t.exp_avg, t.param, device, where, "exp_avg", true);
+  detail::check_step_tensor(t.exp_avg_sq, t.param, device, where, "exp_avg_sq", true);
   TORCH_CHECK(t.step >= 1, where, "step must be >= 1 (the count including this step), got ", t.step);
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
 
 namespace amp8 {
@@ -15,26 +16,10 @@ constexpr const char* kOp = "fused_sgd_step";
 
 void check_entry(const SgdStepTensor& t, size_t index, const at::Device& device,
                  bool with_momentum) {
-  const std::string where = std::string(kOp) + ": tensors[" + std::to_string(index) + "].";
-  auto check = [&](const at::Tensor& x, const char* field, bool float32_only) {
-    TORCH_CHECK(x.defined(), where, field, " must be a defined tensor");
-    TORCH_CHECK(x.device() == device, where, field, " must be on ", device, " (the first param's "
-                "device), got ", x.device());
-    TORCH_CHECK(x.is_contiguous(), where, field, " must be contiguous");
-    TORCH_CHECK(x.sizes() == t.param.sizes(), where, field, " must have the param's shape ",
-                t.param.sizes(), ", got ", x.sizes());
-    const auto dtype = x.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || (!float32_only && (dtype == at::kBFloat16 || dtype == at::kHalf)),
-                where, field, float32_only ? " must be float32" : " must be float32, bfloat16 or float16",
-                ", got ", dtype);
-  };
-  check(t.param, "param", true);
-  check(t.grad, "grad", false);
-  if (with_momentum) check(t.momentum_buffer, "momentum_buffer", true);
-  if (t.model_copy.defined()) {
-    check(t.model_copy, "model_copy", false);
-    TORCH_CHECK(t.model_copy.scalar_type() != at::kFloat, where,
-                "model_copy must be bfloat16 or float16 (a float32 param is its own master), got float32");
+  const std::string where = detail::step_entry_name(kOp, index);
+  detail::check_step_param_grad_copy(t.param, t.grad, t.model_copy, device, where);
+  if (with_momentum) {
+    detail::check_step_tensor(t.momentum_buffer, t.param, device, where, "momentum_buffer", true);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ops/fused_adam.h"
@@ -161,12 +162,16 @@ TEST_F(FusedOptimizerTest, MultiplierHalfGradientsAndCopiesMatchTheUnfusedSequen
 }
 
 // State names and layout are torch::optim's: a checkpoint of either continues in the other.
-TEST_F(FusedOptimizerTest, CheckpointsLoadAcrossFusedAndTorchOptim) {
-  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+// Three steps each, then swapped: torch::optim continues from the fused state and the fused
+// optimizer from torch::optim's; the params agree bit for bit. Returns the fused optimizer
+// that continued (with its params) for checks of its state.
+template <typename Fused, typename Reference, typename Options>
+std::pair<std::unique_ptr<Fused>, std::vector<torch::Tensor>> expect_checkpoints_load_across(
+    const Options& options) {
   auto fused_params = random_params();
   auto reference_params = clones(fused_params);
-  FusedAdamW fused(fused_params, options);
-  torch::optim::AdamW reference(reference_params, options);
+  Fused fused(fused_params, options);
+  Reference reference(reference_params, options);
   for (int step = 0; step < 3; ++step) {
     set_grads(fused_params, reference_params, step);
     fused.step();
@@ -175,52 +180,33 @@ TEST_F(FusedOptimizerTest, CheckpointsLoadAcrossFusedAndTorchOptim) {
   std::stringstream fused_saved, reference_saved;
   torch::save(fused, fused_saved);
   torch::save(reference, reference_saved);
-  // Swap: torch::optim continues from the fused state and the fused from torch::optim's.
   auto a_params = clones(fused_params), b_params = clones(reference_params);
-  torch::optim::AdamW a(a_params, options);
-  FusedAdamW b(b_params, options);
+  Reference a(a_params, options);
+  auto b = std::make_unique<Fused>(b_params, options);
   torch::load(a, fused_saved);
-  torch::load(b, reference_saved);
+  torch::load(*b, reference_saved);
   for (int step = 3; step < 6; ++step) {
     set_grads(a_params, b_params, step);
     a.step();
-    b.step();
+    b->step();
   }
   for (size_t i = 0; i < a_params.size(); ++i) {
     EXPECT_TRUE(BytesEqual(a_params[i].detach(), b_params[i].detach())) << "param " << i;
   }
-  const auto& state = static_cast<torch::optim::AdamWParamState&>(*b.state().at(b_params[0].unsafeGetTensorImpl()));
+  return {std::move(b), b_params};
+}
+
+TEST_F(FusedOptimizerTest, CheckpointsLoadAcrossFusedAndTorchOptim) {
+  auto [b, b_params] = expect_checkpoints_load_across<FusedAdamW, torch::optim::AdamW>(
+      torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  const auto& state = static_cast<torch::optim::AdamWParamState&>(*b->state().at(b_params[0].unsafeGetTensorImpl()));
   EXPECT_EQ(state.step(), 6);
 }
 
-// SGD's momentum buffers are torch::optim's SGDParamState: checkpoints load across the two.
+// SGD's momentum buffers are torch::optim's SGDParamState.
 TEST_F(FusedOptimizerTest, SgdCheckpointsLoadAcrossFusedAndTorchOptim) {
-  const auto options = torch::optim::SGDOptions(2e-2).momentum(0.9).dampening(0.2);
-  auto fused_params = random_params();
-  auto reference_params = clones(fused_params);
-  FusedSGD fused(fused_params, options);
-  torch::optim::SGD reference(reference_params, options);
-  for (int step = 0; step < 3; ++step) {
-    set_grads(fused_params, reference_params, step);
-    fused.step();
-    reference.step();
-  }
-  std::stringstream fused_saved, reference_saved;
-  torch::save(fused, fused_saved);
-  torch::save(reference, reference_saved);
-  auto a_params = clones(fused_params), b_params = clones(reference_params);
-  torch::optim::SGD a(a_params, options);
-  FusedSGD b(b_params, options);
-  torch::load(a, fused_saved);
-  torch::load(b, reference_saved);
-  for (int step = 3; step < 6; ++step) {
-    set_grads(a_params, b_params, step);
-    a.step();
-    b.step();
-  }
-  for (size_t i = 0; i < a_params.size(); ++i) {
-    EXPECT_TRUE(BytesEqual(a_params[i].detach(), b_params[i].detach())) << "param " << i;
-  }
+  expect_checkpoints_load_across<FusedSGD, torch::optim::SGD>(
+      torch::optim::SGDOptions(2e-2).momentum(0.9).dampening(0.2));
 }
 
 // A step that throws on bad input leaves the optimizer's state as it was (no half-made momentum

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <string_view>
 
 namespace amp8::detail {
@@ -31,6 +32,42 @@ inline void check_scalar_slot(const at::Tensor& t, const at::Tensor& x, std::str
               t.sizes());
   TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x.device(), " like x, got ",
               t.device());
+}
+
+// ---- The fused optimizer steps' entries (fused_adam_step, fused_sgd_step) ----
+
+// "op: tensors[index]." — the prefix that names one entry in an error.
+inline std::string step_entry_name(std::string_view op, size_t index) {
+  return std::string(op) + ": tensors[" + std::to_string(index) + "].";
+}
+
+// One tensor of an entry: defined, on `device` (the first param's), contiguous, of the param's
+// shape, and float32 (`float32_only`: a master or an optimizer state) or any of float32,
+// bfloat16, float16 (a gradient).
+inline void check_step_tensor(const at::Tensor& x, const at::Tensor& param, const at::Device& device,
+                              const std::string& where, const char* field, bool float32_only) {
+  TORCH_CHECK(x.defined(), where, field, " must be a defined tensor");
+  TORCH_CHECK(x.device() == device, where, field, " must be on ", device, " (the first param's "
+              "device), got ", x.device());
+  TORCH_CHECK(x.is_contiguous(), where, field, " must be contiguous");
+  TORCH_CHECK(x.sizes() == param.sizes(), where, field, " must have the param's shape ",
+              param.sizes(), ", got ", x.sizes());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || (!float32_only && (dtype == at::kBFloat16 || dtype == at::kHalf)),
+              where, field, float32_only ? " must be float32" : " must be float32, bfloat16 or float16",
+              ", got ", dtype);
+}
+
+// The param, its gradient and, when defined, the model's half copy of an entry.
+inline void check_step_param_grad_copy(const at::Tensor& param, const at::Tensor& grad,
+                                       const at::Tensor& model_copy, const at::Device& device,
+                                       const std::string& where) {
+  check_step_tensor(param, param, device, where, "param", true);
+  check_step_tensor(grad, param, device, where, "grad", false);
+  if (!model_copy.defined()) return;
+  check_step_tensor(model_copy, param, device, where, "model_copy", false);
+  TORCH_CHECK(model_copy.scalar_type() != at::kFloat, where,
+              "model_copy must be bfloat16 or float16 (a float32 param is its own master), got float32");
 }
 
 }  // namespace amp8::detail
