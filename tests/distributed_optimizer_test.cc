@@ -666,6 +666,102 @@ TEST(DistributedOptimizerTest, ARankThatDiesMakesTheOthersFailWithinTheTimeout) 
   EXPECT_LT(seconds, 10.0);
 }
 
+// Training on one rank is the DistributedOptimizer's world of one: its masters are the whole
+// parameters (float32 ones their own), it keeps no gradient buffer (nothing to reduce, so the
+// gradients stay where the backward pass left them) and it can export the FP32 masters. The
+// same holds for a process group of one rank.
+TEST(DistributedOptimizerTest, AWorldOfOneKeepsNoBufferAndExportsItsMasters) {
+  const auto options = recipes::bf16_mixed();
+  data();
+  auto check = [&](c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto model = initial_model(options);
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    MixedPrecisionPlugin plugin(options);
+    if (group) plugin.set_process_group(group);
+    plugin.connect(*model, optimizer);
+    const auto* owner = plugin.distributed_optimizer();
+    ASSERT_NE(owner, nullptr) << "one master-params path for any world size";
+    EXPECT_EQ(owner->world_size(), 1);
+    EXPECT_EQ(owner->num_buckets(), 0);
+    EXPECT_EQ(owner->padded_numel(), 0);
+    forward_backward(plugin, *model, /*step=*/0, /*rank=*/0, /*world=*/1);
+    for (const auto& param : model->parameters()) {
+      ASSERT_TRUE(param.grad().defined()) << "no hook moved the gradient into a buffer";
+      EXPECT_EQ(param.grad().scalar_type(), at::kBFloat16);
+    }
+    EXPECT_TRUE(plugin.optimizer_step(optimizer));
+    const auto params = model->parameters();
+    const auto masters = plugin.master_params();
+    ASSERT_EQ(masters.size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(masters[i].sizes(), params[i].sizes()) << "whole parameters, in their shape";
+      const auto exported = plugin.fp32_value(params[i]);
+      EXPECT_TRUE(exported.equal(masters[i].detach())) << "parameter " << i;
+      EXPECT_FALSE(exported.is_same(masters[i])) << "a copy";
+      EXPECT_TRUE(exported.to(at::kBFloat16).equal(params[i].detach())) << "the model holds its rounding";
+    }
+  };
+  check({});
+  const auto errors = testing::run_ranks(1, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> group) { check(group); });
+  EXPECT_EQ(errors[0], "");
+}
+
+// With several ranks the fused step reads each master's gradient shard where the reduce-scatter
+// left it (float32, or bf16 / fp16 when grads reduce in the params dtype), unscaling and
+// clipping it through its multiplier, and writes the half shard it all-gathers. SGD without
+// momentum makes the masters a direct function of that multiplier: they must match the
+// optimizer's own step on the float32 gradients it is given.
+TEST(DistributedOptimizerTest, FusedStepOnShardsMatchesTheOptimizersOwnStep_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const torch::Device device(torch::kCUDA);
+  const std::vector<std::pair<const char*, MixedPrecisionOptions>> cases = {
+      {"bf16-mixed", recipes::bf16_mixed()},
+      {"bf16-mixed grads reduced in bf16", recipes::bf16_mixed().grad_reduce_in_fp32(false)},
+      {"16-mixed grads reduced in fp16", recipes::fp16_mixed().fp16_initial_loss_scale(1024).grad_reduce_in_fp32(false)},
+      {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0)},
+  };
+  data();
+  for (const auto& [name, options] : cases) {
+    SCOPED_TRACE(name);
+    std::vector<std::vector<torch::Tensor>> masters[2];  // [fused][rank]
+    for (const bool fused : {false, true}) {
+      std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options)};
+      masters[fused].resize(2);
+      const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+        auto& model = models[rank];
+        model->to(device);
+        torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+        auto run_options = options;
+        MixedPrecisionPlugin plugin(run_options.fused_optimizer(fused));
+        plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+        plugin.connect(*model, optimizer);
+        // One step: from the same masters, they differ only by how the step applied the
+        // gradients (a second step would also carry FP8 / bf16 rounding flips of the first).
+        auto [x, y] = data().batch(0);
+        x = x.narrow(0, rank * kGlobalRows / 2, kGlobalRows / 2).to(device);
+        y = y.narrow(0, rank * kGlobalRows / 2, kGlobalRows / 2).to(device);
+        {
+          auto context = plugin.forward_context();
+          plugin.backward(torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y));
+        }
+        const double norm = plugin.clip_gradients(optimizer, 1e-3);
+        EXPECT_GT(norm, 1e-3) << "the clipping coefficient is below 1, so it takes part";
+        EXPECT_TRUE(plugin.optimizer_step(optimizer));
+        for (const auto& m : plugin.master_params()) masters[fused][rank].push_back(m.detach().cpu());
+      });
+      for (const auto& e : errors) ASSERT_EQ(e, "");
+    }
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_EQ(masters[1][rank].size(), masters[0][rank].size());
+      for (size_t i = 0; i < masters[0][rank].size(); ++i) {
+        EXPECT_TRUE(torch::allclose(masters[1][rank][i], masters[0][rank][i], /*rtol=*/1e-5, /*atol=*/1e-6))
+            << "rank " << rank << " master " << i << ": largest difference "
+            << (masters[1][rank][i] - masters[0][rank][i]).abs().max().item<double>();
+      }
+    }
+  }
+}
+
 TEST(DistributedOptimizerTest, BadUseIsAClearError) {
   auto model = testing::make_mlp();
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));

@@ -24,6 +24,12 @@
 # own appended (GPUS 1: on GPU 0; 2: under torchrun; 2x1: two independent single-GPU runs at
 # once, on GPU 0 and GPU 1, to see what sharing the host costs), e.g.
 #   "one_350m|1|--config 350m --grad-accum 2;two_350m|2|--config 350m --bucket-size 10000000".
+# AMP8_BASELINE_SRC=DIR: a source tree of an earlier commit (`git archive REF ops plugin recipes
+#   CMakeLists.txt cmake tests third_party examples | tar -x -C DIR`); gpt_pretrain is built from
+#   it as well, and every AMP8_GPT_STEP entry runs with it first (as NAME_baseline), then with this
+#   tree, so before / after is a ratio within one call.
+# AMP8_DP_ROWS="precision|one-GPU run|data-parallel run;..." writes dp_scaling.jsonl rows
+#   (bench/dp_scaling_rows.py) from the AMP8_GPT_DP / AMP8_GPT_DP_RUNS runs named.
 # AMP8_GPT_STEP="name|flags;..." runs gpt_pretrain per entry through bench/gpt_compare_rows.py
 # (flags must hold a --compare list) on real text (the Python standard library's sources,
 # concatenated), each run profiled (--profile, steps 10-12 unless the flags say otherwise):
@@ -69,6 +75,18 @@ if ! { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   exit 1
 fi
 echo "build took $((SECONDS - start)) s" | tee -a "$LOG"
+if [[ -n "${AMP8_BASELINE_SRC:-}" ]]; then
+  echo "== configure + build the baseline gpt_pretrain from $AMP8_BASELINE_SRC" | tee -a "$LOG"
+  start=$SECONDS
+  if ! { cmake -S "$AMP8_BASELINE_SRC" -B build-baseline -G Ninja -DCMAKE_BUILD_TYPE=Release \
+           -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DAMP8_BUILD_TESTS=OFF -DAMP8_BUILD_BENCHMARKS=OFF \
+           "${GTEST_ARGS[@]}" && cmake --build build-baseline -j"$(nproc)" --target gpt_pretrain; } >>"$LOG" 2>&1; then
+    tail -n 40 "$LOG"
+    echo "gpu_check: BASELINE BUILD FAILED" | tee -a "$LOG"
+    exit 1
+  fi
+  echo "baseline build took $((SECONDS - start)) s" | tee -a "$LOG"
+fi
 
 # Kineto traces of the profiled steps (trace.json under $1) into OUTDIR/traces.tar (gzipped files), added to
 # what earlier calls packed; the largest are left out while the archive would pass 15 MB (the
@@ -128,16 +146,22 @@ if [[ -n "${AMP8_GPT_STEP:-}" ]]; then
   find /usr/lib/python3* -name '*.py' 2>/dev/null | sort | xargs cat >"$STEP/stdlib.txt"
   echo "== gpt_pretrain step runs on $(wc -c <"$STEP/stdlib.txt") bytes of text" | tee -a "$LOG"
   IFS=';' read -ra step_runs <<<"$AMP8_GPT_STEP"
+  binaries=("|$BUILD/gpt_pretrain")
+  [[ -n "${AMP8_BASELINE_SRC:-}" ]] && binaries=("_baseline|build-baseline/gpt_pretrain" "${binaries[@]}")
   for entry in "${step_runs[@]}"; do
     [[ -z "${entry// }" ]] && continue
     IFS='|' read -r name flags <<<"$entry"
     name="${name// /}"
-    echo "== gpt_step $name: $flags" | tee -a "$LOG"
-    # shellcheck disable=SC2086
-    python3 bench/gpt_compare_rows.py --case gpt_step --binary "$BUILD/gpt_pretrain" -- $flags \
-      --data "$STEP/stdlib.txt" --save-dir "$STEP/$name" --save-last false --profile "$STEP/$name/profile" \
-      2>"$STEP/$name.log" | tee -a "$OUT/gpt_step_bench.jsonl" || status=1
-    grep -E "^gpt_pretrain: .*final loss|^  [a-z_ ()]+ +[0-9.]+ ms" "$STEP/$name.log" | tee -a "$LOG"
+    for binary_entry in "${binaries[@]}"; do
+      IFS='|' read -r suffix binary <<<"$binary_entry"
+      run="$name$suffix"
+      echo "== gpt_step $run ($binary): $flags" | tee -a "$LOG"
+      # shellcheck disable=SC2086
+      python3 bench/gpt_compare_rows.py --case gpt_step --binary "$binary" -- $flags \
+        --data "$STEP/stdlib.txt" --save-dir "$STEP/$run" --save-last false --profile "$STEP/$run/profile" \
+        2>"$STEP/$run.log" | tee -a "$OUT/gpt_step_bench.jsonl" || status=1
+      grep -E "^gpt_pretrain: .*final loss|^  [a-z_ ()]+ +[0-9.]+ ms" "$STEP/$run.log" | tee -a "$LOG"
+    done
   done
   (cd "$STEP" && find . \( -name '*.log' -o -name '*.jsonl' -o -name 'step_profile.*' -o -name '*.svg' \) \
      -print0 | tar -czf "$OUT/gpt_step.tar.gz" --null -T -) || status=1
@@ -189,6 +213,27 @@ if [[ -n "${AMP8_GPT_DP:-}" ]]; then
         $AMP8_GPT_DP $flags --save-dir "$DP/$name" 2>&1 | tee "$DP/$name.log" || status=1
     fi
     grep -E "^gpt_pretrain: (final|data-parallel)" "$DP/$name.log" | sed "s/^/$name: /" | tee -a "$LOG"
+  done
+  # One bench/results/dp_scaling.jsonl row per "precision|one-GPU run|data-parallel run" of
+  # AMP8_DP_ROWS (run names as above: one_gpu, two_gpus, or an AMP8_GPT_DP_RUNS name).
+  declare -A run_commands=(
+    [one_gpu]="CUDA_VISIBLE_DEVICES=0 gpt_pretrain $AMP8_GPT_DP --grad-accum 2"
+    [two_gpus]="torchrun --standalone --nproc-per-node=2 gpt_pretrain $AMP8_GPT_DP --grad-accum 1")
+  for entry in "${dp_runs[@]}"; do
+    IFS='|' read -r name gpus flags <<<"$entry"
+    name="${name// /}" gpus="${gpus// /}"
+    [[ -z "$name" ]] && continue
+    if [[ "$gpus" == 1 ]]; then run_commands[$name]="CUDA_VISIBLE_DEVICES=0 gpt_pretrain $AMP8_GPT_DP $flags"
+    else run_commands[$name]="torchrun --standalone --nproc-per-node=$gpus gpt_pretrain $AMP8_GPT_DP $flags"; fi
+  done
+  IFS=';' read -ra dp_rows <<<"${AMP8_DP_ROWS:-}"
+  for entry in "${dp_rows[@]}"; do
+    [[ -z "${entry// }" ]] && continue
+    IFS='|' read -r precision one many <<<"$entry"
+    precision="${precision// /}" one="${one// /}" many="${many// /}"
+    python3 bench/dp_scaling_rows.py --config "$(sed -E 's/.*--config +([^ ]+).*/\1/' <<<"$AMP8_GPT_DP")" \
+      --precision "$precision" --gpus 2 --one-gpu "$DP/$one.log" --data-parallel "$DP/$many.log" \
+      --command "${run_commands[$one]:-$one} ; ${run_commands[$many]:-$many}" | tee -a "$OUT/dp_scaling.jsonl" || status=1
   done
   echo "== distributed_optimizer_test over ProcessGroupNCCL, 2 ranks" | tee -a "$LOG"
   python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python "$BUILD/distributed_optimizer_test" \

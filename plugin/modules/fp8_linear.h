@@ -149,20 +149,21 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
   /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
   void update_fp8_weight(const torch::Tensor& master);
-  /// update_fp8_weight for many layers (masters[i] is layers[i]'s), as the plugin calls it
-  /// after every optimizer step: one multi-tensor amax, one scale kernel and one multi-tensor
-  /// history update for all of them, then one quantization per layer straight into its FP8
-  /// weight's storage (~8 launches per layer, one at a time, before).
+  /// update_fp8_weight for many layers (masters[i] is layers[i]'s), for a loop that keeps its
+  /// own masters: one multi-tensor amax, one scale kernel and one multi-tensor history update
+  /// for all of them, then one quantization per layer straight into its FP8 weight's storage.
+  /// (MixedPrecisionPlugin's DistributedOptimizer does the same from its master shards, with the
+  /// amaxes all-reduced, and reports through fp8_weights_written.)
   static void update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers,
                                  const std::vector<torch::Tensor>& masters);
   /// The stored FP8 weight as an Fp8Tensor (data + scale_inv).
   Fp8Tensor fp8_weight() const;
-  /// The distributed optimizer wrote the FP8 weight's bytes in place (all-gathered shards,
-  /// quantized with compute_current_scale(amax, E4M3), `amax` being the whole weight's):
+  /// An optimizer wrote the FP8 weight's bytes in place (e.g. all-gathered shards, quantized
+  /// with compute_current_scale(amax, E4M3), `amax` being the whole weight's):
   /// records amax in the weight's history slot as update_fp8_weight does, takes `scale_inv`
   /// and drops the cached transposes.
   void fp8_weight_written(const torch::Tensor& amax, const torch::Tensor& scale_inv);
-  /// fp8_weight_written for many layers in a few launches, as the distributed optimizer calls
+  /// fp8_weight_written for many layers in a few launches, as the DistributedOptimizer calls
   /// it after every step: `amaxes` and `scale_invs` are float32 [layers.size()], layer i's at i.
   static void fp8_weights_written(const std::vector<Fp8LinearImpl*>& layers,
                                   const torch::Tensor& amaxes, const torch::Tensor& scale_invs);

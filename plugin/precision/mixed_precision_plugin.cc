@@ -91,7 +91,7 @@ void MixedPrecisionPlugin::convert_module(torch::nn::Module& model) {
 void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(model_ != nullptr,
               "MixedPrecisionPlugin: call convert_module (or connect) before convert_optimizer");
-  TORCH_CHECK(masters_.empty(), "MixedPrecisionPlugin: convert_optimizer was already called");
+  TORCH_CHECK(!optimizer_, "MixedPrecisionPlugin: convert_optimizer was already called");
   TORCH_CHECK(optimizer.state().empty(),
               "MixedPrecisionPlugin: connect the plugin before the optimizer's first step (the "
               "optimizer already holds state for ",
@@ -106,63 +106,48 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
   }
 
   torch::NoGradGuard no_grad;
-  std::vector<DistributedOptimizer::ParamSpec> specs;  // with a process group
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& param : group.params()) {
-      Master entry;
-      entry.model = param;
-      if (auto it = replaced.find(key(param)); it != replaced.end()) entry.model = it->second;
-      if (auto owner = fp8_owners.find(key(entry.model)); owner != fp8_owners.end()) {
+  std::vector<DistributedOptimizer::ParamSpec> specs;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& param : group.params()) {
+      DistributedOptimizer::ParamSpec spec;
+      spec.model = param;
+      if (auto it = replaced.find(key(param)); it != replaced.end()) spec.model = it->second;
+      if (auto owner = fp8_owners.find(key(spec.model)); owner != fp8_owners.end()) {
         const auto& linear = owner->second;
-        auto seed = linear->high_precision_init_val();
-        if (!seed.defined()) {
+        spec.seed = linear->high_precision_init_val();
+        if (!spec.seed.defined()) {
           TORCH_WARN_ONCE("MixedPrecisionPlugin: an fp8_params weight has no high-precision "
                           "initial value (built with preserve_high_precision_init_val=false or "
                           "cleared); its FP32 master is seeded from the FP8 values");
-          seed = linear->fp8_weight().dequantize(at::kFloat);
+          spec.seed = linear->fp8_weight().dequantize(at::kFloat);
         }
         // On the weight's device: the initial value stays where the module was built (e.g. the
         // CPU) when the model is moved afterwards.
-        entry.master = seed.detach()
-                           .to(entry.model.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-                           .requires_grad_(true);
-        entry.fp8_owner = linear;
+        spec.seed = spec.seed.detach().to(spec.model.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+        spec.fp8_owner = linear;
         linear->clear_high_precision_init_val();
-      } else if (entry.model.scalar_type() == at::kFloat) {
-        entry.master = entry.model;
-      } else {
-        TORCH_CHECK(entry.model.is_floating_point() && !is_fp8_dtype(entry.model.scalar_type()),
+      } else if (spec.model.scalar_type() != at::kFloat) {
+        TORCH_CHECK(spec.model.is_floating_point() && !is_fp8_dtype(spec.model.scalar_type()),
                     "MixedPrecisionPlugin: the optimizer holds a parameter of dtype ",
-                    c10::toString(entry.model.scalar_type()),
+                    c10::toString(spec.model.scalar_type()),
                     " that is not an FP8 module's weight; expected floating-point parameters");
-        auto seed = seeds.find(key(entry.model));
-        entry.master = (seed != seeds.end() ? seed->second : entry.model.detach().to(at::kFloat))
-                           .requires_grad_(true);
+        // The master is seeded from the value before the cast, not from its half rounding.
+        if (auto seed = seeds.find(key(spec.model)); seed != seeds.end()) spec.seed = seed->second;
       }
-      if (group_) {
-        // The distributed optimizer keeps only this rank's shard of each master.
-        specs.push_back({entry.model, entry.fp8_owner, entry.master.detach()});
-        continue;
-      }
-      param = entry.master;
-      masters_.push_back(std::move(entry));
+      specs.push_back(std::move(spec));
     }
   }
-  for (size_t i = 0; i < masters_.size(); ++i) master_index_[key(masters_[i].master)] = i;
   master_seeds_.clear();
   // The swapped-out parameters (the old modules' float32 weights) were kept only to map this
   // optimizer onto the new ones; nothing else holds them now, so they are freed here.
   conversion_.replaced_params.clear();
-  if (group_) {
-    distributed_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_,
-                                                          options_.grad_reduce_in_fp32());
-    distributed_->connect(optimizer, std::move(specs));
-  }
+  optimizer_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_, options_.grad_reduce_in_fp32());
+  optimizer_->connect(optimizer, std::move(specs));
 }
 
 void MixedPrecisionPlugin::set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                              DistributedOptimizerOptions options) {
-  TORCH_CHECK(masters_.empty() && !distributed_,
+  TORCH_CHECK(!optimizer_,
               "MixedPrecisionPlugin::set_process_group: call it before connect (the optimizer is "
               "already connected)");
   TORCH_CHECK(group, "MixedPrecisionPlugin::set_process_group: the process group must not be null");
@@ -172,7 +157,7 @@ void MixedPrecisionPlugin::set_process_group(c10::intrusive_ptr<c10d::ProcessGro
 }
 
 void MixedPrecisionPlugin::set_gradient_sync(bool enabled) {
-  if (distributed_) distributed_->set_gradient_sync(enabled);
+  if (optimizer_) optimizer_->set_gradient_sync(enabled);
 }
 
 torch::Tensor MixedPrecisionPlugin::data_parallel_mean(const torch::Tensor& value) {
@@ -227,48 +212,32 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
 
 void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer) {
   if (gradients_ready_) return;
-  TORCH_CHECK(model_ != nullptr && (!masters_.empty() || distributed_ || optimizer.param_groups().empty()),
-              "MixedPrecisionPlugin: connect(model, optimizer) before stepping");
+  TORCH_CHECK(model_ != nullptr && optimizer_, "MixedPrecisionPlugin: connect(model, optimizer) before stepping");
   // Under loss scaling, gradients from loss.backward() instead of plugin.backward(loss) are not
   // multiplied by the scale, and unscaling would divide them by it: the model would barely train.
-  if (scaler_ && !scaled_backward_since_step_) {
-    for (const auto& entry : masters_) {
-      TORCH_CHECK(!entry.model.defined() || !entry.model.grad().defined(), "MixedPrecisionPlugin (", name(),
-                  "): this step's gradients did not come from plugin.backward(loss). loss.backward() does not "
-                  "multiply them by the loss scale (", scaler_->scale(),
-                  ") and unscaling divides them by it, so the model would barely train: call plugin.backward(loss)");
-    }
-  }
+  TORCH_CHECK(!scaler_ || scaled_backward_since_step_ || !optimizer_->has_model_gradients(), "MixedPrecisionPlugin (",
+              name(), "): this step's gradients did not come from plugin.backward(loss). loss.backward() does not "
+              "multiply them by the loss scale (", loss_scale(),
+              ") and unscaling divides them by it, so the model would barely train: call plugin.backward(loss)");
   torch::NoGradGuard no_grad;
   fused_step_ = use_fused_step(optimizer);
-  if (fused_step_) {
-    prepare_fused_gradients();
-    gradients_ready_ = true;
-    return;
-  }
-  std::vector<torch::Tensor> grads;
-  if (distributed_) grads = distributed_->reduce_gradients();
-  grads.reserve(masters_.size());
-  for (auto& entry : masters_) {
-    torch::Tensor grad;
-    if (entry.fp8_owner) {
-      grad = entry.fp8_owner->main_grad();
-    } else if (entry.master.is_same(entry.model)) {
-      grad = entry.master.grad();
-    } else if (entry.model.grad().defined()) {
-      grad = entry.model.grad().to(at::kFloat);
-    }
-    if (!entry.master.is_same(entry.model)) entry.master.mutable_grad() = grad;
-    if (grad.defined()) grads.push_back(grad);
+  // The fused step reads the gradients as they were reduced and unscales them on the fly; the
+  // optimizer's own step() needs them float32 and unscaled, as the masters' .grad.
+  const auto& reduced = optimizer_->reduce_gradients();
+  grads_ = fused_step_ ? reduced : optimizer_->set_master_gradients();
+  std::vector<torch::Tensor> defined;
+  for (const auto& grad : grads_) {
+    if (grad.defined()) defined.push_back(grad);
   }
   found_inf_ = false;
+  grad_multiplier_ = 1.0;
   if (scaler_) {
-    auto found_inf = scaler_->unscale_(grads);
-    if (group_) {
-      std::vector<torch::Tensor> tensors{found_inf};
-      group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
+    if (fused_step_) {
+      found_inf_ = optimizer_->any_rank(scaler_->find_non_finite(defined));
+      grad_multiplier_ = 1.0 / scaler_->scale();
+    } else {
+      found_inf_ = optimizer_->any_rank(scaler_->unscale_(defined));
     }
-    found_inf_ = found_inf.item<float>() > 0.0f;
   }
   gradients_ready_ = true;
 }
@@ -276,19 +245,16 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
 double MixedPrecisionPlugin::clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) {
   unscale_gradients(optimizer);
   if (found_inf_) return std::numeric_limits<double>::infinity();  // the step will be skipped
-  if (distributed_) return distributed_->clip_grad_norm(max_norm);
-  if (fused_step_) {
-    // The raw gradients' norm times the multiplier so far; clipping folds into the multiplier.
-    std::vector<torch::Tensor> grads;
-    for (const auto& grad : fused_grads_) {
-      if (grad.defined()) grads.push_back(grad);
-    }
-    const double norm = global_grad_norm(grads) * grad_multiplier_;
-    grad_multiplier_ *= clip_coefficient(norm, max_norm);
-    return norm;
+  std::vector<torch::Tensor> grads;
+  for (const auto& grad : grads_) {
+    if (grad.defined()) grads.push_back(grad);
   }
-  // The optimizer holds the masters, whose gradients unscale_gradients has just set.
-  return PrecisionPlugin::clip_gradients(optimizer, max_norm);
+  if (!fused_step_) return optimizer_->clip_grad_norm(grads, max_norm);
+  // The fused step: the raw gradients' norm times the multiplier so far; clipping folds into
+  // the multiplier.
+  const double norm = optimizer_->global_norm(grads) * grad_multiplier_;
+  grad_multiplier_ *= clip_coefficient(norm, max_norm);
+  return norm;
 }
 
 bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
@@ -296,16 +262,8 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
   check_swapped_modules_ran();
   if (scaler_) scaler_->update(found_inf_);
   const bool step = !found_inf_;
-  if (step && fused_step_) {
-    fused_step(optimizer);
-  } else if (step) {
-    step_optimizer(optimizer);
-    torch::NoGradGuard no_grad;
-    if (distributed_) distributed_->gather_params();
-    for (auto& entry : masters_) {
-      if (!entry.fp8_owner && !entry.master.is_same(entry.model)) entry.model.copy_(entry.master);
-    }
-    update_fp8_weights();
+  if (step) {
+    optimizer_->step(optimizer, fused_step_ ? std::optional<double>(grad_multiplier_) : std::nullopt);
   } else {
     ++skipped_steps_;
   }
@@ -314,75 +272,7 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
 }
 
 bool MixedPrecisionPlugin::use_fused_step(const torch::optim::Optimizer& optimizer) const {
-  if (!options_.fused_optimizer() || distributed_ || masters_.empty() || !is_fusable(optimizer)) {
-    return false;
-  }
-  for (const auto& entry : masters_) {
-    if (!entry.master.is_cuda()) return false;
-  }
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& param : group.params()) {
-      if (master_index_.count(key(param)) == 0) return false;  // added after connect
-    }
-  }
-  return true;
-}
-
-void MixedPrecisionPlugin::prepare_fused_gradients() {
-  fused_grads_.assign(masters_.size(), torch::Tensor());
-  std::vector<torch::Tensor> defined;
-  for (size_t i = 0; i < masters_.size(); ++i) {
-    const auto& entry = masters_[i];
-    if (entry.fp8_owner) {
-      fused_grads_[i] = entry.fp8_owner->main_grad();
-    } else if (entry.master.is_same(entry.model)) {
-      fused_grads_[i] = entry.master.grad();
-    } else {
-      fused_grads_[i] = entry.model.grad();
-    }
-    if (fused_grads_[i].defined()) defined.push_back(fused_grads_[i]);
-  }
-  found_inf_ = false;
-  grad_multiplier_ = 1.0;
-  if (scaler_) {
-    found_inf_ = scaler_->find_non_finite(defined).item<float>() > 0.0f;
-    grad_multiplier_ = 1.0 / scaler_->scale();
-  }
-}
-
-void MixedPrecisionPlugin::fused_step(torch::optim::Optimizer& optimizer) {
-  torch::NoGradGuard no_grad;
-  fused_optimizer_step(
-      optimizer, grad_multiplier_,
-      [&](const torch::Tensor& master) { return fused_grads_[master_index_.at(key(master))]; },
-      [&](const torch::Tensor& master) {
-        const auto& entry = masters_[master_index_.at(key(master))];
-        const bool half_copy = !entry.fp8_owner && !entry.master.is_same(entry.model);
-        return half_copy ? entry.model : torch::Tensor();
-      });
-  update_fp8_weights();
-}
-
-void MixedPrecisionPlugin::update_fp8_weights() {
-  std::vector<Fp8LinearImpl*> layers;
-  std::vector<torch::Tensor> masters;
-  for (const auto& entry : masters_) {
-    if (!entry.fp8_owner) continue;
-    layers.push_back(entry.fp8_owner.get());
-    masters.push_back(entry.master);
-  }
-  Fp8LinearImpl::update_fp8_weights(layers, masters);
-}
-
-void MixedPrecisionPlugin::step_optimizer(torch::optim::Optimizer& optimizer) {
-  // The distributed optimizer's shards (float32 masters with float32 gradients) take the
-  // multi-tensor kernels too; the half copies are written by gather_params.
-  if (distributed_ && options_.fused_optimizer() && is_fusable(optimizer) &&
-      !distributed_->master_shards().empty() && distributed_->master_shards().front().is_cuda()) {
-    fused_optimizer_step(optimizer, 1.0, [](const torch::Tensor& p) { return p.grad(); });
-    return;
-  }
-  optimizer.step();
+  return options_.fused_optimizer() && is_fusable(optimizer) && optimizer_->fusable_on_gpu(optimizer);
 }
 
 void MixedPrecisionPlugin::discard_gradients(torch::optim::Optimizer& optimizer) {
@@ -391,13 +281,8 @@ void MixedPrecisionPlugin::discard_gradients(torch::optim::Optimizer& optimizer)
 }
 
 void MixedPrecisionPlugin::clear_gradients() {
-  if (distributed_) distributed_->zero_gradients();
-  for (auto& entry : masters_) {
-    if (entry.fp8_owner) entry.fp8_owner->zero_main_grad();
-    if (entry.model.defined()) entry.model.mutable_grad().reset();
-    entry.master.mutable_grad().reset();
-  }
-  fused_grads_.clear();
+  if (optimizer_) optimizer_->zero_gradients();
+  grads_.clear();
   grad_multiplier_ = 1.0;
   fused_step_ = false;
   gradients_ready_ = false;
@@ -432,19 +317,12 @@ void MixedPrecisionPlugin::check_swapped_modules_ran() {
 double MixedPrecisionPlugin::loss_scale() const { return scaler_ ? scaler_->scale() : 1.0; }
 
 std::vector<torch::Tensor> MixedPrecisionPlugin::master_params() const {
-  if (distributed_) return distributed_->master_shards();
-  std::vector<torch::Tensor> masters;
-  masters.reserve(masters_.size());
-  for (const auto& entry : masters_) masters.push_back(entry.master);
-  return masters;
+  return optimizer_ ? optimizer_->master_shards() : std::vector<torch::Tensor>{};
 }
 
 at::Tensor MixedPrecisionPlugin::fp32_value(const at::Tensor& param) const {
-  TORCH_CHECK(!distributed_, "MixedPrecisionPlugin::fp32_value: with a process group each rank holds "
-              "only its shard of the FP32 masters (ZeRO-1); gathering them for an export is not "
-              "built yet");
-  for (const auto& entry : masters_) {
-    if (entry.model.is_same(param)) return entry.master.detach().clone();
+  if (optimizer_) {
+    if (auto master = optimizer_->master_of(param)) return *master;
   }
   TORCH_CHECK(!isFloat8Type(param.scalar_type()), "MixedPrecisionPlugin::fp32_value: an FP8 parameter "
               "of ", param.sizes(), " has no FP32 master here (not a parameter of the connected model?)");
@@ -461,7 +339,7 @@ void MixedPrecisionPlugin::save(torch::serialize::OutputArchive& archive) const 
   archive.write("dp_rank", torch::tensor({int64_t{data_parallel_rank()}}, at::kLong));
   for (size_t i = 0; i < masters.size(); ++i) {
     // A float32 parameter is its own master: the model's archive already holds it.
-    if (!distributed_ && masters_[i].master.is_same(masters_[i].model)) continue;
+    if (optimizer_->master_is_model(i)) continue;
     archive.write("master." + std::to_string(i), masters[i].detach(), /*is_buffer=*/true);
   }
   if (scaler_) {
@@ -499,7 +377,7 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
   std::vector<torch::Tensor> values(masters.size());
   for (size_t i = 0; i < masters.size(); ++i) {
     const auto& master = masters[i];
-    if (!distributed_ && master.is_same(masters_[i].model)) continue;
+    if (optimizer_->master_is_model(i)) continue;
     const auto name = "master." + std::to_string(i);
     TORCH_CHECK(archive.try_read(name, values[i], /*is_buffer=*/true),
                 "MixedPrecisionPlugin::load: the checkpoint lacks ", name);

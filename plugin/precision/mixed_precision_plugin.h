@@ -140,17 +140,17 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  /// Data-parallel training over `group` (before connect): the optimizer becomes a
-  /// DistributedOptimizer (ZeRO-1: gradients reduce-scattered in the grad_reduce_in_fp32 dtype
-  /// while the backward pass runs, FP32 master params and optimizer state sharded, params
+  /// Data-parallel training over `group` (before connect): the FP32 master params and the
+  /// optimizer state are sharded over the ranks (DistributedOptimizer, ZeRO-1: gradients
+  /// reduce-scattered in the grad_reduce_in_fp32 dtype while the backward pass runs, params
   /// all-gathered, FP8 weights as FP8); found_inf, the gradient norm and the FP8 amaxes are
-  /// all-reduced over it. A world of one rank runs the same code.
+  /// all-reduced over it. Without a group, the same code runs as a world of one.
   void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
                          DistributedOptimizerOptions options = {});
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return group_; }
-  /// The ZeRO-1 optimizer state (null without a process group).
-  const DistributedOptimizer* distributed_optimizer() const { return distributed_.get(); }
-  DistributedOptimizer* distributed_optimizer() { return distributed_.get(); }
+  /// The FP32 masters and the optimizer they feed, for any world size (null before connect).
+  const DistributedOptimizer* distributed_optimizer() const { return optimizer_.get(); }
+  DistributedOptimizer* distributed_optimizer() { return optimizer_.get(); }
   void set_gradient_sync(bool enabled) override;
   torch::Tensor data_parallel_mean(const torch::Tensor& value) override;
   int data_parallel_rank() const override { return group_ ? group_->getRank() : 0; }
@@ -161,42 +161,32 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   const Fp8Conversion& conversion() const { return conversion_; }
   /// The loss scaler (fp16 only).
   const std::optional<LossScaler>& scaler() const { return scaler_; }
-  /// The FP32 masters the optimizer steps, in the optimizer's parameter order.
+  /// The FP32 masters the optimizer steps on this rank (with several ranks, its shards), in the
+  /// optimizer's parameter order.
   std::vector<torch::Tensor> master_params() const;
   /// A copy of `param`'s FP32 master (the parameter itself, cast, when it has none). Throws
-  /// with a process group: the masters are sharded over the ranks.
+  /// with several ranks: the masters are sharded over them.
   at::Tensor fp32_value(const at::Tensor& param) const override;
 
  private:
-  struct Master {
-    torch::Tensor model;   // the model's parameter (half, float32, or FP8 under fp8_params)
-    torch::Tensor master;  // what the optimizer holds (float32); == model for float32 params
-    std::shared_ptr<Fp8LinearImpl> fp8_owner;  // fp8_params: the module whose weight it is
-  };
   void clear_gradients();
   void check_swapped_modules_ran();
   bool use_fused_step(const torch::optim::Optimizer& optimizer) const;
-  void prepare_fused_gradients();
-  void fused_step(torch::optim::Optimizer& optimizer);
-  void step_optimizer(torch::optim::Optimizer& optimizer);
-  // Re-quantizes every FP8 weight (fp8_params) from its master, all layers in one batch.
-  void update_fp8_weights();
 
   MixedPrecisionOptions options_;
   std::optional<LossScaler> scaler_;
   Fp8Recipe fp8_recipe_;  // resolved once, from options_
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   DistributedOptimizerOptions distributed_options_;
-  std::unique_ptr<DistributedOptimizer> distributed_;
+  std::unique_ptr<DistributedOptimizer> optimizer_;  // made by convert_optimizer
   torch::nn::Module* model_ = nullptr;
   Fp8Conversion conversion_;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> master_seeds_;  // (param, float32 value)
-  std::vector<Master> masters_;
-  std::unordered_map<const void*, size_t> master_index_;  // master's TensorImpl → masters_ index
-  // The fused step (use_fused_step): per masters_ entry, the gradient its kernel reads, and
-  // what every gradient is multiplied by (1/loss scale × the clipping coefficient).
+  // This step's gradients, one per master (unscale_gradients): float32 and unscaled for the
+  // optimizer's own step(); as reduced, with what the fused step multiplies them by (1/loss
+  // scale × the clipping coefficient), for the fused step (fused_step_).
+  std::vector<torch::Tensor> grads_;
   bool fused_step_ = false;
-  std::vector<torch::Tensor> fused_grads_;
   double grad_multiplier_ = 1.0;
   bool gradients_ready_ = false;
   bool found_inf_ = false;

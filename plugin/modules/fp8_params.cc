@@ -1,0 +1,185 @@
+// Fp8Linear under fp8_params (TE's fp8_model_init): the FP8 weight the module stores, its
+// re-quantization from an FP32 master after each optimizer step, and main_grad, where the
+// weight gradient accumulates (its own FP32 tensor, or a bound buffer's slice).
+#include "plugin/modules/fp8_linear.h"
+
+#include <torch/autograd.h>
+
+#include <cmath>
+
+#include "ops/quantize.h"
+#include "ops/scaling.h"
+
+namespace amp8 {
+
+namespace {
+thread_local bool model_init_enabled = false;
+thread_local bool model_init_preserve = true;
+}  // namespace
+
+Fp8ModelInit::Fp8ModelInit(bool enabled, bool preserve_high_precision_init_val)
+    : previous_enabled_(model_init_enabled), previous_preserve_(model_init_preserve) {
+  model_init_enabled = enabled;
+  model_init_preserve = preserve_high_precision_init_val;
+}
+
+Fp8ModelInit::~Fp8ModelInit() {
+  model_init_enabled = previous_enabled_;
+  model_init_preserve = previous_preserve_;
+}
+
+bool Fp8ModelInit::is_enabled() { return model_init_enabled; }
+bool Fp8ModelInit::preserve_high_precision_init_val() { return model_init_preserve; }
+
+Fp8Tensor Fp8LinearImpl::fp8_weight() const {
+  TORCH_CHECK(options.fp8_params(), "Fp8Linear::fp8_weight: the module has no fp8_params");
+  return Fp8Tensor(weight, weight_scale_inv, Fp8Format::kE4M3);
+}
+
+void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::update_fp8_weight: the module was not built with fp8_params "
+              "(construct it under amp8::Fp8ModelInit)");
+  TORCH_CHECK(master.defined(), "Fp8Linear::update_fp8_weight: master must be a defined tensor");
+  TORCH_CHECK(master.sizes() == weight.sizes(), "Fp8Linear::update_fp8_weight: master must have shape ",
+              weight.sizes(), ", got ", master.sizes());
+  update_fp8_weights({this}, {master});
+}
+
+void Fp8LinearImpl::fp8_weight_written(const torch::Tensor& amax, const torch::Tensor& scale_inv) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::fp8_weight_written: the module was not built with fp8_params");
+  TORCH_CHECK(amax.numel() == 1 && scale_inv.numel() == 1,
+              "Fp8Linear::fp8_weight_written: amax and scale_inv must hold one value each, got "
+              "shapes ", amax.sizes(), " and ", scale_inv.sizes());
+  fp8_weights_written({this}, amax.reshape({1}).to(at::kFloat),
+                      scale_inv.reshape({1}).to(at::kFloat));
+}
+
+void Fp8LinearImpl::update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers,
+                                       const std::vector<torch::Tensor>& masters) {
+  TORCH_CHECK(layers.size() == masters.size(), "Fp8Linear::update_fp8_weights: ", layers.size(),
+              " layers but ", masters.size(), " masters");
+  if (layers.empty()) return;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> values;
+  values.reserve(masters.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto* layer = layers[i];
+    TORCH_CHECK(layer != nullptr && layer->options.fp8_params(),
+                "Fp8Linear::update_fp8_weights: every layer must be an Fp8Linear built with "
+                "fp8_params");
+    TORCH_CHECK(masters[i].defined() && masters[i].sizes() == layer->weight.sizes(),
+                "Fp8Linear::update_fp8_weights: masters[", i, "] must have shape ",
+                layer->weight.sizes(), ", got ",
+                masters[i].defined() ? masters[i].sizes() : at::IntArrayRef{});
+    auto v = masters[i].detach().to(layer->weight_scale_inv.device());
+    if (v.scalar_type() != at::kFloat && v.scalar_type() != at::kBFloat16 &&
+        v.scalar_type() != at::kHalf) {
+      v = v.to(at::kFloat);
+    }
+    values.push_back(v.contiguous());
+  }
+  // max|master| of every layer at once (the infinity norm; a NaN propagates, as compute_amax's).
+  const auto amaxes = at::stack(at::_foreach_norm(values, INFINITY)).to(at::kFloat);
+  const auto scales = compute_current_scale(amaxes, Fp8Format::kE4M3);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto& weight = layers[i]->weight;
+    const auto scale = scales.narrow(0, static_cast<int64_t>(i), 1);
+    if (weight.scalar_type() == at::kFloat8_e4m3fn && weight.is_contiguous()) {
+      quantize(values[i], scale, Fp8Format::kE4M3, {}, false, weight);
+    } else {
+      weight.set_data(quantize(values[i], scale, Fp8Format::kE4M3).data);
+    }
+  }
+  fp8_weights_written(layers, amaxes, scales.reciprocal());
+}
+
+void Fp8LinearImpl::fp8_weights_written(const std::vector<Fp8LinearImpl*>& layers,
+                                        const torch::Tensor& amaxes,
+                                        const torch::Tensor& scale_invs) {
+  const auto n = static_cast<int64_t>(layers.size());
+  for (const auto& [tensor, name] : {std::pair{&amaxes, "amaxes"}, {&scale_invs, "scale_invs"}}) {
+    TORCH_CHECK(tensor->defined() && tensor->scalar_type() == at::kFloat && tensor->dim() == 1 &&
+                    tensor->size(0) == n,
+                "Fp8Linear::fp8_weights_written: ", name, " must be float32 [", n,
+                "] (one per layer), got ",
+                tensor->defined() ? c10::toString(tensor->scalar_type()) : "an undefined tensor",
+                " ", tensor->defined() ? tensor->sizes() : at::IntArrayRef{});
+  }
+  if (n == 0) return;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> amax_slots, scale_inv_slots;
+  amax_slots.reserve(n);
+  scale_inv_slots.reserve(n);
+  for (auto* layer : layers) {
+    TORCH_CHECK(layer != nullptr && layer->options.fp8_params(),
+                "Fp8Linear::fp8_weights_written: every layer must be an Fp8Linear built with "
+                "fp8_params");
+    amax_slots.push_back(layer->slot_views().weight_amax);
+    scale_inv_slots.push_back(layer->weight_scale_inv);  // [1]
+    layer->weight_cache_.reset();
+  }
+  const auto device = amax_slots.front().device();
+  // The history slot keeps the max of what it holds and the new amax, as fp8_weight_written.
+  at::_foreach_maximum_(amax_slots, amaxes.to(device).unbind(0));
+  at::_foreach_copy_(scale_inv_slots, scale_invs.to(device).reshape({n, 1}).unbind(0));
+}
+
+void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::set_high_precision_weight: the module was not built with fp8_params");
+  update_fp8_weight(values);
+  torch::NoGradGuard no_grad;
+  high_precision_init_val_ =
+      values.detach().to(weight_scale_inv.device(), at::kFloat, /*non_blocking=*/false,
+                         /*copy=*/true);
+}
+
+void Fp8LinearImpl::zero_main_grad(bool set_to_none) {
+  if (!set_to_none) {
+    if (main_grad_.defined()) main_grad_.zero_();
+  } else if (!main_grad_bound_) {
+    main_grad_ = torch::Tensor();
+  }
+  pending_main_grads_ = 0;
+}
+
+void Fp8LinearImpl::set_main_grad_buffer(torch::Tensor buffer) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::set_main_grad_buffer: the module has no fp8_params (its weight has an "
+              "autograd gradient)");
+  if (buffer.defined()) {
+    const auto dtype = buffer.scalar_type();
+    TORCH_CHECK(buffer.sizes() == weight.sizes(), "Fp8Linear::set_main_grad_buffer: buffer must "
+                "have the weight's shape ", weight.sizes(), ", got ", buffer.sizes());
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "Fp8Linear::set_main_grad_buffer: buffer must be float32, bfloat16 or float16, "
+                "got ", dtype);
+    TORCH_CHECK(buffer.device() == weight.device(), "Fp8Linear::set_main_grad_buffer: buffer "
+                "must be on the weight's device ", weight.device(), ", got ", buffer.device());
+    TORCH_CHECK(buffer.is_contiguous(),
+                "Fp8Linear::set_main_grad_buffer: buffer must be contiguous");
+    TORCH_CHECK(!main_grad_bound_,
+                "Fp8Linear::set_main_grad_buffer: main_grad is already bound to a buffer (another "
+                "optimizer's?); unbind it first with set_main_grad_buffer({})");
+  }
+  main_grad_ = std::move(buffer);
+  main_grad_bound_ = main_grad_.defined();
+}
+
+void Fp8LinearImpl::main_grad_accumulated() {
+  if (pending_main_grads_ > 0) --pending_main_grads_;
+  if (pending_main_grads_ == 0 && main_grad_hook_) main_grad_hook_();
+}
+
+void Fp8LinearImpl::accumulate_main_grad(const torch::Tensor& grad) {
+  torch::NoGradGuard no_grad;
+  if (!main_grad_.defined()) {
+    main_grad_ = torch::zeros(weight.sizes(), grad.options().dtype(at::kFloat));
+  }
+  main_grad_.add_(grad.to(at::kFloat));
+  main_grad_accumulated();
+}
+
+}  // namespace amp8
