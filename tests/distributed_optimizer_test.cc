@@ -711,6 +711,11 @@ TEST(DistributedOptimizerTest, AWorldOfOneKeepsNoBufferAndExportsItsMasters) {
 // clipping it through its multiplier, and writes the half shard it all-gathers. SGD without
 // momentum makes the masters a direct function of that multiplier: they must match the
 // optimizer's own step on the float32 gradients it is given.
+// The ranks are threads on one GPU, and autograd runs every CUDA backward function of a process
+// on one device thread: a collective inside the backward pass would wait there for a rank whose
+// backward pass cannot run. So the gradients reduce at the step (overlap_grad_reduce off) and
+// there is no FP8 case (its gradient amaxes are all-reduced at the end of the backward pass);
+// overlap and FP8 across GPUs are DistributedNcclTest's, under torchrun.
 TEST(DistributedOptimizerTest, FusedStepOnShardsMatchesTheOptimizersOwnStep_CUDA) {
   AMP8_REQUIRE_CUDA();
   const torch::Device device(torch::kCUDA);
@@ -718,7 +723,6 @@ TEST(DistributedOptimizerTest, FusedStepOnShardsMatchesTheOptimizersOwnStep_CUDA
       {"bf16-mixed", recipes::bf16_mixed()},
       {"bf16-mixed grads reduced in bf16", recipes::bf16_mixed().grad_reduce_in_fp32(false)},
       {"16-mixed grads reduced in fp16", recipes::fp16_mixed().fp16_initial_loss_scale(1024).grad_reduce_in_fp32(false)},
-      {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0)},
   };
   data();
   for (const auto& [name, options] : cases) {
@@ -733,7 +737,7 @@ TEST(DistributedOptimizerTest, FusedStepOnShardsMatchesTheOptimizersOwnStep_CUDA
         torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
         auto run_options = options;
         MixedPrecisionPlugin plugin(run_options.fused_optimizer(fused));
-        plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+        plugin.set_process_group(group, DistributedOptimizerOptions().bucket_size(3000).overlap_grad_reduce(false));
         plugin.connect(*model, optimizer);
         // One step: from the same masters, they differ only by how the step applied the
         // gradients (a second step would also carry FP8 / bf16 rounding flips of the first).
@@ -748,7 +752,7 @@ TEST(DistributedOptimizerTest, FusedStepOnShardsMatchesTheOptimizersOwnStep_CUDA
         EXPECT_GT(norm, 1e-3) << "the clipping coefficient is below 1, so it takes part";
         EXPECT_TRUE(plugin.optimizer_step(optimizer));
         for (const auto& m : plugin.master_params()) masters[fused][rank].push_back(m.detach().cpu());
-      });
+      }, std::chrono::seconds(20));
       for (const auto& e : errors) ASSERT_EQ(e, "");
     }
     for (int rank = 0; rank < 2; ++rank) {

@@ -193,7 +193,9 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_in_process_group(std::shared_
   auto store = c10::make_intrusive<c10d::HashStore>();
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world->size());
   auto backend = c10::make_intrusive<InProcessBackend>(world, rank);
+  // The collectives are plain ATen ops, so CUDA tensors work too (all ranks on one GPU).
   group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+  group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::CUSTOM, backend);
   group->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
   return group;
 }
