@@ -221,10 +221,6 @@ std::vector<ParamAndGradBuffer::Shard> ParamAndGradBuffer::local_shards() const 
   return shards;
 }
 
-c10::ScalarType ParamAndGradBuffer::grad_dtype(size_t param) const {
-  return buffers_[params_.at(param).buffer].grad_dtype;
-}
-
 int64_t ParamAndGradBuffer::num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
 
 int64_t ParamAndGradBuffer::padded_numel() const {

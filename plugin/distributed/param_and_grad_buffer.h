@@ -82,7 +82,6 @@ class ParamAndGradBuffer {
   /// reduce-scatter starts in the backward pass after it is set back to true (the last
   /// micro-batch).
   void set_gradient_sync(bool enabled) { sync_ = enabled; }
-  bool gradient_sync() const { return sync_; }
   /// Launches the buckets the backward pass has not and waits for all: the gradient buffer then
   /// holds the averaged gradients in this rank's shards. Re-links parameters a checkpoint load
   /// gave new storage first (relink_params).
@@ -95,7 +94,6 @@ class ParamAndGradBuffer {
   /// Zeroes the gradient buffer and every gradient, ready for the next step.
   void zero_grads();
 
-  c10::ScalarType grad_dtype(size_t param) const;
   int64_t num_buckets() const;
   /// Elements of the parameter buffers (all buckets, padding included).
   int64_t padded_numel() const;

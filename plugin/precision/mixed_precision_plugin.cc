@@ -15,9 +15,6 @@ namespace {
 
 const void* key(const torch::Tensor& t) { return t.unsafeGetTensorImpl(); }
 
-bool is_fp8_dtype(c10::ScalarType dtype) {
-  return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
-}
 
 
 }  // namespace
@@ -68,7 +65,7 @@ void MixedPrecisionPlugin::convert_module(torch::nn::Module& model) {
   torch::NoGradGuard no_grad;
   for (auto& param : model.parameters()) {
     const auto dtype = param.scalar_type();
-    if (!param.is_floating_point() || is_fp8_dtype(dtype) || dtype == params_dtype) continue;
+    if (!param.is_floating_point() || isFloat8Type(dtype) || dtype == params_dtype) continue;
     // The master is seeded from the value before the cast, not from its half rounding.
     master_seeds_.emplace_back(param, param.detach().to(at::kFloat, /*non_blocking=*/false,
                                                         /*copy=*/true));
@@ -127,7 +124,7 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
         spec.fp8_owner = linear;
         linear->clear_high_precision_init_val();
       } else if (spec.model.scalar_type() != at::kFloat) {
-        TORCH_CHECK(spec.model.is_floating_point() && !is_fp8_dtype(spec.model.scalar_type()),
+        TORCH_CHECK(spec.model.is_floating_point() && !isFloat8Type(spec.model.scalar_type()),
                     "MixedPrecisionPlugin: the optimizer holds a parameter of dtype ",
                     c10::toString(spec.model.scalar_type()),
                     " that is not an FP8 module's weight; expected floating-point parameters");
