@@ -719,6 +719,85 @@ TEST_F(Fp8LinearTest, Fp8ParamsGradientsGoToMainGrad_CUDA) {
   fp8_params_gradient_case(torch::kCUDA);
 }
 
+// The autograd graph keeps the layer's Fp8Meta, not the module: a backward pass after the module
+// is gone still adds the weight gradient into main_grad (FP8 path and high-precision path; the
+// graph once held a raw module pointer, and the high-precision hook captured `this`).
+TEST_F(Fp8LinearTest, BackwardAfterTheModuleIsGoneFeedsItsMeta) {
+  torch::manual_seed(8);
+  auto x = torch::randn({40, 96});
+  auto g = torch::randn({40, 48});
+  const auto reference_dw = torch::matmul(g.to(torch::kDouble).t(), x.to(torch::kDouble));
+  for (const bool in_region : {true, false}) {
+    auto layer = make_fp8_params_layer(96, 48);
+    const auto meta = layer->fp8_meta();
+    torch::Tensor y;
+    {
+      Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(16), /*enabled=*/in_region);
+      y = layer->forward(x);
+    }
+    layer = Fp8Linear(nullptr);
+    y.backward(g);
+    ASSERT_TRUE(meta->main_grad().tensor().defined()) << "in_region=" << in_region;
+    EXPECT_LE(relative_error(meta->main_grad().tensor(), reference_dw),
+              in_region ? kHybridGradBound : 1e-5)
+        << "in_region=" << in_region;
+  }
+}
+
+// Each module has its own meta: clone() (which copy-constructs, then resets) leaves the
+// original's main_grad binding alone and starts unbound, with the same values.
+TEST_F(Fp8LinearTest, ACloneHasAMetaOfItsOwn) {
+  auto layer = make_fp8_params_layer(32, 48);
+  auto buffer = torch::zeros({48, 32});
+  layer->set_main_grad_buffer(buffer);
+  auto copy = std::dynamic_pointer_cast<Fp8LinearImpl>(layer->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_NE(copy->fp8_meta().get(), layer->fp8_meta().get());
+  EXPECT_TRUE(layer->main_grad().is_same(buffer)) << "the original keeps its binding";
+  EXPECT_FALSE(copy->main_grad().defined()) << "a clone starts unbound";
+  EXPECT_TRUE(BytesEqual(copy->weight, layer->weight));
+  EXPECT_TRUE(BytesEqual(copy->weight_scale_inv, layer->weight_scale_inv));
+  // The copy's slots are views of its own buffers.
+  EXPECT_EQ(copy->fp8_meta()->amax(Fp8Slot::kWeight).data_ptr(),
+            copy->fp8_fwd_amax_history[0][1].data_ptr());
+}
+
+// The meta's slots are views of the module's buffers, by role (Fp8Slot), and follow them
+// through a history resize and a move (to()).
+TEST_F(Fp8LinearTest, MetaSlotsAreViewsOfTheBuffers) {
+  Fp8Linear layer(Fp8LinearOptions(32, 48).fp8_amax_history_len(4));
+  {
+    torch::NoGradGuard no_grad;
+    layer->fp8_fwd_amax_history[0].copy_(torch::tensor({1.0f, 2.0f}));
+    layer->fp8_bwd_amax_history[0][0].fill_(3.0f);
+    layer->fp8_fwd_scale.copy_(torch::tensor({5.0f, 6.0f}));
+    layer->fp8_bwd_scale.fill_(7.0f);
+  }
+  auto& meta = *layer->fp8_meta();
+  auto expect_slots = [&](const std::string& when) {
+    EXPECT_EQ(meta.amax(Fp8Slot::kInput).item<double>(), 1.0) << when;
+    EXPECT_EQ(meta.amax(Fp8Slot::kWeight).item<double>(), 2.0) << when;
+    EXPECT_EQ(meta.amax(Fp8Slot::kGradOutput).item<double>(), 3.0) << when;
+    EXPECT_EQ(meta.scale(Fp8Slot::kInput).item<double>(), 5.0) << when;
+    EXPECT_EQ(meta.scale(Fp8Slot::kWeight).item<double>(), 6.0) << when;
+    EXPECT_EQ(meta.scale(Fp8Slot::kGradOutput).item<double>(), 7.0) << when;
+    // Views, not copies: writing a slot writes the module's buffer.
+    EXPECT_EQ(meta.amax(Fp8Slot::kWeight).data_ptr(),
+              layer->fp8_fwd_amax_history[0][1].data_ptr())
+        << when;
+    EXPECT_EQ(meta.scale(Fp8Slot::kGradOutput).data_ptr(), layer->fp8_bwd_scale.data_ptr())
+        << when;
+  };
+  expect_slots("as built");
+  meta.ensure_history_len(9);
+  EXPECT_EQ(layer->fp8_fwd_amax_history.size(0), 9);
+  EXPECT_EQ(layer->fp8_bwd_amax_history.size(0), 9);
+  expect_slots("after a history resize");
+  layer->to(torch::kDouble);
+  EXPECT_EQ(meta.amax(Fp8Slot::kInput).scalar_type(), torch::kDouble);
+  expect_slots("after to(kDouble)");
+}
+
 // The MLP of MlpTrainsLikeFp32 with fp8_params: FP32 masters seeded from the high-precision
 // initial values, stepped by Adam on main_grad, re-quantized into the FP8 weights each step.
 double train_fp8_params_mlp(torch::Device device) {

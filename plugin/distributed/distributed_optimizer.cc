@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "ops/quantize.h"
-#include "plugin/modules/fp8_linear.h"
+#include "plugin/modules/fp8_meta.h"
 #include "plugin/optim/fused_optimizer.h"
 #include "plugin/optim/grad_clip.h"
 
@@ -38,7 +38,7 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
   if (world_size_ > 1) {
     std::vector<ParamAndGradBuffer::Param> buffered;
     buffered.reserve(specs.size());
-    for (const auto& spec : specs) buffered.push_back({spec.model, spec.fp8_owner});
+    for (const auto& spec : specs) buffered.push_back({spec.model, spec.fp8_meta});
     buffer_ = std::make_unique<ParamAndGradBuffer>(group_, options_, grad_reduce_in_fp32_, std::move(buffered));
     broadcast_seeds(specs);
   }
@@ -54,8 +54,8 @@ void DistributedOptimizer::index_params(const std::vector<ParamSpec>& specs) {
   params_.resize(specs.size());
   for (size_t n = 0; n < specs.size(); ++n) {
     params_[n].model = specs[n].model;
-    params_[n].fp8_owner = specs[n].fp8_owner;
-    if (specs[n].fp8_owner) {
+    params_[n].fp8_meta = specs[n].fp8_meta;
+    if (specs[n].fp8_meta) {
       params_[n].fp8_slot = static_cast<int64_t>(fp8_params_.size());
       fp8_params_.push_back(n);
     }
@@ -99,7 +99,7 @@ void DistributedOptimizer::make_masters(const std::vector<ParamSpec>& specs) {
       Piece piece;
       piece.param = n;
       piece.target = spec.model;
-      if (!spec.fp8_owner && spec.model.scalar_type() == at::kFloat) {
+      if (!spec.fp8_meta && spec.model.scalar_type() == at::kFloat) {
         piece.master = spec.model;
       } else {
         const auto& seed = spec.seed.defined() ? spec.seed : spec.model;
@@ -113,7 +113,7 @@ void DistributedOptimizer::make_masters(const std::vector<ParamSpec>& specs) {
     master_shards_.push_back(pieces_[i].master);
     piece_index_[key(pieces_[i].master)] = i;
     const auto& param = params_[pieces_[i].param];
-    if (param.fp8_owner) fp8_piece_slots.push_back(param.fp8_slot);
+    if (param.fp8_meta) fp8_piece_slots.push_back(param.fp8_slot);
   }
   // Each local FP8 piece's weight slot, in pieces_ order (publish_params scatters their amaxes
   // with it). A rank holds at most one piece of a weight.
@@ -146,7 +146,7 @@ const std::vector<torch::Tensor>& DistributedOptimizer::reduce_gradients() {
     if (buffer_) {
       grads_[i] = pieces_[i].grad;
     } else {
-      grads_[i] = param.fp8_owner ? param.fp8_owner->main_grad() : param.model.grad();
+      grads_[i] = param.fp8_meta ? param.fp8_meta->main_grad().tensor() : param.model.grad();
     }
   }
   return grads_;
@@ -200,7 +200,7 @@ bool DistributedOptimizer::fusable_on_gpu(const torch::optim::Optimizer& optimiz
 }
 
 torch::Tensor DistributedOptimizer::half_copy(const Piece& piece) const {
-  if (params_[piece.param].fp8_owner || piece.target.is_same(piece.master)) return {};
+  if (params_[piece.param].fp8_meta || piece.target.is_same(piece.master)) return {};
   const auto dtype = piece.target.scalar_type();
   return dtype == at::kBFloat16 || dtype == at::kHalf ? piece.target : torch::Tensor();
 }
@@ -228,7 +228,7 @@ void DistributedOptimizer::publish_params(bool half_copies_written) {
   if (!fp8_params_.empty()) {
     std::vector<torch::Tensor> fp8_masters;
     for (const auto& piece : pieces_) {
-      if (params_[piece.param].fp8_owner) fp8_masters.push_back(piece.master.detach());
+      if (params_[piece.param].fp8_meta) fp8_masters.push_back(piece.master.detach());
     }
     const auto device = params_[fp8_params_.front()].model.device();
     amaxes = torch::zeros({static_cast<int64_t>(fp8_params_.size())},
@@ -247,7 +247,7 @@ void DistributedOptimizer::publish_params(bool half_copies_written) {
   }
   for (const auto& piece : pieces_) {
     const auto& param = params_[piece.param];
-    if (param.fp8_owner) {
+    if (param.fp8_meta) {
       quantize(piece.master.detach(), scales.narrow(0, param.fp8_slot, 1), Fp8Format::kE4M3, {}, false,
                piece.target);
     } else if (!piece.target.is_same(piece.master) && !(half_copies_written && half_copy(piece).defined())) {
@@ -256,10 +256,10 @@ void DistributedOptimizer::publish_params(bool half_copies_written) {
   }
   if (buffer_) buffer_->gather_params();
   if (!fp8_params_.empty()) {
-    std::vector<Fp8LinearImpl*> owners;
-    owners.reserve(fp8_params_.size());
-    for (size_t index : fp8_params_) owners.push_back(params_[index].fp8_owner.get());
-    Fp8LinearImpl::fp8_weights_written(owners, amaxes, scale_invs);
+    std::vector<Fp8Meta*> metas;
+    metas.reserve(fp8_params_.size());
+    for (size_t index : fp8_params_) metas.push_back(params_[index].fp8_meta.get());
+    Fp8Meta::weights_written(metas, amaxes, scale_invs, "DistributedOptimizer");
   }
 }
 
@@ -268,7 +268,7 @@ void DistributedOptimizer::zero_gradients() {
     buffer_->zero_grads();
   } else {
     for (auto& param : params_) {
-      if (param.fp8_owner) param.fp8_owner->zero_main_grad();
+      if (param.fp8_meta) param.fp8_meta->main_grad().zero();
       else param.model.mutable_grad().reset();
     }
   }
@@ -278,7 +278,7 @@ void DistributedOptimizer::zero_gradients() {
 
 bool DistributedOptimizer::has_model_gradients() const {
   return std::any_of(params_.begin(), params_.end(), [](const Param& param) {
-    return !param.fp8_owner && param.model.defined() && param.model.grad().defined();
+    return !param.fp8_meta && param.model.defined() && param.model.grad().defined();
   });
 }
 

@@ -33,14 +33,13 @@
 
 namespace amp8 {
 
-class Fp8LinearImpl;
 
 class DistributedOptimizer {
  public:
   /// One parameter the optimizer steps.
   struct ParamSpec {
     torch::Tensor model;                       ///< the model's parameter (any float dtype, or FP8)
-    std::shared_ptr<Fp8LinearImpl> fp8_owner;  ///< fp8_params: the module whose weight it is
+    c10::intrusive_ptr<Fp8Meta> fp8_meta;  ///< fp8_params: the FP8 state of the weight's layer
     torch::Tensor seed;                        ///< float32 value the master starts from (undefined:
                                                ///< the model's value)
   };
@@ -118,7 +117,7 @@ class DistributedOptimizer {
   };
   struct Param {
     torch::Tensor model;
-    std::shared_ptr<Fp8LinearImpl> fp8_owner;
+    c10::intrusive_ptr<Fp8Meta> fp8_meta;
     int64_t fp8_slot = -1;  // its index among the FP8 weights (amax, scale)
   };
 

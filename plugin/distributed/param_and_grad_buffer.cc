@@ -2,6 +2,8 @@
 
 #include <c10/core/Event.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/types.h>
+#include <torch/utils.h>
 
 #include <algorithm>
 #include <array>
@@ -9,7 +11,7 @@
 #include <optional>
 
 #include "plugin/compat/torch_internals.h"
-#include "plugin/modules/fp8_linear.h"
+#include "plugin/modules/fp8_meta.h"
 
 namespace amp8 {
 namespace {
@@ -27,7 +29,7 @@ void DistributedOptimizerOptions::validate() const {
 // One parameter: where it lives in its buffer, and its state in the current backward pass.
 struct ParamAndGradBuffer::Slot {
   torch::Tensor model;
-  std::shared_ptr<Fp8LinearImpl> fp8_owner;
+  c10::intrusive_ptr<Fp8Meta> fp8_meta;
   size_t buffer = 0, bucket = 0;
   int64_t offset = 0;  // in its buffer
   int64_t numel = 0;
@@ -75,10 +77,10 @@ ParamAndGradBuffer::ParamAndGradBuffer(c10::intrusive_ptr<c10d::ProcessGroup> gr
                 device, " and ", model.device());
     TORCH_CHECK(model.is_floating_point(), "DistributedOptimizer: parameters must be floating point, got ",
                 model.scalar_type());
-    TORCH_CHECK(params[n].fp8_owner || model.requires_grad(), "DistributedOptimizer: parameter ", n,
+    TORCH_CHECK(params[n].fp8_meta || model.requires_grad(), "DistributedOptimizer: parameter ", n,
                 " of the optimizer does not require grad");
     params_[n].model = model;
-    params_[n].fp8_owner = std::move(params[n].fp8_owner);
+    params_[n].fp8_meta = std::move(params[n].fp8_meta);
     params_[n].numel = model.numel();
   }
   lay_out(grad_reduce_in_fp32);
@@ -164,13 +166,14 @@ void ParamAndGradBuffer::lay_out(bool grad_reduce_in_fp32) {
 
 void ParamAndGradBuffer::hook(size_t n) {
   auto& param = params_[n];
-  if (param.fp8_owner) {
+  if (param.fp8_meta) {
     // The FP8 weight has no autograd gradient: its wgrad GEMMs accumulate straight into its
-    // slice of the bucket (main_grad bound to it, Megatron's param.main_grad), and the module
-    // says when the last has, so its bucket can be reduced during the backward pass.
-    param.fp8_owner->set_main_grad_buffer(
-        buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).view(param.model.sizes()));
-    param.fp8_owner->set_main_grad_hook([this, n] { on_main_grad_ready(n); });
+    // slice of the bucket (main_grad bound to it, Megatron's param.main_grad), and its
+    // MainGrad says when the last has, so its bucket can be reduced during the backward pass.
+    param.fp8_meta->main_grad().bind(
+        buffers_[param.buffer].grads.narrow(0, param.offset, param.numel).view(param.model.sizes()),
+        param.model.device());
+    param.fp8_meta->main_grad().set_ready_hook([this, n] { on_main_grad_ready(n); });
   } else {
     detail::set_post_accumulate_grad_hook(
         param.model, [this, n](const torch::Tensor& grad_holder) { on_grad_ready(n, grad_holder); });
@@ -187,11 +190,11 @@ void ParamAndGradBuffer::broadcast_from_rank_zero() {
 
 ParamAndGradBuffer::~ParamAndGradBuffer() {
   for (auto& param : params_) {
-    if (param.fp8_owner) {
-      param.fp8_owner->set_main_grad_hook(nullptr);
-      if (param.fp8_owner->main_grad().defined() &&
-          param.fp8_owner->main_grad().is_alias_of(buffers_[param.buffer].grads)) {
-        param.fp8_owner->set_main_grad_buffer({});
+    if (param.fp8_meta) {
+      param.fp8_meta->main_grad().set_ready_hook(nullptr);
+      if (param.fp8_meta->main_grad().tensor().defined() &&
+          param.fp8_meta->main_grad().tensor().is_alias_of(buffers_[param.buffer].grads)) {
+        param.fp8_meta->main_grad().bind({}, param.model.device());
       }
     } else if (param.model.defined()) {
       detail::set_post_accumulate_grad_hook(param.model, nullptr);
@@ -294,18 +297,18 @@ void ParamAndGradBuffer::launch(Bucket& bucket) {
 }
 
 void ParamAndGradBuffer::finish_grad_sync() {
-  // An FP8 weight's gradient reaches its bucket only through the binding: a module reset()
-  // or re-bound since the buffer was made would train on zeros without a word.
+  // An FP8 weight's gradient reaches its bucket only through the binding: a weight unbound or
+  // re-bound since the buffer was made would train on zeros without a word.
   for (size_t n = 0; n < params_.size(); ++n) {
     const auto& param = params_[n];
-    if (!param.fp8_owner) continue;
-    const auto& main_grad = param.fp8_owner->main_grad();
+    if (!param.fp8_meta) continue;
+    const auto& main_grad = param.fp8_meta->main_grad().tensor();
     const auto& grads = buffers_[param.buffer].grads;
     const auto* slice = static_cast<const char*>(grads.const_data_ptr()) + param.offset * grads.element_size();
     TORCH_CHECK(main_grad.defined() && main_grad.const_data_ptr() == slice,
                 "DistributedOptimizer: FP8 weight ", n, "'s main_grad is no longer its slice of the "
-                "gradient buffer (the module was reset() or set_main_grad_buffer was called after "
-                "connect), so its gradient would not be reduced");
+                "gradient buffer (set_main_grad_buffer was called after connect), so its gradient "
+                "would not be reduced");
   }
   relink_params();
   if (step_events_.size() == 4096) step_events_.pop_front();
@@ -390,7 +393,7 @@ void ParamAndGradBuffer::zero_grads() {
   for (auto& buffer : buffers_) buffer.grads.zero_();
   for (auto& param : params_) {
     param.ready = false;
-    if (param.fp8_owner) param.fp8_owner->zero_main_grad();
+    if (param.fp8_meta) param.fp8_meta->main_grad().zero();
     else param.model.mutable_grad().reset();
   }
 }

@@ -29,9 +29,9 @@
 #include <memory>
 #include <vector>
 
-namespace amp8 {
+#include "plugin/modules/fp8_meta.h"
 
-class Fp8LinearImpl;
+namespace amp8 {
 
 struct DistributedOptimizerOptions {
   /// Elements per gradient bucket (Megatron's default: 40 M). Smaller buckets start the
@@ -48,10 +48,10 @@ struct DistributedOptimizerOptions {
 class ParamAndGradBuffer {
  public:
   /// One parameter: the model's tensor (any float dtype, or FP8) and, for an FP8 weight under
-  /// fp8_params, the module whose weight it is.
+  /// fp8_params, its layer's FP8 state (main_grad is bound to the weight's slice of the buffer).
   struct Param {
     at::Tensor model;
-    std::shared_ptr<Fp8LinearImpl> fp8_owner;
+    c10::intrusive_ptr<Fp8Meta> fp8_meta;
   };
 
   /// Lays out the buffers, makes the parameters views of the parameter buffer (keeping their

@@ -40,9 +40,9 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   }
 };
 
-// The LayerNorm of x2d [rows, hidden] as `linear`'s FP8 GEMM input, padded with zero rows to
-// the GEMM's multiple of 16: under delayed scaling written straight into FP8 by the LayerNorm
-// kernel (with the linear layer's input scale, its amax max-merged into the layer's slot);
+// The LayerNorm of x2d [rows, hidden] as the FP8 GEMM input of `meta`'s layer, padded with zero
+// rows to the GEMM's multiple of 16: under delayed scaling written straight into FP8 by the
+// LayerNorm kernel (with the layer's input scale, its amax max-merged into the layer's slot);
 // under current scaling normalized first, then measured and quantized, which also gives the
 // transpose (x_t) the weight gradient needs.
 struct LayerNormFp8 {
@@ -51,48 +51,64 @@ struct LayerNormFp8 {
   LayerNormStats stats;
 };
 
-LayerNormFp8 layer_norm_fp8_for(Fp8LinearImpl& linear, const Fp8Recipe& recipe,
-                                const at::Tensor& x2d, const at::Tensor& ln_weight,
-                                const at::Tensor& ln_bias, double eps) {
+LayerNormFp8 layer_norm_fp8_for(Fp8Meta& meta, const Fp8Recipe& recipe, const at::Tensor& x2d,
+                                const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+                                double eps) {
   const int64_t rows = x2d.size(0), hidden = x2d.size(1);
   const int64_t rows_padded = detail::padded_rows(rows);
   const auto format = recipe.forward_format;
-  const auto& slots = detail::Fp8LinearInternals::slots(linear);
   if (recipe.delayed()) {
     const auto fp8_options = x2d.options().dtype(fp8_dtype(format));
     auto buffer = rows_padded == rows ? at::empty({rows, hidden}, fp8_options)
                                       : at::zeros({rows_padded, hidden}, fp8_options);
-    auto ln = layer_norm_fp8(x2d, ln_weight, ln_bias, eps, slots.input_scale, format,
-                             slots.input_amax, /*accumulate_amax=*/true, buffer.narrow(0, 0, rows));
+    auto ln = layer_norm_fp8(x2d, ln_weight, ln_bias, eps, meta.scale(Fp8Slot::kInput), format,
+                             meta.amax(Fp8Slot::kInput), /*accumulate_amax=*/true,
+                             buffer.narrow(0, 0, rows));
     return {Fp8Tensor(buffer, ln.out.scale_inv, format), at::Tensor(), ln.stats};
   }
   auto ln = layer_norm(x2d, ln_weight, ln_bias, eps);
-  auto q = detail::quantize_for(detail::pad_rows(ln.out, rows_padded), recipe, format,
-                                slots.input_scale, slots.input_amax);
+  auto q = detail::quantize_for(detail::pad_rows(ln.out, rows_padded), recipe, meta,
+                                Fp8Slot::kInput);
   return {q.data, q.transposed.data, ln.stats};
 }
 
-// The FP8 transpose of the LayerNorm output for the weight gradient: the one current scaling
-// made (x_t), else a byte transpose of the FP8 output the forward GEMM read.
-Fp8Tensor layer_norm_output_transpose(const at::Tensor& x_q, const at::Tensor& scale_inv,
-                                      const at::Tensor& x_t, Fp8Format format) {
-  return x_t.defined() ? Fp8Tensor(x_t, scale_inv, format)
-                       : fp8_transpose(Fp8Tensor(x_q, scale_inv, format));
-}
+// What the LayerNorm's backward needs, and the FP8 LayerNorm output the first GEMM read (its
+// transpose is the weight gradient's operand).
+struct LayerNormSaved {
+  at::Tensor x2d, mean, rstd, weight, bias;
+  at::Tensor out_fp8, out_scale_inv;
+  at::Tensor out_fp8_t;  ///< current scaling only (else undefined)
 
-// The LayerNorm's gradients from its output's (the first GEMM's dgrad), as the function's
-// first three outputs ask for them.
-std::array<torch::Tensor, 3> layer_norm_grads(torch::autograd::AutogradContext* ctx,
-                                              const detail::Fp8LinearSaved& saved,
-                                              const at::Tensor& grad_out2d, const at::Tensor& x2d,
-                                              const LayerNormStats& stats,
-                                              const at::Tensor& ln_weight,
-                                              const at::Tensor& ln_bias) {
-  auto ln = layer_norm_backward(grad_out2d, x2d, stats, ln_weight, ln_bias);
-  return {ctx->needs_input_grad(0) ? saved.unflatten(ln.grad_input) : torch::Tensor(),
-          ctx->needs_input_grad(1) ? ln.grad_gamma : torch::Tensor(),
-          ctx->needs_input_grad(2) ? ln.grad_beta : torch::Tensor()};
-}
+  LayerNormSaved() = default;
+  LayerNormSaved(const at::Tensor& x2d, const LayerNormFp8& ln, const at::Tensor& weight,
+                 const at::Tensor& bias)
+      : x2d(x2d),
+        mean(ln.stats.mean),
+        rstd(ln.stats.rstd),
+        weight(weight),
+        bias(bias),
+        out_fp8(ln.x_q.data),
+        out_scale_inv(ln.x_q.scale_inv),
+        out_fp8_t(ln.x_t) {}
+
+  // The FP8 transpose of the output for the weight gradient: the one current scaling made,
+  // else a byte transpose of the FP8 output the forward GEMM read.
+  Fp8Tensor output_transpose(Fp8Format format) const {
+    return out_fp8_t.defined() ? Fp8Tensor(out_fp8_t, out_scale_inv, format)
+                               : fp8_transpose(Fp8Tensor(out_fp8, out_scale_inv, format));
+  }
+
+  // The LayerNorm's gradients from its output's (the first GEMM's dgrad), as the function's
+  // first three inputs ask for them.
+  std::array<torch::Tensor, 3> grads(torch::autograd::AutogradContext* ctx,
+                                     const detail::Fp8LinearSaved& saved,
+                                     const at::Tensor& grad_out2d) const {
+    auto ln = layer_norm_backward(grad_out2d, x2d, {mean, rstd}, weight, bias);
+    return {ctx->needs_input_grad(0) ? saved.unflatten(ln.grad_input) : torch::Tensor(),
+            ctx->needs_input_grad(1) ? ln.grad_gamma : torch::Tensor(),
+            ctx->needs_input_grad(2) ? ln.grad_beta : torch::Tensor()};
+  }
+};
 
 bool needs_layer_norm_grads(torch::autograd::AutogradContext* ctx) {
   return ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
@@ -100,33 +116,40 @@ bool needs_layer_norm_grads(torch::autograd::AutogradContext* ctx) {
 
 // LayerNorm → FP8 → GEMM in one function (see Fp8LayerNormLinearImpl).
 struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinearFunction> {
+  struct SavedTensors : LayerNormSaved {
+    at::Tensor weight_fp8, weight_scale_inv;  ///< the dgrad operand (Fp8DgradWeight)
+    static constexpr auto fields() {
+      using S = SavedTensors;
+      return std::array<at::Tensor S::*, 10>{&S::x2d,     &S::mean,          &S::rstd,
+                                             &S::weight,  &S::bias,          &S::out_fp8,
+                                             &S::out_scale_inv, &S::out_fp8_t, &S::weight_fp8,
+                                             &S::weight_scale_inv};
+    }
+  };
+
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
                                const torch::Tensor& weight, const torch::Tensor& bias,
-                               const torch::Tensor& grad_anchor, Fp8LinearImpl* linear,
-                               const detail::Fp8LinearCall& call, double eps) {
+                               const torch::Tensor& grad_anchor, bool has_bias,
+                               const Fp8LinearImpl::Fp8Call& call, double eps) {
     const int64_t hidden = ln_weight.size(0);
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0);
-    auto ln = layer_norm_fp8_for(*linear, call.recipe, x2d, ln_weight, ln_bias, eps);
+    auto ln = layer_norm_fp8_for(*call.meta, call.recipe, x2d, ln_weight, ln_bias, eps);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
-    const bool has_bias = linear->options.bias();
     if (has_bias) gemm.bias = bias;
     auto y = fp8_gemm(ln.x_q, call.weight_q.data, call.out_dtype, gemm);
     if (y.size(0) != rows) y = y.narrow(0, 0, rows);
 
-    detail::save_dgrad_weight(ctx, call.weight_q,
-                              {x2d, ln.stats.mean, ln.stats.rstd, ln_weight, ln_bias, ln.x_q.data,
-                               ln.x_q.scale_inv, ln.x_t});
-    const detail::Fp8LinearSaved saved{linear,
-                                       call.recipe,
-                                       rows,
-                                       has_bias,
-                                       x2d.scalar_type(),
-                                       weight.scalar_type(),
-                                       bias.scalar_type(),
-                                       input.sizes().vec()};
+    SavedTensors tensors;
+    static_cast<LayerNormSaved&>(tensors) = LayerNormSaved(x2d, ln, ln_weight, ln_bias);
+    const auto w = detail::dgrad_weight_of(call.weight_q);
+    tensors.weight_fp8 = w.weight.data;
+    tensors.weight_scale_inv = w.weight.scale_inv;
+    detail::save_tensors(ctx, tensors);
+    const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, x2d, weight, bias,
+                                                  input.sizes().vec());
     saved.save(ctx);
     return saved.unflatten(y);
   }
@@ -134,22 +157,18 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
-    const auto tensors = ctx->get_saved_variables();
-    const auto format = saved.recipe.forward_format;
-    const auto w = detail::load_dgrad_weight(ctx, tensors[8], tensors[9], format);
-
+    const auto tensors = detail::load_tensors<SavedTensors>(ctx);
     const bool need_ln = needs_layer_norm_grads(ctx);
-    const bool need_weight = ctx->needs_input_grad(3) || saved.linear->options.fp8_params();
+    const bool need_weight = ctx->needs_input_grad(3) || saved.meta->fp8_params();
     Fp8Tensor x_t;
-    if (need_weight) x_t = layer_norm_output_transpose(tensors[5], tensors[6], tensors[7], format);
+    if (need_weight) x_t = tensors.output_transpose(saved.recipe.forward_format);
+    const auto& grad_output = grad_outputs[0];
     auto grads = detail::fp8_linear_backward(
-        saved, grad_outputs[0].reshape({-1, saved.linear->options.out_features()}),
-        std::move(x_t), w, need_ln, ctx->needs_input_grad(3), ctx->needs_input_grad(4));
+        saved, grad_output.reshape({-1, grad_output.size(-1)}), std::move(x_t),
+        saved.dgrad_weight(tensors.weight_fp8, tensors.weight_scale_inv), need_ln,
+        ctx->needs_input_grad(3), ctx->needs_input_grad(4));
     std::array<torch::Tensor, 3> ln;
-    if (need_ln) {
-      ln = layer_norm_grads(ctx, saved, grads.input, tensors[0], {tensors[1], tensors[2]},
-                            tensors[3], tensors[4]);
-    }
+    if (need_ln) ln = tensors.grads(ctx, saved, grads.input);
     return {ln[0],           ln[1],           ln[2],           grads.weight,   grads.bias,
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
@@ -159,61 +178,65 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
 // Fp8LayerNormMLPImpl). Backward: FC2's GEMMs, then GELU's backward fused into the cast of
 // FC1's output gradient (with FC1's bias gradient), FC1's GEMMs, the LayerNorm's backward.
 struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunction> {
+  struct SavedTensors : LayerNormSaved {
+    at::Tensor gelu_input;  ///< FC1's output, padded rows zeroed
+    at::Tensor fc1_weight_fp8, fc1_weight_scale_inv, fc2_weight_fp8, fc2_weight_scale_inv;
+    static constexpr auto fields() {
+      using S = SavedTensors;
+      return std::array<at::Tensor S::*, 13>{
+          &S::x2d,        &S::mean,           &S::rstd,
+          &S::weight,     &S::bias,           &S::out_fp8,
+          &S::out_scale_inv, &S::out_fp8_t,   &S::gelu_input,
+          &S::fc1_weight_fp8, &S::fc1_weight_scale_inv, &S::fc2_weight_fp8,
+          &S::fc2_weight_scale_inv};
+    }
+  };
+
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
                                const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
                                const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
                                const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
-                               Fp8LinearImpl* fc1, const detail::Fp8LinearCall& fc1_call,
-                               Fp8LinearImpl* fc2, const detail::Fp8LinearCall& fc2_call,
-                               double eps) {
+                               bool fc1_has_bias, bool fc2_has_bias,
+                               const Fp8LinearImpl::Fp8Call& fc1_call,
+                               const Fp8LinearImpl::Fp8Call& fc2_call, double eps) {
     const int64_t hidden = ln_weight.size(0);
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
     const auto& recipe = fc1_call.recipe;
-    auto ln = layer_norm_fp8_for(*fc1, recipe, x2d, ln_weight, ln_bias, eps);
+    auto ln = layer_norm_fp8_for(*fc1_call.meta, recipe, x2d, ln_weight, ln_bias, eps);
 
     Fp8GemmOptions gemm1;
     gemm1.use_fast_accum = true;
-    if (fc1->options.bias()) gemm1.bias = fc1_bias;
+    if (fc1_has_bias) gemm1.bias = fc1_bias;
     auto gelu_input = fp8_gemm(ln.x_q, fc1_call.weight_q.data, fc1_call.out_dtype, gemm1);
     // The padding rows read FC1's bias; zeroed, they stay zero through GELU (gelu(0) = 0) and
     // add nothing to FC2's input amax.
     if (rows_padded != rows) gelu_input.narrow(0, rows, rows_padded - rows).zero_();
-    const auto& fc2_slots = detail::Fp8LinearInternals::slots(*fc2);
-    auto h_q = detail::quantize_for(gelu_input, fc2_call.recipe, recipe.forward_format,
-                                    fc2_slots.input_scale, fc2_slots.input_amax, {},
-                                    {detail::QuantizeActivation::kGelu});
+    auto h_q = detail::quantize_for(gelu_input, fc2_call.recipe, *fc2_call.meta, Fp8Slot::kInput,
+                                    {}, {detail::QuantizeActivation::kGelu});
     Fp8GemmOptions gemm2;
     gemm2.use_fast_accum = true;
-    if (fc2->options.bias()) gemm2.bias = fc2_bias;
+    if (fc2_has_bias) gemm2.bias = fc2_bias;
     auto y = fp8_gemm(h_q.data, fc2_call.weight_q.data, fc2_call.out_dtype, gemm2);
     if (rows_padded != rows) y = y.narrow(0, 0, rows);
 
+    SavedTensors tensors;
+    static_cast<LayerNormSaved&>(tensors) = LayerNormSaved(x2d, ln, ln_weight, ln_bias);
+    tensors.gelu_input = gelu_input;
     const auto w1 = detail::dgrad_weight_of(fc1_call.weight_q);
     const auto w2 = detail::dgrad_weight_of(fc2_call.weight_q);
-    ctx->save_for_backward({x2d, ln.stats.mean, ln.stats.rstd, ln_weight, ln_bias, ln.x_q.data,
-                            ln.x_q.scale_inv, ln.x_t, gelu_input, w1.weight.data,
-                            w1.weight.scale_inv, w2.weight.data, w2.weight.scale_inv});
-    ctx->saved_data["fc1.dgrad_weight_transposed"] = w1.transposed;
-    ctx->saved_data["fc2.dgrad_weight_transposed"] = w2.transposed;
+    tensors.fc1_weight_fp8 = w1.weight.data;
+    tensors.fc1_weight_scale_inv = w1.weight.scale_inv;
+    tensors.fc2_weight_fp8 = w2.weight.data;
+    tensors.fc2_weight_scale_inv = w2.weight.scale_inv;
+    detail::save_tensors(ctx, tensors);
     detail::save_input_transpose(ctx, h_q.transposed, "fc2.x_t");
-    const detail::Fp8LinearSaved fc1_saved{fc1,
-                                           recipe,
-                                           rows,
-                                           fc1->options.bias(),
-                                           x2d.scalar_type(),
-                                           fc1_weight.scalar_type(),
-                                           fc1_bias.scalar_type(),
-                                           input.sizes().vec()};
-    const detail::Fp8LinearSaved fc2_saved{fc2,
-                                           fc2_call.recipe,
-                                           rows,
-                                           fc2->options.bias(),
-                                           gelu_input.scalar_type(),
-                                           fc2_weight.scalar_type(),
-                                           fc2_bias.scalar_type(),
-                                           {rows, fc2->options.in_features()}};
+    const auto fc1_saved = detail::Fp8LinearSaved::of(fc1_call, rows, fc1_has_bias, x2d,
+                                                      fc1_weight, fc1_bias, input.sizes().vec());
+    const auto fc2_saved = detail::Fp8LinearSaved::of(fc2_call, rows, fc2_has_bias, gelu_input,
+                                                      fc2_weight, fc2_bias,
+                                                      {rows, fc2_weight.size(1)});
     fc1_saved.save(ctx, "fc1");
     fc2_saved.save(ctx, "fc2");
     return fc1_saved.unflatten(y);
@@ -223,32 +246,27 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                                torch::autograd::tensor_list grad_outputs) {
     const auto fc1_saved = detail::Fp8LinearSaved::load(ctx, "fc1");
     const auto fc2_saved = detail::Fp8LinearSaved::load(ctx, "fc2");
-    const auto tensors = ctx->get_saved_variables();
+    const auto tensors = detail::load_tensors<SavedTensors>(ctx);
     const auto format = fc1_saved.recipe.forward_format;
-    const detail::Fp8DgradWeight w1{Fp8Tensor(tensors[9], tensors[10], format),
-                                    ctx->saved_data["fc1.dgrad_weight_transposed"].toBool()};
-    const detail::Fp8DgradWeight w2{Fp8Tensor(tensors[11], tensors[12], format),
-                                    ctx->saved_data["fc2.dgrad_weight_transposed"].toBool()};
     // FC2: its gradients, and dgrad into GELU's output gradient.
+    const auto& grad_output = grad_outputs[0];
     auto fc2_grads = detail::fp8_linear_backward(
-        fc2_saved, grad_outputs[0].reshape({-1, fc2_saved.linear->options.out_features()}),
-        detail::take_input_transpose(ctx, format, "fc2.x_t"), w2, /*need_input=*/true,
-        ctx->needs_input_grad(5), ctx->needs_input_grad(6));
+        fc2_saved, grad_output.reshape({-1, grad_output.size(-1)}),
+        detail::take_input_transpose(ctx, format, "fc2.x_t"),
+        fc2_saved.dgrad_weight(tensors.fc2_weight_fp8, tensors.fc2_weight_scale_inv),
+        /*need_input=*/true, ctx->needs_input_grad(5), ctx->needs_input_grad(6));
     // FC1, whose output gradient is GELU's backward, computed inside its cast.
     const bool need_ln = needs_layer_norm_grads(ctx);
-    const bool need_fc1_weight = ctx->needs_input_grad(3) || fc1_saved.linear->options.fp8_params();
+    const bool need_fc1_weight = ctx->needs_input_grad(3) || fc1_saved.meta->fp8_params();
     Fp8Tensor x_t;
-    if (need_fc1_weight)
-      x_t = layer_norm_output_transpose(tensors[5], tensors[6], tensors[7], format);
+    if (need_fc1_weight) x_t = tensors.output_transpose(format);
     auto fc1_grads = detail::fp8_linear_backward(
-        fc1_saved, fc2_grads.input, std::move(x_t), w1, need_ln, ctx->needs_input_grad(3),
-        ctx->needs_input_grad(4), /*gelu_input=*/tensors[8]);
+        fc1_saved, fc2_grads.input, std::move(x_t),
+        fc1_saved.dgrad_weight(tensors.fc1_weight_fp8, tensors.fc1_weight_scale_inv), need_ln,
+        ctx->needs_input_grad(3), ctx->needs_input_grad(4), /*gelu_input=*/tensors.gelu_input);
     fc2_grads.input = at::Tensor();
     std::array<torch::Tensor, 3> ln;
-    if (need_ln) {
-      ln = layer_norm_grads(ctx, fc1_saved, fc1_grads.input, tensors[0], {tensors[1], tensors[2]},
-                            tensors[3], tensors[4]);
-    }
+    if (need_ln) ln = tensors.grads(ctx, fc1_saved, fc1_grads.input);
     return {ln[0],           ln[1],           ln[2],           fc1_grads.weight,
             fc1_grads.bias,  fc2_grads.weight, fc2_grads.bias,  torch::Tensor(),
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
@@ -348,17 +366,16 @@ torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
               "Fp8LayerNormLinear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
   auto& lin = *linear;
-  auto call = detail::Fp8LinearInternals::prepare(lin, input);
+  auto call = lin.prepare_fp8_call(input, input.numel() / options.in_features());
   if (!call) return lin.forward(layer_norm->forward(input));
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                   input.scalar_type() == at::kHalf,
               "Fp8LayerNormLinear: input must be float32, bfloat16 or float16, got ",
               input.scalar_type());
-  const auto& anchor = detail::Fp8LinearInternals::grad_anchor(lin);
-  detail::Fp8LinearInternals::expect_main_grad(lin);
+  const auto& anchor = lin.grad_anchor();
   return LayerNormLinearFunction::apply(input, layer_norm->weight, layer_norm->bias, lin.weight,
                                         lin.bias.defined() ? lin.bias : anchor.detach(), anchor,
-                                        &lin, *call, options.eps());
+                                        lin.options.bias(), *call, options.eps());
 }
 
 }  // namespace amp8
@@ -409,9 +426,7 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
   auto& fc1 = *ln_fc1->linear;
   auto& out = *fc2;
   const int64_t rows = input.numel() / options.hidden_size();
-  using detail::Fp8LinearInternals;
-  if (!options.fused() || !Fp8LinearInternals::runs_in_fp8(fc1, rows) ||
-      !Fp8LinearInternals::runs_in_fp8(out, rows)) {
+  if (!options.fused() || !fc1.runs_in_fp8(rows) || !out.runs_in_fp8(rows)) {
     // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
     // other, each deciding for itself.
     return out.forward(at::gelu(ln_fc1->forward(input), "tanh"));
@@ -420,18 +435,17 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
                   input.scalar_type() == at::kHalf,
               "Fp8LayerNormMLP: input must be float32, bfloat16 or float16, got ",
               input.scalar_type());
-  auto fc1_call = Fp8LinearInternals::prepare(fc1, input, rows);
-  auto fc2_call = Fp8LinearInternals::prepare(out, input, rows);
-  TORCH_INTERNAL_ASSERT(fc1_call && fc2_call, "Fp8LayerNormMLP: runs_in_fp8 and prepare disagree");
-  const auto& fc1_anchor = Fp8LinearInternals::grad_anchor(fc1);
-  const auto& fc2_anchor = Fp8LinearInternals::grad_anchor(out);
-  Fp8LinearInternals::expect_main_grad(fc1);
-  Fp8LinearInternals::expect_main_grad(out);
+  auto fc1_call = fc1.prepare_fp8_call(input, rows);
+  auto fc2_call = out.prepare_fp8_call(input, rows);
+  TORCH_INTERNAL_ASSERT(fc1_call && fc2_call,
+                        "Fp8LayerNormMLP: runs_in_fp8 and prepare_fp8_call disagree");
+  const auto& fc1_anchor = fc1.grad_anchor();
+  const auto& fc2_anchor = out.grad_anchor();
   return LayerNormMLPFunction::apply(
       input, ln_fc1->layer_norm->weight, ln_fc1->layer_norm->bias, fc1.weight,
       fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
-      out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor, &fc1,
-      *fc1_call, &out, *fc2_call, options.eps());
+      out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
+      fc1.options.bias(), out.options.bias(), *fc1_call, *fc2_call, options.eps());
 }
 
 }  // namespace amp8

@@ -5,6 +5,7 @@
 #include <torch/nn/init.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "ops/fp8_gemm.h"
@@ -17,40 +18,38 @@ namespace amp8 {
 
 namespace {
 
-using detail::Fp8LinearInternals;
-
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
+  // The dgrad operand; the input's transpose travels in saved_data (take_input_transpose).
+  struct SavedTensors {
+    at::Tensor weight, weight_scale_inv;
+    static constexpr auto fields() {
+      return std::array{&SavedTensors::weight, &SavedTensors::weight_scale_inv};
+    }
+  };
+
   // `grad_anchor` is an empty tensor that requires grad under fp8_params, so that backward
   // runs (and feeds main_grad) even when neither input nor bias needs a gradient.
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& weight, const torch::Tensor& bias,
-                               const torch::Tensor& grad_anchor, Fp8LinearImpl* module,
-                               const detail::Fp8LinearCall& call) {
+                               const torch::Tensor& grad_anchor, bool has_bias,
+                               const Fp8LinearImpl::Fp8Call& call) {
     const auto& recipe = call.recipe;
     auto x2d = input.reshape({-1, weight.size(1)});
     const int64_t rows = x2d.size(0);
     auto x = detail::pad_rows(x2d, detail::padded_rows(rows));
 
-    const auto& slots = Fp8LinearInternals::slots(*module);
-    auto x_q = detail::quantize_for(x, recipe, recipe.forward_format, slots.input_scale,
-                                    slots.input_amax);
+    auto x_q = detail::quantize_for(x, recipe, *call.meta, Fp8Slot::kInput);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
-    const bool has_bias = module->options.bias();
     if (has_bias) gemm.bias = bias;
     auto y = fp8_gemm(x_q.data, call.weight_q.data, call.out_dtype, gemm);
     if (y.size(0) != rows) y = y.narrow(0, 0, rows);
 
-    detail::save_dgrad_weight(ctx, call.weight_q, {});
+    const auto w = detail::dgrad_weight_of(call.weight_q);
+    detail::save_tensors(ctx, SavedTensors{w.weight.data, w.weight.scale_inv});
     detail::save_input_transpose(ctx, x_q.transposed);
-    const detail::Fp8LinearSaved saved{module,
-                                       recipe,
-                                       rows,
-                                       has_bias,
-                                       input.scalar_type(),
-                                       weight.scalar_type(),
-                                       bias.scalar_type(),
-                                       input.sizes().vec()};
+    const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, input, weight, bias,
+                                                  input.sizes().vec());
     saved.save(ctx);
     return saved.unflatten(y);
   }
@@ -58,14 +57,13 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
-    const auto tensors = ctx->get_saved_variables();
-    const auto format = saved.recipe.forward_format;
-    const auto w = detail::load_dgrad_weight(ctx, tensors[0], tensors[1], format);
+    const auto tensors = detail::load_tensors<SavedTensors>(ctx);
+    const auto& grad_output = grad_outputs[0];
     auto grads = detail::fp8_linear_backward(
-        saved, grad_outputs[0].reshape({-1, saved.linear->options.out_features()}),
-        detail::take_input_transpose(ctx, format), w,
-                                             ctx->needs_input_grad(0),
-                                             ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+        saved, grad_output.reshape({-1, grad_output.size(-1)}),
+        detail::take_input_transpose(ctx, saved.recipe.forward_format),
+        saved.dgrad_weight(tensors.weight, tensors.weight_scale_inv), ctx->needs_input_grad(0),
+        ctx->needs_input_grad(1), ctx->needs_input_grad(2));
     if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
     return {grads.input,     grads.weight,    grads.bias,
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -110,11 +108,14 @@ void Fp8LinearImpl::reset() {
   fp8_bwd_scale_inv = register_buffer("fp8_bwd_scale_inv", torch::ones({1}));
   if (options.fp8_params())
     weight_scale_inv = register_buffer("weight_scale_inv", torch::ones({1}));
+  // A meta of its own, over the buffers just registered: a clone() copy (Cloneable
+  // copy-constructs, then resets) must not share its original's.
+  meta_ = c10::make_intrusive<Fp8Meta>(
+      DelayedScalingGroup{fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv},
+      DelayedScalingGroup{fp8_bwd_amax_history, fp8_bwd_scale, fp8_bwd_scale_inv},
+      weight_scale_inv, weight.sizes().vec());
+  grad_anchor_ = torch::Tensor();
   weight_cache_.reset();
-  main_grad_ = torch::Tensor();
-  main_grad_bound_ = false;
-  main_grad_hook_ = nullptr;
-  pending_main_grads_ = 0;
   reset_parameters();
 }
 
@@ -150,39 +151,6 @@ bool Fp8LinearImpl::fp8_eligible() const {
   return options.in_features() % 16 == 0 && options.out_features() % 16 == 0;
 }
 
-void Fp8LinearImpl::ensure_history_len(int64_t history_len) {
-  if (fp8_fwd_amax_history.size(0) == history_len) return;
-  // In place (set_), so the registered buffers follow. Row 0 and the newest rows are kept.
-  torch::NoGradGuard no_grad;
-  auto resize = [&](torch::Tensor& buffer) {
-    auto resized = torch::zeros({history_len, buffer.size(1)}, buffer.options());
-    const int64_t keep = std::min(history_len, buffer.size(0));
-    resized.narrow(0, 0, 1).copy_(buffer.narrow(0, 0, 1));
-    if (keep > 1) {
-      resized.narrow(0, history_len - keep + 1, keep - 1)
-          .copy_(buffer.narrow(0, buffer.size(0) - keep + 1, keep - 1));
-    }
-    buffer.set_(resized);
-  };
-  resize(fp8_fwd_amax_history);
-  resize(fp8_bwd_amax_history);
-}
-
-const Fp8LinearImpl::SlotViews& Fp8LinearImpl::slot_views() {
-  const void* keys[4] = {fp8_fwd_scale.const_data_ptr(), fp8_fwd_amax_history.const_data_ptr(),
-                         fp8_bwd_scale.const_data_ptr(), fp8_bwd_amax_history.const_data_ptr()};
-  if (!std::equal(keys, keys + 4, slot_views_.keys)) {
-    slot_views_.input_scale = fp8_fwd_scale.narrow(0, 0, 1);
-    slot_views_.weight_scale = fp8_fwd_scale.narrow(0, 1, 1);
-    slot_views_.input_amax = fp8_fwd_amax_history[0][0];
-    slot_views_.weight_amax = fp8_fwd_amax_history[0][1];
-    slot_views_.grad_scale = fp8_bwd_scale.narrow(0, 0, 1);
-    slot_views_.grad_amax = fp8_bwd_amax_history[0][0];
-    std::copy(keys, keys + 4, slot_views_.keys);
-  }
-  return slot_views_;
-}
-
 Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8Recipe& recipe) {
   if (options.fp8_params()) {
     // Already FP8. The transpose dgrad needs is a byte transpose, made by the backward itself
@@ -196,9 +164,7 @@ Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8Recipe& recipe) {
     return *weight_cache_;
   }
   torch::NoGradGuard no_grad;
-  const auto& slots = slot_views();
-  auto q = detail::quantize_for(weight, recipe, recipe.forward_format, slots.weight_scale,
-                                slots.weight_amax);
+  auto q = detail::quantize_for(weight, recipe, *meta_, Fp8Slot::kWeight);
   if (options.cache_fp8_weight()) {
     weight_cache_ = q;
     weight_cache_version_ = version;
@@ -214,37 +180,27 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
               "Fp8Linear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
   ++forward_calls_;
-  auto call = Fp8LinearInternals::prepare(*this, input);
+  auto call = prepare_fp8_call(input, input.numel() / options.in_features());
   if (!call) return high_precision_forward(input);
-  const auto& anchor = Fp8LinearInternals::grad_anchor(*this);
-  Fp8LinearInternals::expect_main_grad(*this);
+  const auto& anchor = grad_anchor();
   // Custom autograd functions take no undefined tensors: an empty tensor stands in for a
   // missing bias, and for the anchor outside fp8_params.
   return Fp8LinearFunction::apply(input, weight, bias.defined() ? bias : anchor.detach(), anchor,
-                                  this, *call);
+                                  options.bias(), *call);
 }
 
-namespace detail {
-
-bool Fp8LinearInternals::runs_in_fp8(const Fp8LinearImpl& linear, int64_t rows) {
-  const auto& options = linear.options;
+bool Fp8LinearImpl::runs_in_fp8(int64_t rows) const {
   return Fp8Autocast::is_enabled() && !options.keep_in_high_precision() && rows > 0 &&
-         linear.fp8_eligible() &&
+         fp8_eligible() &&
          rows * options.in_features() * options.out_features() >= options.fp8_min_gemm_size();
 }
 
-std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
-                                                         const at::Tensor& input) {
-  return prepare(linear, input, input.numel() / linear.options.in_features());
-}
-
-std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
-                                                         const at::Tensor& input, int64_t rows) {
-  const auto& options = linear.options;
-  if (!runs_in_fp8(linear, rows)) {
+std::optional<Fp8LinearImpl::Fp8Call> Fp8LinearImpl::prepare_fp8_call(const torch::Tensor& input,
+                                                                      int64_t rows) {
+  if (!runs_in_fp8(rows)) {
     // Said once per process, where the reason is the layer's (not the region's or the input's).
     if (Fp8Autocast::is_enabled() && !options.keep_in_high_precision() && rows > 0) {
-      if (!linear.fp8_eligible()) {
+      if (!fp8_eligible()) {
         TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
                         "): FP8 GEMMs need both dimensions divisible by 16; this layer runs in "
                         "high precision.");
@@ -259,61 +215,25 @@ std::optional<Fp8LinearCall> Fp8LinearInternals::prepare(Fp8LinearImpl& linear,
     }
     return std::nullopt;
   }
-  const auto compute = compute_dtype(input);
+  const auto compute = detail::compute_dtype(input);
   TORCH_CHECK(compute == at::kFloat || compute == at::kBFloat16 || compute == at::kHalf,
               "Fp8Linear: in an FP8 region the input must be float32, bfloat16 or float16, got ",
               compute);
   const auto& recipe = Fp8Autocast::current_recipe();
-  linear.ensure_history_len(recipe.amax_history_len);
-  linear.amax_reduction_group_ = Fp8Autocast::current_group();
-  if (recipe.delayed()) {
-    register_forward_group(
-        &linear, {linear.fp8_fwd_amax_history, linear.fp8_fwd_scale, linear.fp8_fwd_scale_inv});
+  meta_->ensure_history_len(recipe.amax_history_len);
+  meta_->set_amax_reduction_group(Fp8Autocast::current_group());
+  if (recipe.delayed()) detail::register_forward_group(meta_.get(), meta_->forward_group());
+  if (options.fp8_params() && torch::GradMode::is_enabled()) meta_->main_grad().expect();
+  return Fp8Call{quantized_weight(recipe), recipe, compute, meta_};
+}
+
+const torch::Tensor& Fp8LinearImpl::grad_anchor() {
+  if (!grad_anchor_.defined() || grad_anchor_.device() != weight.device()) {
+    grad_anchor_ =
+        torch::empty({0}, fp8_fwd_scale.options()).requires_grad_(options.fp8_params());
   }
-  return Fp8LinearCall{linear.quantized_weight(recipe), recipe, compute};
+  return grad_anchor_;
 }
-
-const at::Tensor& Fp8LinearInternals::grad_anchor(Fp8LinearImpl& linear) {
-  if (!linear.grad_anchor_.defined() || linear.grad_anchor_.device() != linear.weight.device()) {
-    linear.grad_anchor_ = torch::empty({0}, linear.fp8_fwd_scale.options())
-                              .requires_grad_(linear.options.fp8_params());
-  }
-  return linear.grad_anchor_;
-}
-
-at::Tensor Fp8LinearInternals::high_precision_forward(Fp8LinearImpl& linear,
-                                                      const at::Tensor& input) {
-  return linear.high_precision_forward(input);
-}
-
-void Fp8LinearInternals::accumulate_main_grad(Fp8LinearImpl& linear, const at::Tensor& grad) {
-  linear.accumulate_main_grad(grad);
-}
-
-void Fp8LinearInternals::accumulate_main_grad_gemm(Fp8LinearImpl& linear, const Fp8Tensor& grad_t,
-                                                   const Fp8Tensor& x_t) {
-  auto& main_grad = linear.main_grad_;
-  if (!main_grad.defined()) {
-    main_grad = fp8_gemm(grad_t, x_t, at::kFloat);
-  } else {
-    Fp8GemmOptions accumulate;
-    accumulate.out = main_grad;
-    accumulate.accumulate = true;
-    fp8_gemm(grad_t, x_t, main_grad.scalar_type(), accumulate);  // float32 unless bound
-  }
-  linear.main_grad_accumulated();
-}
-
-void Fp8LinearInternals::expect_main_grad(Fp8LinearImpl& linear) {
-  if (linear.options.fp8_params() && torch::GradMode::is_enabled()) ++linear.pending_main_grads_;
-}
-
-const c10::intrusive_ptr<c10d::ProcessGroup>& Fp8LinearInternals::group(
-    const Fp8LinearImpl& linear) {
-  return linear.amax_reduction_group_;
-}
-
-}  // namespace detail
 
 // at::linear, not torch::nn::functional::linear: for inputs of more than two dimensions the
 // C++ frontend's version computes matmul and then `output += bias`, a separate broadcast add
@@ -326,8 +246,9 @@ torch::Tensor Fp8LinearImpl::high_precision_forward(const torch::Tensor& input) 
   // In the input's dtype (bf16/fp16 under a mixed precision's params), as nn::Linear's would be.
   const auto dtype = input.is_floating_point() ? input.scalar_type() : at::kFloat;
   auto w = fp8_weight().dequantize(dtype).requires_grad_(true);
-  w.register_hook([this](const torch::Tensor& grad) { accumulate_main_grad(grad); });
-  Fp8LinearInternals::expect_main_grad(*this);
+  // The hook holds the meta, not the module: the graph may outlive either.
+  w.register_hook([meta = meta_](const torch::Tensor& grad) { meta->main_grad().add(grad); });
+  if (torch::GradMode::is_enabled()) meta_->main_grad().expect();
   return at::linear(input, w, bias);
 }
 

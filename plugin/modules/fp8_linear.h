@@ -13,11 +13,9 @@
 
 #include "ops/quantize.h"
 #include "plugin/fp8/fp8_recipe.h"
+#include "plugin/modules/fp8_meta.h"
 
 namespace amp8 {
-namespace detail {
-struct Fp8LinearInternals;
-}  // namespace detail
 
 /// Options of Fp8Linear, like torch::nn::LinearOptions:
 ///   Fp8LinearOptions(1024, 4096).bias(false)
@@ -125,7 +123,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Gradient of the FP8 weight, accumulated over backward passes until zeroed: FP32,
   /// undefined before the first backward and after zero_main_grad(); bound to a buffer
   /// (set_main_grad_buffer), it is that buffer, in its dtype.
-  const torch::Tensor& main_grad() const { return main_grad_; }
+  const torch::Tensor& main_grad() const { return meta_->main_grad().tensor(); }
   /// Clears main_grad for the next optimizer step. As torch::optim::Optimizer::zero_grad, it
   /// releases the tensor by default (4 bytes per weight element that are not held between
   /// steps, nor during the next forward pass, where activations peak); the next backward pass
@@ -145,7 +143,9 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// forward pass: after the second), so that a distributed optimizer can start reducing it
   /// while the backward pass goes on. One hook; an empty function removes it. Not copied by
   /// clone().
-  void set_main_grad_hook(std::function<void()> hook) { main_grad_hook_ = std::move(hook); }
+  void set_main_grad_hook(std::function<void()> hook) {
+    meta_->main_grad().set_ready_hook(std::move(hook));
+  }
   /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
   /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
   void update_fp8_weight(const torch::Tensor& master);
@@ -172,6 +172,35 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// seeds the FP32 master weight. Used when an existing layer's weights move into this one.
   void set_high_precision_weight(const torch::Tensor& values);
 
+  /// The layer's FP8 state (scaling slots, amax group, main_grad): what its autograd nodes keep
+  /// and what an optimizer of its FP8 weight talks to. Its own (a clone has another).
+  const c10::intrusive_ptr<Fp8Meta>& fp8_meta() const { return meta_; }
+
+  // ---- for modules that fuse this layer's GEMM into an autograd function of their own
+  // (Fp8LayerNormLinear, Fp8LayerNormMLP) ----
+  /// What one FP8 forward call uses.
+  struct Fp8Call {
+    /// The FP8 weight and its transpose (cached or fresh); under fp8_params no transpose (the
+    /// backward makes it).
+    Fp8CastTranspose weight_q;
+    Fp8Recipe recipe;
+    at::ScalarType out_dtype;  ///< the autocast dtype, else the input's
+    c10::intrusive_ptr<Fp8Meta> meta;
+  };
+  /// Whether a GEMM of `rows` rows runs in FP8 (inside a region, not kept in high precision,
+  /// an eligible shape, at least fp8_min_gemm_size). No side effects.
+  bool runs_in_fp8(int64_t rows) const;
+  /// When a GEMM of `rows` rows whose input has `input`'s dtype and device runs in FP8: resizes
+  /// the histories to the region's recipe, registers the forward metadata with the region,
+  /// quantizes (or takes) the weight and, under fp8_params with grad mode on, expects one more
+  /// main_grad addition from the call's backward pass. Otherwise nullopt (a one-time warning
+  /// says why, where the reason is the layer's).
+  std::optional<Fp8Call> prepare_fp8_call(const torch::Tensor& input, int64_t rows);
+  /// An empty tensor on the weight's device that requires grad under fp8_params: an input of
+  /// the FP8 autograd function, so that its backward runs (and feeds main_grad) even when
+  /// nothing else needs a gradient. Detached, it stands in for a missing bias.
+  const torch::Tensor& grad_anchor();
+
   Fp8LinearOptions options;
   torch::Tensor weight;
   torch::Tensor bias;
@@ -181,31 +210,12 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   torch::Tensor weight_scale_inv;
 
  private:
-  void ensure_history_len(int64_t history_len);
   Fp8CastTranspose quantized_weight(const Fp8Recipe& recipe);
-
-  friend struct detail::Fp8LinearInternals;
-  void accumulate_main_grad(const torch::Tensor& grad);
-  void main_grad_accumulated();
   torch::Tensor high_precision_forward(const torch::Tensor& input);
-  // Views of single slots of the FP8 metadata (scale / amax-history row 0), rebuilt when a
-  // buffer's storage changes (to(), load, history resize): the per-call narrow/select ops were
-  // a measurable share of the host time of a forward call.
-  struct SlotViews {
-    torch::Tensor input_scale, input_amax, weight_scale, weight_amax, grad_scale, grad_amax;
-    const void* keys[4] = {nullptr, nullptr, nullptr, nullptr};
-  };
-  const SlotViews& slot_views();
-  SlotViews slot_views_;
+
+  c10::intrusive_ptr<Fp8Meta> meta_;
   torch::Tensor grad_anchor_;
   torch::Tensor high_precision_init_val_;
-  torch::Tensor main_grad_;
-  bool main_grad_bound_ = false;  // main_grad_ is a caller's buffer (set_main_grad_buffer)
-  std::function<void()> main_grad_hook_;
-  // Backward passes recorded by forward calls (grad mode on, fp8_params) that have not added
-  // into main_grad yet; the hook fires when the last of them has.
-  int64_t pending_main_grads_ = 0;
-  c10::intrusive_ptr<c10d::ProcessGroup> amax_reduction_group_;  // of the last FP8 forward
   std::optional<Fp8CastTranspose> weight_cache_;
   int64_t forward_calls_ = 0;
   int64_t weight_cache_version_ = -1;

@@ -1,6 +1,6 @@
 // Fp8Linear under fp8_params (TE's fp8_model_init): the FP8 weight the module stores, its
-// re-quantization from an FP32 master after each optimizer step, and main_grad, where the
-// weight gradient accumulates (its own FP32 tensor, or a bound buffer's slice).
+// re-quantization from an FP32 master after each optimizer step, and the module's side of
+// main_grad (its Fp8Meta's MainGrad), where the weight gradient accumulates.
 #include "plugin/modules/fp8_linear.h"
 
 #include <torch/autograd.h>
@@ -98,32 +98,10 @@ void Fp8LinearImpl::update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers
 void Fp8LinearImpl::fp8_weights_written(const std::vector<Fp8LinearImpl*>& layers,
                                         const torch::Tensor& amaxes,
                                         const torch::Tensor& scale_invs) {
-  const auto n = static_cast<int64_t>(layers.size());
-  for (const auto& [tensor, name] : {std::pair{&amaxes, "amaxes"}, {&scale_invs, "scale_invs"}}) {
-    TORCH_CHECK(tensor->defined() && tensor->scalar_type() == at::kFloat && tensor->dim() == 1 &&
-                    tensor->size(0) == n,
-                "Fp8Linear::fp8_weights_written: ", name, " must be float32 [", n,
-                "] (one per layer), got ",
-                tensor->defined() ? c10::toString(tensor->scalar_type()) : "an undefined tensor",
-                " ", tensor->defined() ? tensor->sizes() : at::IntArrayRef{});
-  }
-  if (n == 0) return;
-  torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> amax_slots, scale_inv_slots;
-  amax_slots.reserve(n);
-  scale_inv_slots.reserve(n);
-  for (auto* layer : layers) {
-    TORCH_CHECK(layer != nullptr && layer->options.fp8_params(),
-                "Fp8Linear::fp8_weights_written: every layer must be an Fp8Linear built with "
-                "fp8_params");
-    amax_slots.push_back(layer->slot_views().weight_amax);
-    scale_inv_slots.push_back(layer->weight_scale_inv);  // [1]
-    layer->weight_cache_.reset();
-  }
-  const auto device = amax_slots.front().device();
-  // The history slot keeps the max of what it holds and the new amax, as fp8_weight_written.
-  at::_foreach_maximum_(amax_slots, amaxes.to(device).unbind(0));
-  at::_foreach_copy_(scale_inv_slots, scale_invs.to(device).reshape({n, 1}).unbind(0));
+  std::vector<Fp8Meta*> metas;
+  metas.reserve(layers.size());
+  for (auto* layer : layers) metas.push_back(layer ? layer->fp8_meta().get() : nullptr);
+  Fp8Meta::weights_written(metas, amaxes, scale_invs, "Fp8Linear::fp8_weights_written");
 }
 
 void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
@@ -136,50 +114,13 @@ void Fp8LinearImpl::set_high_precision_weight(const torch::Tensor& values) {
                          /*copy=*/true);
 }
 
-void Fp8LinearImpl::zero_main_grad(bool set_to_none) {
-  if (!set_to_none) {
-    if (main_grad_.defined()) main_grad_.zero_();
-  } else if (!main_grad_bound_) {
-    main_grad_ = torch::Tensor();
-  }
-  pending_main_grads_ = 0;
-}
+void Fp8LinearImpl::zero_main_grad(bool set_to_none) { meta_->main_grad().zero(set_to_none); }
 
 void Fp8LinearImpl::set_main_grad_buffer(torch::Tensor buffer) {
   TORCH_CHECK(options.fp8_params(),
               "Fp8Linear::set_main_grad_buffer: the module has no fp8_params (its weight has an "
               "autograd gradient)");
-  if (buffer.defined()) {
-    const auto dtype = buffer.scalar_type();
-    TORCH_CHECK(buffer.sizes() == weight.sizes(), "Fp8Linear::set_main_grad_buffer: buffer must "
-                "have the weight's shape ", weight.sizes(), ", got ", buffer.sizes());
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "Fp8Linear::set_main_grad_buffer: buffer must be float32, bfloat16 or float16, "
-                "got ", dtype);
-    TORCH_CHECK(buffer.device() == weight.device(), "Fp8Linear::set_main_grad_buffer: buffer "
-                "must be on the weight's device ", weight.device(), ", got ", buffer.device());
-    TORCH_CHECK(buffer.is_contiguous(),
-                "Fp8Linear::set_main_grad_buffer: buffer must be contiguous");
-    TORCH_CHECK(!main_grad_bound_,
-                "Fp8Linear::set_main_grad_buffer: main_grad is already bound to a buffer (another "
-                "optimizer's?); unbind it first with set_main_grad_buffer({})");
-  }
-  main_grad_ = std::move(buffer);
-  main_grad_bound_ = main_grad_.defined();
-}
-
-void Fp8LinearImpl::main_grad_accumulated() {
-  if (pending_main_grads_ > 0) --pending_main_grads_;
-  if (pending_main_grads_ == 0 && main_grad_hook_) main_grad_hook_();
-}
-
-void Fp8LinearImpl::accumulate_main_grad(const torch::Tensor& grad) {
-  torch::NoGradGuard no_grad;
-  if (!main_grad_.defined()) {
-    main_grad_ = torch::zeros(weight.sizes(), grad.options().dtype(at::kFloat));
-  }
-  main_grad_.add_(grad.to(at::kFloat));
-  main_grad_accumulated();
+  meta_->main_grad().bind(std::move(buffer), weight.device());
 }
 
 }  // namespace amp8

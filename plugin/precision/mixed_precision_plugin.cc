@@ -121,7 +121,7 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
         // On the weight's device: the initial value stays where the module was built (e.g. the
         // CPU) when the model is moved afterwards.
         spec.seed = spec.seed.detach().to(spec.model.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-        spec.fp8_owner = linear;
+        spec.fp8_meta = linear->fp8_meta();
         linear->clear_high_precision_init_val();
       } else if (spec.model.scalar_type() != at::kFloat) {
         TORCH_CHECK(spec.model.is_floating_point() && !isFloat8Type(spec.model.scalar_type()),

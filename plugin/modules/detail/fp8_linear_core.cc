@@ -32,10 +32,14 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
   return input.scalar_type();
 }
 
-Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Format format,
-                              const at::Tensor& scale, const at::Tensor& amax_slot,
-                              const at::Tensor& dbias_out, const QuantizeActivation& activation) {
+Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Meta& meta,
+                              Fp8Slot slot, const at::Tensor& dbias_out,
+                              const QuantizeActivation& activation) {
+  const auto format =
+      slot == Fp8Slot::kGradOutput ? recipe.backward_format : recipe.forward_format;
+  const auto& amax_slot = meta.amax(slot);
   if (recipe.delayed()) {
+    const auto& scale = meta.scale(slot);
     switch (activation.kind) {
       case QuantizeActivation::kGelu:
         TORCH_INTERNAL_ASSERT(!dbias_out.defined(), "quantize_for: GELU's cast has no dbias");
@@ -60,9 +64,23 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8F
                         /*accumulate_amax=*/false, dbias_out);
 }
 
+Fp8LinearSaved Fp8LinearSaved::of(const Fp8LinearImpl::Fp8Call& call, int64_t rows,
+                                  bool has_bias, const at::Tensor& gemm_input,
+                                  const at::Tensor& weight, const at::Tensor& bias,
+                                  std::vector<int64_t> input_sizes) {
+  return {call.meta,
+          call.recipe,
+          rows,
+          has_bias,
+          gemm_input.scalar_type(),
+          weight.scalar_type(),
+          bias.scalar_type(),
+          std::move(input_sizes),
+          /*dgrad_weight_transposed=*/call.weight_q.transposed.defined()};
+}
+
 void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx, const std::string& key) const {
-  std::vector<int64_t> packed = {reinterpret_cast<int64_t>(linear),
-                                 rows,
+  std::vector<int64_t> packed = {rows,
                                  has_bias,
                                  static_cast<int64_t>(input_dtype),
                                  static_cast<int64_t>(weight_dtype),
@@ -72,8 +90,10 @@ void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx, const std::stri
                                  static_cast<int64_t>(recipe.amax_compute_algo),
                                  static_cast<int64_t>(recipe.scaling),
                                  recipe.amax_history_len,
-                                 static_cast<int64_t>(bias_dtype)};
+                                 static_cast<int64_t>(bias_dtype),
+                                 dgrad_weight_transposed};
   ctx->saved_data[key] = std::move(packed);
+  ctx->saved_data[key + ".meta"] = meta;
   ctx->saved_data[key + ".input_sizes"] = input_sizes;
 }
 
@@ -81,18 +101,19 @@ Fp8LinearSaved Fp8LinearSaved::load(torch::autograd::AutogradContext* ctx,
                                     const std::string& key) {
   const auto packed = ctx->saved_data[key].toIntVector();
   Fp8LinearSaved saved;
-  saved.linear = reinterpret_cast<Fp8LinearImpl*>(packed[0]);
-  saved.rows = packed[1];
-  saved.has_bias = packed[2] != 0;
-  saved.input_dtype = static_cast<at::ScalarType>(packed[3]);
-  saved.weight_dtype = static_cast<at::ScalarType>(packed[4]);
-  saved.recipe.forward_format = static_cast<Fp8Format>(packed[5]);
-  saved.recipe.backward_format = static_cast<Fp8Format>(packed[6]);
-  saved.recipe.margin = static_cast<int>(packed[7]);
-  saved.recipe.amax_compute_algo = static_cast<AmaxComputeAlgo>(packed[8]);
-  saved.recipe.scaling = static_cast<Fp8Scaling>(packed[9]);
-  saved.recipe.amax_history_len = packed[10];
-  saved.bias_dtype = static_cast<at::ScalarType>(packed[11]);
+  saved.meta = ctx->saved_data[key + ".meta"].toCustomClass<Fp8Meta>();
+  saved.rows = packed[0];
+  saved.has_bias = packed[1] != 0;
+  saved.input_dtype = static_cast<at::ScalarType>(packed[2]);
+  saved.weight_dtype = static_cast<at::ScalarType>(packed[3]);
+  saved.recipe.forward_format = static_cast<Fp8Format>(packed[4]);
+  saved.recipe.backward_format = static_cast<Fp8Format>(packed[5]);
+  saved.recipe.margin = static_cast<int>(packed[6]);
+  saved.recipe.amax_compute_algo = static_cast<AmaxComputeAlgo>(packed[7]);
+  saved.recipe.scaling = static_cast<Fp8Scaling>(packed[8]);
+  saved.recipe.amax_history_len = packed[9];
+  saved.bias_dtype = static_cast<at::ScalarType>(packed[10]);
+  saved.dgrad_weight_transposed = packed[11] != 0;
   saved.input_sizes = ctx->saved_data[key + ".input_sizes"].toIntVector();
   return saved;
 }
@@ -137,25 +158,11 @@ Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
   return {Fp8Tensor(w.data.detach(), w.scale_inv, w.format), false};
 }
 
-void save_dgrad_weight(torch::autograd::AutogradContext* ctx, const Fp8CastTranspose& weight_q,
-                       std::vector<at::Tensor> tensors) {
-  const auto w = dgrad_weight_of(weight_q);
-  tensors.push_back(w.weight.data);
-  tensors.push_back(w.weight.scale_inv);
-  ctx->save_for_backward(tensors);
-  ctx->saved_data["dgrad_weight_transposed"] = w.transposed;
-}
-
-Fp8DgradWeight load_dgrad_weight(torch::autograd::AutogradContext* ctx, const at::Tensor& data,
-                                 const at::Tensor& scale_inv, Fp8Format format) {
-  return {Fp8Tensor(data, scale_inv, format), ctx->saved_data["dgrad_weight_transposed"].toBool()};
-}
-
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias,
                                    const at::Tensor& gelu_input) {
-  auto& module = *saved.linear;
+  auto& meta = *saved.meta;
   const auto& recipe = saved.recipe;
   const int64_t rows = saved.rows;
   Fp8LinearGrads grads;
@@ -178,28 +185,24 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
     const bool direct = b == at::kFloat || b == at::kBFloat16 || b == at::kHalf;
     dbias = at::empty({g.size(1)}, g.options().dtype(direct ? b : at::kFloat));
   }
-  const auto& slots = Fp8LinearInternals::slots(module);
   QuantizeActivation activation;
   if (gelu_input.defined()) activation = {QuantizeActivation::kDGelu, gelu_input};
-  auto g_q = quantize_for(g, recipe, recipe.backward_format, slots.grad_scale, slots.grad_amax,
-                          dbias, activation);
+  auto g_q = quantize_for(g, recipe, meta, Fp8Slot::kGradOutput, dbias, activation);
   g = at::Tensor();
   if (dbias.defined()) {
     grads.bias = dbias.scalar_type() == saved.bias_dtype ? dbias : dbias.to(saved.bias_dtype);
   }
   if (recipe.delayed()) {
-    register_backward_group(
-        &module, {module.fp8_bwd_amax_history, module.fp8_bwd_scale, module.fp8_bwd_scale_inv},
-        recipe, Fp8LinearInternals::group(module));
+    register_backward_group(&meta, meta.backward_group(), recipe, meta.amax_reduction_group());
   }
   // Weight gradient first, so that the gradient's transpose and the saved input transpose
   // (when the caller gave up its reference) are freed before dgrad allocates its output: the
   // backward's peak holds three FP8 copies of an activation, not three plus dx.
-  if (module.options.fp8_params()) {
+  if (meta.fp8_params()) {
     // The FP8 weight has no autograd gradient; its FP32 master's comes through main_grad,
     // accumulated by the GEMM itself (Megatron's gradient-accumulation fusion): no
     // temporary fp32 gradient.
-    Fp8LinearInternals::accumulate_main_grad_gemm(module, g_q.transposed, x_t);
+    meta.main_grad().add_product(g_q.transposed, x_t);
   } else if (need_weight) {
     // dW[N,K] = dyᵀ[N,M] · x[M,K] = dyᵀ · (xᵀ[K,M])ᵀ
     grads.weight = fp8_gemm(g_q.transposed, x_t, saved.weight_dtype);
