@@ -2,11 +2,13 @@
 // device-to-device copy measured in the same run, and speedup over eager LibTorch doing
 // amax, scale+cast and transpose as separate ops; with the fused bias gradient (dbias) against
 // cast_transpose + LibTorch's column sum; with GELU / GELU's backward inside the cast against
-// LibTorch's GELU kernels before it. Also the plain quantize kernel.
+// LibTorch's GELU kernels before it. Also the plain quantize kernel, and the blockwise
+// quantization (1×128 and 128×128 tiles, with transposes).
 
 #include <ATen/ATen.h>
 
 #include "bench/bench_util.h"
+#include "ops/blockwise.h"
 #include "ops/cuda/kernels.h"
 #include "ops/quantize.h"
 
@@ -53,6 +55,22 @@ int main(int argc, char** argv) {
         .set("copy_gbps", copy_gbps)
         .set("fraction_of_copy", gbps / copy_gbps)
         .print();
+
+    // Blockwise FP8 (DeepSeek-V3 / TE's Float8BlockScaling): x in 1×128 tiles plus xᵀ in its
+    // own 1×128 tiles (an activation's two copies), and a weight's 128×128 blocks with the
+    // transpose; against the tensorwise cast_transpose above, same bytes moved.
+    for (const auto block : {Fp8BlockShape::k1x128, Fp8BlockShape::k128x128}) {
+      BlockwiseQuantizeOptions options;
+      options.block = block;
+      const double ms = bench::median_ms([&] { quantize_blockwise(x, options, true); });
+      bench::Record(block == Fp8BlockShape::k1x128 ? "quantize_blockwise_1x128_transpose"
+                                                   : "quantize_blockwise_128x128_transpose",
+                    shape, cmd)
+          .timing(ms, "cast_transpose (tensorwise, delayed scale)", ours_ms)
+          .set("gbps", bytes / ms / 1e6)
+          .set("fraction_of_copy", bytes / ms / 1e6 / copy_gbps)
+          .print();
+    }
 
     // Tile widths of the fused kernel, same run (tuning record).
     {

@@ -1,9 +1,11 @@
 // fp8_gemm (cuBLASLt, TN) against at::_scaled_mm on the same FP8 operands, and against a bf16
-// GEMM of the same shape, all in one run. y[M,N] = x[M,K]·W[N,K]ᵀ.
+// GEMM of the same shape, all in one run; and the blockwise FP8 GEMMs (1×128 × 128×128 and
+// 1×128 × 1×128 tiles) against the same bf16 GEMM. y[M,N] = x[M,K]·W[N,K]ᵀ.
 
 #include <ATen/ATen.h>
 
 #include "bench/bench_util.h"
+#include "ops/blockwise.h"
 #include "ops/fp8_gemm.h"
 #include "ops/quantize.h"
 
@@ -47,6 +49,23 @@ int main(int argc, char** argv) {
         .set("tflops", flops / ours_fast / 1e9)
         .set("baseline_tflops", flops / bf16 / 1e9)
         .print();
+    // Blockwise (DeepSeek-V3's recipe): x in 1×128 tiles, W in 128×128 blocks (the forward and
+    // dgrad GEMMs), or both in 1×128 tiles (wgrad's); full accumulation, the only mode.
+    for (const auto w_block : {Fp8BlockShape::k128x128, Fp8BlockShape::k1x128}) {
+      BlockwiseQuantizeOptions x_tiles, w_tiles;
+      w_tiles.block = w_block;
+      const auto xb = quantize_blockwise(x, x_tiles).data;
+      const auto wb = quantize_blockwise(w, w_tiles).data;
+      const double ms = bench::median_ms([&] { fp8_blockwise_gemm(xb, wb, at::kBFloat16); });
+      bench::Record(w_block == Fp8BlockShape::k128x128 ? "fp8_blockwise_gemm_1x128_128x128"
+                                                       : "fp8_blockwise_gemm_1x128_1x128",
+                    shape, cmd)
+          .timing(ms, "bf16 at::matmul (x·Wᵀ)", bf16)
+          .set("tflops", flops / ms / 1e9)
+          .set("baseline_tflops", flops / bf16 / 1e9)
+          .set("tensorwise_fast_accum_ms", ours_fast)
+          .print();
+    }
   }
   return 0;
 }

@@ -68,6 +68,29 @@ void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
                             amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream()));
 }
 
+void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
+                             const at::Tensor& out, const at::Tensor& scale_inv,
+                             const at::Tensor& out_t, const at::Tensor& scale_inv_t) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cuda::BlockwiseScaling scaling{options.format == Fp8Format::kE5M2,
+                                       options.power_of_2_scales,
+                                       static_cast<float>(options.amax_epsilon)};
+  const bool transposed = out_t.defined();
+  if (options.block == Fp8BlockShape::k1x128) {
+    AMP8_CUDA_CHECK(cuda::launch_quantize_1x128(
+        x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling, out.mutable_data_ptr(),
+        scale_inv.mutable_data_ptr<float>(), transposed ? out_t.mutable_data_ptr() : nullptr,
+        transposed ? scale_inv_t.mutable_data_ptr<float>() : nullptr, current_stream()));
+  } else {
+    AMP8_CUDA_CHECK(cuda::launch_quantize_128x128(
+        x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling, out.mutable_data_ptr(),
+        scale_inv.mutable_data_ptr<float>(), scale_inv.size(1),
+        transposed ? out_t.mutable_data_ptr() : nullptr,
+        transposed ? scale_inv_t.mutable_data_ptr<float>() : nullptr,
+        transposed ? scale_inv_t.size(1) : 0, current_stream()));
+  }
+}
+
 namespace {
 
 // launch_cast_transpose_fused on tensors; false when it does not take the shape (it did nothing).

@@ -87,10 +87,11 @@ uint32_t alignment_of(const void* p) {
   return alignment;
 }
 
-// Shape, dtypes, options, device and the four matrices' alignments (cuBLASLt's A, B, C, D:
-// the algorithm chosen for one alignment is not valid for a smaller one).
+// Shape, dtypes, options, device, the two operands' scale modes and the four matrices'
+// alignments (cuBLASLt's A, B, C, D: the algorithm chosen for one alignment is not valid for a
+// smaller one).
 using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, int, bool, int,
-                           std::array<uint32_t, 4>>;
+                           int, int, std::array<uint32_t, 4>>;
 
 // Everything about one GEMM configuration that does not change from call to call: the
 // descriptors (with their fixed attributes) and the algorithm the heuristic chose (once found).
@@ -108,11 +109,17 @@ std::map<PlanKey, std::unique_ptr<GemmPlan>>& plans() {
   return cache;
 }
 
-}  // namespace
+// One GEMM operand: FP8 data [rows, K] and its float32 scale_inv, one value
+// (CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) or one per tile (the block-scaled modes).
+struct Operand {
+  const at::Tensor& data;
+  const at::Tensor& scale_inv;
+  int32_t scale_mode = 0;  // cublasLtMatmulMatrixScale_t
+};
 
-at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
-                         const Fp8GemmOptions& o) {
-  const c10::cuda::CUDAGuard guard(a.device());
+at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype,
+                    const Fp8GemmOptions& o) {
+  const c10::cuda::CUDAGuard guard(a.data.device());
   const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
   const bool fp8_out = out_dtype == at::kFloat8_e4m3fn || out_dtype == at::kFloat8_e5m2;
   at::Tensor out = o.out.defined() ? o.out : at::empty({m, n}, a.data.options().dtype(out_dtype));
@@ -140,7 +147,9 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
                     static_cast<int>(o.use_fast_accum),
                     static_cast<int>(o.accumulate),
                     o.out_amax.defined(),
-                    static_cast<int>(a.device().index()),
+                    static_cast<int>(a.data.device().index()),
+                    a.scale_mode,
+                    b.scale_mode,
                     alignments};
   auto& slot = plans()[key];
   if (!slot) {
@@ -152,6 +161,15 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
     set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(CUBLAS_OP_T));
     set_attr(desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(CUBLAS_OP_N));
     set_attr(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(o.use_fast_accum));
+    if (a.scale_mode != 0 || b.scale_mode != 0) {
+#if CUBLAS_VERSION >= 120900
+      set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, b.scale_mode);
+      set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, a.scale_mode);
+#else
+      TORCH_CHECK(false, "fp8_blockwise_gemm: amp8 was built with cuBLAS ", CUBLAS_VERSION,
+                  "; block-scaled FP8 GEMMs need cuBLAS 12.9 or newer");
+#endif
+    }
     if (o.bias.defined()) {
       set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
       set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
@@ -215,6 +233,37 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
                      plan.c_layout.get(), out.mutable_data_ptr(), plan.d_layout.get(), &plan.algo,
                      workspace, workspace_size, at::cuda::getCurrentCUDAStream().stream()));
   return out;
+}
+
+}  // namespace
+
+at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
+                         const Fp8GemmOptions& options) {
+  return run_gemm({a.data, a.scale_inv}, {b.data, b.scale_inv}, out_dtype, options);
+}
+
+at::Tensor fp8_blockwise_gemm_cuda(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
+                                   at::ScalarType out_dtype, const at::Tensor& bias) {
+#if CUBLAS_VERSION >= 120900
+  const auto* properties = at::cuda::getDeviceProperties(a.data.device().index());
+  TORCH_CHECK(properties->major == 9 && cublasLtGetVersion() >= 120900,
+              "fp8_blockwise_gemm: cuBLASLt's block-scaled FP8 GEMMs run on Hopper (sm_90) with "
+              "cuBLAS 12.9 or newer; this is sm_", properties->major, properties->minor,
+              " with cuBLASLt ", cublasLtGetVersion());
+  const auto mode = [](Fp8BlockShape block) {
+    return static_cast<int32_t>(block == Fp8BlockShape::k1x128
+                                    ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                    : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F);
+  };
+  Fp8GemmOptions options;
+  options.bias = bias;
+  options.use_fast_accum = false;  // the block-scaled modes take full accumulation only
+  return run_gemm({a.data, a.scale_inv, mode(a.block)}, {b.data, b.scale_inv, mode(b.block)},
+                  out_dtype, options);
+#else
+  TORCH_CHECK(false, "fp8_blockwise_gemm: amp8 was built with cuBLAS ", CUBLAS_VERSION,
+              "; block-scaled FP8 GEMMs need cuBLAS 12.9 or newer");
+#endif
 }
 
 }  // namespace amp8::detail

@@ -166,4 +166,24 @@ struct SgdScalars {
 int launch_fused_sgd(const SgdTensorPointers* tensors, int num_tensors, InputType grad_type,
                      CopyType copy_type, const SgdScalars& scalars, Stream stream);
 
+// Blockwise FP8 (blockwise_kernels.cu): the tile scales of ops/blockwise.h (blockwise_scale),
+// byte for byte as its CPU reference.
+struct BlockwiseScaling {
+  bool e5m2 = false;
+  bool power_of_2 = true;
+  float amax_epsilon = 0.0f;
+};
+// x [rows, cols] in 1×128 row tiles into out [rows, cols] with scale_inv [ceil(cols/128), rows];
+// with out_t non-null also xᵀ [cols, rows] in its own 1×128 tiles, scale_inv_t
+// [ceil(rows/128), cols].
+int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t cols,
+                          BlockwiseScaling scaling, void* out, float* scale_inv, void* out_t,
+                          float* scale_inv_t, Stream stream);
+// x in 128×128 blocks: out [rows, cols], scale_inv of block (i, j) at i·scale_ld + j; with out_t
+// non-null also xᵀ [cols, rows] with the same scales at j·scale_ld_t + i.
+int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t cols,
+                            BlockwiseScaling scaling, void* out, float* scale_inv,
+                            int64_t scale_ld, void* out_t, float* scale_inv_t, int64_t scale_ld_t,
+                            Stream stream);
+
 }  // namespace amp8::cuda

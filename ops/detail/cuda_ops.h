@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "ops/blockwise.h"
 #include "ops/fp8_format.h"
 #include "ops/fused_adam.h"
 #include "ops/fused_sgd.h"
@@ -71,5 +72,15 @@ void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdSte
 // cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
 at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
                          const Fp8GemmOptions& options);
+
+// Blockwise FP8 (blockwise_kernels.cu): x's tiles into out / scale_inv and, when out_t is
+// defined, xᵀ's into out_t / scale_inv_t, all allocated by the caller in the layouts of
+// Fp8BlockwiseTensor (128×128 padding zeroed).
+void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
+                             const at::Tensor& out, const at::Tensor& scale_inv,
+                             const at::Tensor& out_t, const at::Tensor& scale_inv_t);
+// cuBLASLt's block-scaled FP8 GEMM; arguments checked, bias undefined or bfloat16 [N].
+at::Tensor fp8_blockwise_gemm_cuda(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
+                                   at::ScalarType out_dtype, const at::Tensor& bias);
 
 }  // namespace amp8::detail

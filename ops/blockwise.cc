@@ -1,0 +1,224 @@
+// Blockwise FP8: argument checks, the CPU reference of the tile quantization and of the
+// block-scaled GEMM, and the dispatch to the CUDA paths.
+#include "ops/blockwise.h"
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+#include "ops/detail/checks.h"
+#include "ops/detail/cuda_ops.h"
+#include "ops/detail/fp8_cpu.h"
+
+namespace amp8 {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+const char* block_name(Fp8BlockShape block) {
+  return block == Fp8BlockShape::k1x128 ? "1x128" : "128x128";
+}
+
+void check_blockwise(const Fp8BlockwiseTensor& t, const char* name) {
+  TORCH_CHECK(t.data.defined() && t.data.dim() == 2, "fp8_blockwise_gemm: ", name,
+              " must be a 2-D blockwise FP8 tensor");
+  TORCH_CHECK(t.data.scalar_type() == fp8_dtype(t.format), "fp8_blockwise_gemm: ", name,
+              ".data must be ", fp8_dtype(t.format), " (its format), got ", t.data.scalar_type());
+  const auto shape = blockwise_scale_shape(t.data.size(0), t.data.size(1), t.block);
+  TORCH_CHECK(t.scale_inv.defined() && t.scale_inv.scalar_type() == at::kFloat &&
+                  t.scale_inv.sizes() == at::IntArrayRef(shape) && t.scale_inv.is_contiguous(),
+              "fp8_blockwise_gemm: ", name, ".scale_inv must be contiguous float32 ",
+              at::IntArrayRef(shape), " for ", block_name(t.block), " tiles of ",
+              t.data.sizes(), ", got ",
+              t.scale_inv.defined() ? t.scale_inv.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(t.data.is_contiguous(), "fp8_blockwise_gemm: ", name, ".data must be contiguous");
+}
+
+template <typename In, typename Fp8T>
+void quantize_tiles_cpu(const In* x, int64_t rows, int64_t cols, int64_t tile_rows,
+                        int64_t tile_cols, const BlockwiseQuantizeOptions& options,
+                        Fp8T* out, float* scale_inv, int64_t scale_row_stride,
+                        int64_t scale_col_stride) {
+  const float max = fp8_max(options.format);
+  for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+    for (int64_t c0 = 0; c0 < cols; c0 += tile_cols) {
+      const int64_t r1 = std::min(rows, r0 + tile_rows), c1 = std::min(cols, c0 + tile_cols);
+      float amax = 0.0f;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c)
+          amax = std::fmax(amax, std::fabs(static_cast<float>(x[r * cols + c])));
+      const float scale = blockwise_scale(amax, options);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c)
+          out[r * cols + c] =
+              detail::saturating_cast_cpu<Fp8T>(static_cast<float>(x[r * cols + c]), scale, max);
+      scale_inv[(r0 / tile_rows) * scale_row_stride + (c0 / tile_cols) * scale_col_stride] =
+          1.0f / scale;
+    }
+  }
+}
+
+// x [rows, cols] in `tile_rows` × `tile_cols` tiles; scale_inv of tile (i, j) at
+// i·scale_row_stride + j·scale_col_stride.
+void quantize_cpu(const at::Tensor& x, int64_t tile_rows, int64_t tile_cols,
+                  const BlockwiseQuantizeOptions& options, const at::Tensor& out,
+                  const at::Tensor& scale_inv, int64_t scale_row_stride,
+                  int64_t scale_col_stride) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_blockwise",
+                                  [&] {
+    const auto* in = x.const_data_ptr<scalar_t>();
+    float* s = scale_inv.mutable_data_ptr<float>();
+    if (options.format == Fp8Format::kE4M3) {
+      quantize_tiles_cpu(in, rows, cols, tile_rows, tile_cols, options,
+                         out.mutable_data_ptr<c10::Float8_e4m3fn>(), s, scale_row_stride,
+                         scale_col_stride);
+    } else {
+      quantize_tiles_cpu(in, rows, cols, tile_rows, tile_cols, options,
+                         out.mutable_data_ptr<c10::Float8_e5m2>(), s, scale_row_stride,
+                         scale_col_stride);
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<int64_t> blockwise_scale_shape(int64_t rows, int64_t cols, Fp8BlockShape block) {
+  if (block == Fp8BlockShape::k1x128) return {ceil_div(cols, kFp8BlockLen), rows};
+  return {ceil_div(rows, kFp8BlockLen), round_up(ceil_div(cols, kFp8BlockLen), 4)};
+}
+
+float blockwise_scale(float amax, const BlockwiseQuantizeOptions& options) {
+  const auto epsilon = static_cast<float>(options.amax_epsilon);
+  if (amax < epsilon) amax = epsilon;
+  if (amax == 0.0f || !std::isfinite(amax)) return 1.0f;
+  float scale = fp8_max(options.format) / amax;
+  if (std::isinf(scale)) scale = FLT_MAX;
+  if (options.power_of_2_scales) {
+    uint32_t bits;
+    std::memcpy(&bits, &scale, sizeof(bits));
+    bits &= 0xFF800000u;  // sign and exponent: 2^floor(log2(scale))
+    std::memcpy(&scale, &bits, sizeof(bits));
+  }
+  return scale;
+}
+
+at::Tensor Fp8BlockwiseTensor::dequantize(at::ScalarType dtype) const {
+  TORCH_CHECK(data.defined() && data.dim() == 2,
+              "Fp8BlockwiseTensor::dequantize: data must be a 2-D FP8 tensor");
+  const int64_t rows = data.size(0), cols = data.size(1);
+  // Each element's scale, expanded from the tiles (row r, column c).
+  const auto r = at::arange(rows, data.options().dtype(at::kLong)).unsqueeze(1);
+  const auto c = at::arange(cols, data.options().dtype(at::kLong)).unsqueeze(0);
+  at::Tensor index;
+  const auto c_block = at::div(c, kFp8BlockLen, "floor");
+  if (block == Fp8BlockShape::k1x128) {
+    index = c_block * rows + r;
+  } else {
+    index = at::div(r, kFp8BlockLen, "floor") * round_up(ceil_div(cols, kFp8BlockLen), 4) +
+            c_block;
+  }
+  const auto scales = scale_inv.reshape({-1}).index_select(0, index.reshape({-1}));
+  return (data.to(at::kFloat) * scales.reshape({rows, cols})).to(dtype);
+}
+
+Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
+                                             const BlockwiseQuantizeOptions& options,
+                                             bool transposed) {
+  TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) > 0 && x.size(1) > 0,
+              "quantize_blockwise: x must be a non-empty 2-D tensor, got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf,
+              "quantize_blockwise: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(options.amax_epsilon >= 0 && std::isfinite(options.amax_epsilon),
+              "quantize_blockwise: amax_epsilon must be finite and >= 0, got ",
+              options.amax_epsilon);
+  const auto in = x.contiguous();
+  const int64_t rows = in.size(0), cols = in.size(1);
+  const auto fp8_options = in.options().dtype(fp8_dtype(options.format));
+  const auto float_options = in.options().dtype(at::kFloat);
+  Fp8BlockwiseCastTranspose result;
+  auto& q = result.data;
+  q = {at::empty({rows, cols}, fp8_options),
+       at::zeros(blockwise_scale_shape(rows, cols, options.block), float_options),
+       options.format, options.block};
+  auto& t = result.transposed;
+  if (transposed) {
+    t = {at::empty({cols, rows}, fp8_options),
+         at::zeros(blockwise_scale_shape(cols, rows, options.block), float_options),
+         options.format, options.block};
+  }
+  if (in.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::quantize_blockwise_cuda(in, options, q.data, q.scale_inv, t.data, t.scale_inv);
+    return result;
+#else
+    detail::no_cuda("quantize_blockwise");
+#endif
+  }
+  if (options.block == Fp8BlockShape::k1x128) {
+    quantize_cpu(in, 1, kFp8BlockLen, options, q.data, q.scale_inv, 1, rows);
+    // xᵀ's tiles: 128 consecutive rows of one column of x, i.e. 1×128 along a row of xᵀ.
+    if (transposed)
+      quantize_cpu(in.t().contiguous(), 1, kFp8BlockLen, options, t.data, t.scale_inv, 1, cols);
+  } else {
+    const int64_t padded_blocks = q.scale_inv.size(1);
+    quantize_cpu(in, kFp8BlockLen, kFp8BlockLen, options, q.data, q.scale_inv, padded_blocks, 1);
+    if (transposed) {
+      // The same blocks, so the same scales: the bytes and the scale grid transposed.
+      t.data.copy_(q.data.t());
+      const int64_t row_blocks = q.scale_inv.size(0), col_blocks = ceil_div(cols, kFp8BlockLen);
+      t.scale_inv.narrow(1, 0, row_blocks)
+          .copy_(q.scale_inv.narrow(1, 0, col_blocks).t());
+    }
+  }
+  return result;
+}
+
+at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
+                              at::ScalarType out_dtype, const at::Tensor& bias) {
+  check_blockwise(a, "a");
+  check_blockwise(b, "b");
+  TORCH_CHECK(a.block == Fp8BlockShape::k1x128,
+              "fp8_blockwise_gemm: a must be in 1x128 tiles (cuBLASLt takes 128x128 tiles only "
+              "with a 1x128 partner, as b), got 128x128");
+  TORCH_CHECK(!(a.format == Fp8Format::kE5M2 && b.format == Fp8Format::kE5M2),
+              "fp8_blockwise_gemm: E5M2 x E5M2 is not supported; one operand must be E4M3");
+  const int64_t m = a.data.size(0), k = a.data.size(1), n = b.data.size(0);
+  TORCH_CHECK(b.data.size(1) == k, "fp8_blockwise_gemm: a [M, K] and b [N, K] must share K, got ",
+              a.data.sizes(), " and ", b.data.sizes());
+  TORCH_CHECK(k % 16 == 0 && m % 8 == 0 && n % 8 == 0,
+              "fp8_blockwise_gemm: K must be a multiple of 16 and M, N multiples of 8 (cuBLASLt's "
+              "block-scaled FP8 GEMMs), got M=", m, " N=", n, " K=", k);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+              "fp8_blockwise_gemm: out_dtype must be float32 or bfloat16, got ", out_dtype);
+  TORCH_CHECK(a.data.device() == b.data.device() && a.scale_inv.device() == a.data.device() &&
+                  b.scale_inv.device() == b.data.device(),
+              "fp8_blockwise_gemm: a, b and their scales must be on one device");
+  at::Tensor bias_bf16;
+  if (bias.defined()) {
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n && bias.is_floating_point(),
+                "fp8_blockwise_gemm: bias must be a floating-point [", n, "], got ",
+                bias.sizes());
+    bias_bf16 = bias.to(a.data.device(), at::kBFloat16).contiguous();
+  }
+  if (a.data.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    return detail::fp8_blockwise_gemm_cuda(a, b, out_dtype, bias_bf16);
+#else
+    detail::no_cuda("fp8_blockwise_gemm");
+#endif
+  }
+  // CPU: exact dequantized operands (an FP8 value times a float32 scale) multiplied in float32.
+  auto y = at::matmul(a.dequantize(), b.dequantize().t());
+  if (bias_bf16.defined()) y = y + bias_bf16.to(at::kFloat);
+  return y.to(out_dtype);
+}
+
+}  // namespace amp8

@@ -1,0 +1,85 @@
+#pragma once
+// Blockwise FP8 (Transformer Engine's Float8BlockScaling, DeepSeek-V3's recipe): one float32
+// scale per tile of 1×128 elements (activations, gradients) or 128×128 elements (weights), and
+// the GEMM that reads two such tensors through cuBLASLt's block-scaled modes (sm_90, cuBLAS ≥
+// 12.9).
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "ops/fp8_format.h"
+
+namespace amp8 {
+
+/// The elements one scale covers: 1×128 along a row, or a 128×128 block.
+enum class Fp8BlockShape { k1x128, k128x128 };
+
+/// Tile edge of the block shapes.
+inline constexpr int64_t kFp8BlockLen = 128;
+
+/// How tiles are scaled; defaults are TE's Float8BlockScaling.
+struct BlockwiseQuantizeOptions {
+  Fp8BlockShape block = Fp8BlockShape::k1x128;
+  Fp8Format format = Fp8Format::kE4M3;
+  /// Round each scale down to a power of two (its mantissa bits cleared), so that scaling and
+  /// unscaling are exact. Default: true.
+  bool power_of_2_scales = true;
+  /// A tile's amax is at least this (≥ 0). Default: 0.
+  double amax_epsilon = 0.0;
+};
+
+/// An FP8 tensor [rows, cols] with one scale_inv per tile (x ≈ float(data) · scale_inv of its
+/// tile), laid out as cuBLASLt's block-scaled modes read it:
+///   1×128:   scale_inv [ceil(cols/128), rows], float32, rows contiguous (VEC128_32F);
+///   128×128: scale_inv [ceil(rows/128), round_up(ceil(cols/128), 4)], float32, the padding
+///            columns zero (BLK128x128_32F).
+struct Fp8BlockwiseTensor {
+  at::Tensor data;
+  at::Tensor scale_inv;
+  Fp8Format format = Fp8Format::kE4M3;
+  Fp8BlockShape block = Fp8BlockShape::k1x128;
+
+  bool defined() const { return data.defined(); }
+  /// float(data) · scale_inv of each element's tile, in float32, returned as `dtype`.
+  at::Tensor dequantize(at::ScalarType dtype = at::kFloat) const;
+};
+
+/// scale_inv's shape for a [rows, cols] tensor in `block` tiles.
+std::vector<int64_t> blockwise_scale_shape(int64_t rows, int64_t cols, Fp8BlockShape block);
+
+/// A tile's scale from its amax (TE's compute_scale_from_amax): amax raised to `amax_epsilon`;
+/// scale = fp8_max / amax (float32, rounded to nearest); 1 where amax is 0, infinite or NaN;
+/// float32's largest value where the quotient overflows; then, with power_of_2_scales, the
+/// mantissa cleared. The CUDA kernels compute exactly this.
+float blockwise_scale(float amax, const BlockwiseQuantizeOptions& options);
+
+/// x and xᵀ, each quantized from x's values (never one from the other's FP8 bytes).
+struct Fp8BlockwiseCastTranspose {
+  Fp8BlockwiseTensor data;        ///< [rows, cols]
+  Fp8BlockwiseTensor transposed;  ///< [cols, rows]; undefined unless asked for
+};
+
+/// Quantizes a 2-D x [rows, cols] (float32, bfloat16 or float16) tile by tile: a tile's amax is
+/// max|x| over its elements (a NaN does not count, as fmaxf's; partial tiles at the edges cover
+/// what is there), its scale blockwise_scale(amax), each element fp8(clamp(x · scale)) (NaN
+/// stays NaN). With `transposed`, also xᵀ [cols, rows]: for 1×128 tiles quantized in its own
+/// tiles (128 consecutive rows of one column of x); for 128×128 tiles the same blocks, so the
+/// same scales, transposed. rows and cols may be any positive size.
+/// CUDA and CPU give the same bytes.
+Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
+                                             const BlockwiseQuantizeOptions& options,
+                                             bool transposed = false);
+
+/// y [M, N] = a [M, K] · b [N, K]ᵀ with each operand's tile scales (the TN GEMM of
+/// fp8_gemm): a in 1×128 tiles, b in 1×128 or 128×128 tiles (two 128×128 operands are not a
+/// mode of cuBLASLt); E5M2 × E5M2 is not supported. `bias` [N] (any float dtype) is added in
+/// bfloat16, as fp8_gemm adds it. out_dtype float32 or bfloat16.
+/// CUDA: cuBLASLt's block-scaled modes (sm_90 and cuBLAS ≥ 12.9, full accumulation: the fast
+/// mode is not one of them); K a multiple of 16, M and N multiples of 8. CPU: the tiles
+/// dequantized exactly and multiplied in float32, with the same shape rules.
+at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
+                              at::ScalarType out_dtype, const at::Tensor& bias = {});
+
+}  // namespace amp8

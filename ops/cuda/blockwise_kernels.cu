@@ -1,0 +1,207 @@
+// Blockwise FP8 quantization (ops/blockwise.h): one scale per 1×128 row tile or 128×128 block,
+// computed from the tile's amax by the rules of amp8::blockwise_scale, byte for byte as the
+// CPU reference.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "ops/cuda/fp8_convert.cuh"
+#include "ops/cuda/kernels.h"
+#include "ops/cuda/launch_util.cuh"
+
+namespace amp8::cuda {
+namespace {
+
+constexpr int kBlockLen = 128;
+
+template <bool kE5M2>
+__device__ __forceinline__ float tile_scale(float amax, const BlockwiseScaling& s) {
+  if (amax < s.amax_epsilon) amax = s.amax_epsilon;
+  if (amax == 0.0f || !isfinite(amax)) return 1.0f;
+  float scale = __fdiv_rn(Fp8Traits<kE5M2>::kMax, amax);
+  if (isinf(scale)) scale = 3.402823466e+38f;  // FLT_MAX
+  if (s.power_of_2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
+  return scale;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  return v;
+}
+
+// 1×128 tiles along rows: one warp per tile, four elements per lane.
+template <typename T, bool kE5M2>
+__global__ void quantize_1x128_rows_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                           BlockwiseScaling s, uint8_t* __restrict__ out,
+                                           float* __restrict__ scale_inv) {
+  const int64_t col_blocks = (cols + kBlockLen - 1) / kBlockLen;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (tile >= rows * col_blocks) return;
+  const int64_t r = tile / col_blocks, cb = tile % col_blocks;
+  const int lane = threadIdx.x % 32;
+  float v[4];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t c = cb * kBlockLen + i * 32 + lane;
+    v[i] = c < cols ? to_float(x[r * cols + c]) : 0.0f;
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  amax = warp_max(amax);
+  const float scale = tile_scale<kE5M2>(amax, s);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t c = cb * kBlockLen + i * 32 + lane;
+    if (c < cols) out[r * cols + c] = saturating_cast<kE5M2>(v[i], scale);
+  }
+  if (lane == 0) scale_inv[cb * rows + r] = __fdiv_rn(1.0f, scale);
+}
+
+// xᵀ [cols, rows] in its own 1×128 tiles, i.e. 128 consecutive rows of one column of x: a block
+// takes 128 rows × 32 columns of x through shared memory.
+constexpr int kTransposeCols = 32;
+constexpr int kTransposeThreads = 256;
+
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kTransposeThreads)
+    quantize_1x128_transposed_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                     BlockwiseScaling s, uint8_t* __restrict__ out_t,
+                                     float* __restrict__ scale_inv_t) {
+  __shared__ float tile[kBlockLen][kTransposeCols + 1];
+  __shared__ float partial[kTransposeThreads / kTransposeCols][kTransposeCols];
+  __shared__ float scales[kTransposeCols];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kBlockLen;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTransposeCols;
+  const int t = threadIdx.x;
+  const int col = t % kTransposeCols, part = t / kTransposeCols;  // 8 parts of 16 rows
+  constexpr int kRowsPerPart = kBlockLen / (kTransposeThreads / kTransposeCols);
+  float amax = 0.0f;
+  for (int i = 0; i < kRowsPerPart; ++i) {
+    const int row = part * kRowsPerPart + i;
+    const int64_t r = r0 + row, c = c0 + col;
+    const float v = (r < rows && c < cols) ? to_float(x[r * cols + c]) : 0.0f;
+    tile[row][col] = v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+  partial[part][col] = amax;
+  __syncthreads();
+  if (t < kTransposeCols) {
+    float column_amax = partial[0][t];
+    for (int p = 1; p < kTransposeThreads / kTransposeCols; ++p)
+      column_amax = fmaxf(column_amax, partial[p][t]);
+    const float scale = tile_scale<kE5M2>(column_amax, s);
+    scales[t] = scale;
+    if (c0 + t < cols) scale_inv_t[(r0 / kBlockLen) * cols + c0 + t] = __fdiv_rn(1.0f, scale);
+  }
+  __syncthreads();
+  // Row j of xᵀ (column c0 + j of x) gets 128 consecutive bytes: 8 threads of 16 each.
+  const int j = t / 8, chunk = (t % 8) * 16;
+  const int64_t c = c0 + j;
+  if (c >= cols) return;
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = r0 + chunk + i;
+    if (r < rows) out_t[c * rows + r] = saturating_cast<kE5M2>(tile[chunk + i][j], scales[j]);
+  }
+}
+
+// 128×128 blocks: one thread block per block, its amax reduced across the block; the bytes
+// written to x's layout and, when asked, to xᵀ's (the same block, the same scale).
+constexpr int kSquareThreads = 256;
+
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kSquareThreads)
+    quantize_128x128_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                            BlockwiseScaling s, uint8_t* __restrict__ out,
+                            float* __restrict__ scale_inv, int64_t scale_ld,
+                            uint8_t* __restrict__ out_t, float* __restrict__ scale_inv_t,
+                            int64_t scale_ld_t) {
+  __shared__ float warp_amax[kSquareThreads / 32];
+  __shared__ float block_scale;
+  const int64_t rb = blockIdx.y, cb = blockIdx.x;
+  const int64_t r0 = rb * kBlockLen, c0 = cb * kBlockLen;
+  const int t = threadIdx.x;
+  constexpr int kPerThread = kBlockLen * kBlockLen / kSquareThreads;
+  float amax = 0.0f;
+  for (int i = 0; i < kPerThread; ++i) {
+    const int index = i * kSquareThreads + t;
+    const int64_t r = r0 + index / kBlockLen, c = c0 + index % kBlockLen;
+    if (r < rows && c < cols) amax = fmaxf(amax, fabsf(to_float(x[r * cols + c])));
+  }
+  amax = warp_max(amax);
+  if (t % 32 == 0) warp_amax[t / 32] = amax;
+  __syncthreads();
+  if (t == 0) {
+    float m = warp_amax[0];
+    for (int w = 1; w < kSquareThreads / 32; ++w) m = fmaxf(m, warp_amax[w]);
+    const float scale = tile_scale<kE5M2>(m, s);
+    block_scale = scale;
+    const float inv = __fdiv_rn(1.0f, scale);
+    scale_inv[rb * scale_ld + cb] = inv;
+    if (scale_inv_t != nullptr) scale_inv_t[cb * scale_ld_t + rb] = inv;
+  }
+  __syncthreads();
+  const float scale = block_scale;
+  for (int i = 0; i < kPerThread; ++i) {
+    const int index = i * kSquareThreads + t;
+    const int64_t r = r0 + index / kBlockLen, c = c0 + index % kBlockLen;
+    if (r < rows && c < cols) {
+      const uint8_t q = saturating_cast<kE5M2>(to_float(x[r * cols + c]), scale);
+      out[r * cols + c] = q;
+      if (out_t != nullptr) out_t[c * rows + r] = q;
+    }
+  }
+}
+
+template <typename F>
+int dispatch_format(bool e5m2, F&& f) {
+  return e5m2 ? f(std::true_type{}) : f(std::false_type{});
+}
+
+}  // namespace
+
+int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t cols,
+                          BlockwiseScaling s, void* out, float* scale_inv, void* out_t,
+                          float* scale_inv_t, Stream stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  return dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    return dispatch_format(s.e5m2, [&](auto e5m2) {
+      constexpr bool kE5M2 = decltype(e5m2)::value;
+      const int64_t tiles = rows * ((cols + kBlockLen - 1) / kBlockLen);
+      constexpr int kThreads = 256, kTilesPerBlock = kThreads / 32;
+      quantize_1x128_rows_kernel<T, kE5M2>
+          <<<static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock), kThreads, 0,
+             stream>>>(static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out),
+                       scale_inv);
+      if (out_t != nullptr) {
+        const dim3 grid(static_cast<unsigned>((cols + kTransposeCols - 1) / kTransposeCols),
+                        static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+        quantize_1x128_transposed_kernel<T, kE5M2><<<grid, kTransposeThreads, 0, stream>>>(
+            static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out_t), scale_inv_t);
+      }
+      return static_cast<int>(cudaGetLastError());
+    });
+  });
+}
+
+int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t cols,
+                            BlockwiseScaling s, void* out, float* scale_inv, int64_t scale_ld,
+                            void* out_t, float* scale_inv_t, int64_t scale_ld_t, Stream stream) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  return dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    return dispatch_format(s.e5m2, [&](auto e5m2) {
+      constexpr bool kE5M2 = decltype(e5m2)::value;
+      const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
+                      static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+      quantize_128x128_kernel<T, kE5M2><<<grid, kSquareThreads, 0, stream>>>(
+          static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+          scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);
+      return static_cast<int>(cudaGetLastError());
+    });
+  });
+}
+
+}  // namespace amp8::cuda
