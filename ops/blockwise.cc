@@ -182,7 +182,8 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
 }
 
 at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
-                              at::ScalarType out_dtype, const at::Tensor& bias) {
+                              at::ScalarType out_dtype, const Fp8GemmOptions& options) {
+  const auto& bias = options.bias;
   check_blockwise(a, "a");
   check_blockwise(b, "b");
   TORCH_CHECK(a.block == Fp8BlockShape::k1x128,
@@ -201,24 +202,45 @@ at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTen
   TORCH_CHECK(a.data.device() == b.data.device() && a.scale_inv.device() == a.data.device() &&
                   b.scale_inv.device() == b.data.device(),
               "fp8_blockwise_gemm: a, b and their scales must be on one device");
-  at::Tensor bias_bf16;
+  TORCH_CHECK(!options.use_fast_accum,
+              "fp8_blockwise_gemm: use_fast_accum is not a mode of block-scaled GEMMs (they "
+              "accumulate in full)");
+  TORCH_CHECK(!options.out_scale.defined() && !options.out_amax.defined(),
+              "fp8_blockwise_gemm: out_scale / out_amax are for FP8 outputs, which block-scaled "
+              "GEMMs do not write");
+  TORCH_CHECK(!options.accumulate || options.out.defined(),
+              "fp8_blockwise_gemm: accumulate needs `out`");
+  if (options.out.defined()) {
+    TORCH_CHECK(options.out.sizes() == at::IntArrayRef({m, n}) &&
+                    options.out.scalar_type() == out_dtype && options.out.is_contiguous() &&
+                    options.out.device() == a.data.device(),
+                "fp8_blockwise_gemm: out must be a contiguous ", out_dtype, " [", m, ", ", n,
+                "] on ", a.data.device(), ", got ", options.out.scalar_type(), " ",
+                options.out.sizes());
+  }
+  Fp8GemmOptions gemm;
+  gemm.out = options.out;
+  gemm.accumulate = options.accumulate;
   if (bias.defined()) {
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n && bias.is_floating_point(),
                 "fp8_blockwise_gemm: bias must be a floating-point [", n, "], got ",
                 bias.sizes());
-    bias_bf16 = bias.to(a.data.device(), at::kBFloat16).contiguous();
+    gemm.bias = bias.to(a.data.device(), at::kBFloat16).contiguous();
   }
   if (a.data.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
-    return detail::fp8_blockwise_gemm_cuda(a, b, out_dtype, bias_bf16);
+    return detail::fp8_blockwise_gemm_cuda(a, b, out_dtype, gemm);
 #else
     detail::no_cuda("fp8_blockwise_gemm");
 #endif
   }
   // CPU: exact dequantized operands (an FP8 value times a float32 scale) multiplied in float32.
   auto y = at::matmul(a.dequantize(), b.dequantize().t());
-  if (bias_bf16.defined()) y = y + bias_bf16.to(at::kFloat);
-  return y.to(out_dtype);
+  if (gemm.bias.defined()) y = y + gemm.bias.to(at::kFloat);
+  if (!gemm.out.defined()) return y.to(out_dtype);
+  if (gemm.accumulate) y = y + gemm.out.to(at::kFloat);
+  gemm.out.copy_(y);
+  return gemm.out;
 }
 
 }  // namespace amp8

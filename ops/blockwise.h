@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ops/fp8_format.h"
+#include "ops/fp8_gemm.h"
 
 namespace amp8 {
 
@@ -74,12 +75,14 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
 
 /// y [M, N] = a [M, K] · b [N, K]ᵀ with each operand's tile scales (the TN GEMM of
 /// fp8_gemm): a in 1×128 tiles, b in 1×128 or 128×128 tiles (two 128×128 operands are not a
-/// mode of cuBLASLt); E5M2 × E5M2 is not supported. `bias` [N] (any float dtype) is added in
-/// bfloat16, as fp8_gemm adds it. out_dtype float32 or bfloat16.
-/// CUDA: cuBLASLt's block-scaled modes (sm_90 and cuBLAS ≥ 12.9, full accumulation: the fast
-/// mode is not one of them); K a multiple of 16, M and N multiples of 8. CPU: the tiles
-/// dequantized exactly and multiplied in float32, with the same shape rules.
+/// mode of cuBLASLt); E5M2 × E5M2 is not supported. out_dtype float32 or bfloat16. Of
+/// Fp8GemmOptions: `bias` [N] (any float dtype, added in bfloat16 as fp8_gemm adds it), `out`
+/// and `accumulate` (out += a·bᵀ); not use_fast_accum (the block-scaled modes accumulate in
+/// full) nor an FP8 output.
+/// CUDA: cuBLASLt's block-scaled modes (sm_90 and cuBLAS ≥ 12.9); K a multiple of 16, M and N
+/// multiples of 8. CPU: the tiles dequantized exactly and multiplied in float32, with the same
+/// shape rules.
 at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
-                              at::ScalarType out_dtype, const at::Tensor& bias = {});
+                              at::ScalarType out_dtype, const Fp8GemmOptions& options = {});
 
 }  // namespace amp8

@@ -21,6 +21,13 @@ MixedPrecisionOptions with_fp8_current_scaling(MixedPrecisionOptions options) {
       .fp8_params(true);
 }
 
+// Megatron-Bridge's subchannel presets: FP8 "hybrid" with blockwise scaling (1×128 tiles for
+// activations and gradients, 128×128 blocks for weights), no FP8 parameters
+// (fp8_param_gather = False), every layer in FP8.
+MixedPrecisionOptions with_fp8_subchannel_scaling(MixedPrecisionOptions options) {
+  return options.fp8("hybrid").fp8_recipe("blockwise").fp8_params(false);
+}
+
 }  // namespace
 
 MixedPrecisionOptions bf16_mixed() {
@@ -51,6 +58,14 @@ MixedPrecisionOptions bf16_with_fp8_current_scaling_mixed() {
 
 MixedPrecisionOptions fp16_with_fp8_current_scaling_mixed() {
   return with_fp8_current_scaling(fp16_mixed());
+}
+
+MixedPrecisionOptions bf16_with_fp8_subchannel_scaling_mixed() {
+  return with_fp8_subchannel_scaling(bf16_mixed());
+}
+
+MixedPrecisionOptions fp16_with_fp8_subchannel_scaling_mixed() {
+  return with_fp8_subchannel_scaling(fp16_mixed());
 }
 
 }  // namespace amp8::recipes

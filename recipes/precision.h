@@ -31,4 +31,13 @@ MixedPrecisionOptions bf16_with_fp8_current_scaling_mixed();
 /// fp16_mixed() with the same FP8 settings as bf16_with_fp8_current_scaling_mixed().
 MixedPrecisionOptions fp16_with_fp8_current_scaling_mixed();
 
+/// Megatron-Bridge's subchannel presets (the same file, `bf16_with_fp8_subchannel_scaling_mixed`;
+/// NeMo 2.0's alike): bf16_mixed() with fp8 "hybrid", fp8_recipe "blockwise" (1×128 tiles for
+/// activations and gradients, 128×128 blocks for weights, power-of-two scales: TE's
+/// Float8BlockScaling, DeepSeek-V3's recipe), no FP8 parameters (fp8_param_gather False there,
+/// fp8_params false here), every transformer layer in FP8.
+MixedPrecisionOptions bf16_with_fp8_subchannel_scaling_mixed();
+/// fp16_mixed() with the same FP8 settings as bf16_with_fp8_subchannel_scaling_mixed().
+MixedPrecisionOptions fp16_with_fp8_subchannel_scaling_mixed();
+
 }  // namespace amp8::recipes

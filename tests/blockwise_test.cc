@@ -184,13 +184,25 @@ TEST_F(BlockwiseTest, GemmIsTheProductOfTheTiles) {
   const auto a = quantize_blockwise(x, tiles(Fp8BlockShape::k1x128)).data;
   for (const auto block : {Fp8BlockShape::k1x128, Fp8BlockShape::k128x128}) {
     const auto b = quantize_blockwise(w, tiles(block)).data;
-    const auto y = fp8_blockwise_gemm(a, b, at::kFloat, bias);
+    Fp8GemmOptions with_bias;
+    with_bias.bias = bias;
+    const auto y = fp8_blockwise_gemm(a, b, at::kFloat, with_bias);
     const auto expected =
         at::matmul(a.dequantize(at::kDouble), b.dequantize(at::kDouble).t()) +
         bias.to(at::kBFloat16).to(at::kDouble);
     EXPECT_LE(relative_error(y, expected), 1e-6);
     EXPECT_LE(relative_error(y, at::matmul(x, w.t()) + bias), testing::kForwardBound);
     EXPECT_EQ(fp8_blockwise_gemm(a, b, at::kBFloat16).scalar_type(), at::kBFloat16);
+    // Accumulating into an output, as a weight gradient into main_grad.
+    Fp8GemmOptions accumulate;
+    accumulate.out = at::randn({48, 80});
+    accumulate.accumulate = true;
+    const auto start = accumulate.out.clone();
+    const auto sum = fp8_blockwise_gemm(a, b, at::kFloat, accumulate);
+    EXPECT_TRUE(sum.is_same(accumulate.out));
+    EXPECT_LE(relative_error(sum, expected - bias.to(at::kBFloat16).to(at::kDouble) +
+                                      start.to(at::kDouble)),
+              1e-6);
   }
 }
 
@@ -235,15 +247,27 @@ TEST_F(BlockwiseTest, CudaGemmMatchesCpu_CUDA) {
     const auto b = quantize_blockwise(w, tiles(block)).data;
     const Fp8BlockwiseTensor a_gpu{a.data.cuda(), a.scale_inv.cuda(), a.format, a.block};
     const Fp8BlockwiseTensor b_gpu{b.data.cuda(), b.scale_inv.cuda(), b.format, b.block};
-    const auto expected = fp8_blockwise_gemm(a, b, at::kFloat, bias);
+    Fp8GemmOptions with_bias;
+    with_bias.bias = bias;
+    Fp8GemmOptions with_bias_gpu;
+    with_bias_gpu.bias = bias.cuda();
+    const auto expected = fp8_blockwise_gemm(a, b, at::kFloat, with_bias);
     // Hopper's FP8 tensor cores add the products of a 128-element chunk with fewer mantissa
     // bits than float32 before each chunk is scaled into the float32 sum: the bound of
     // fp8_gemm's own CUDA float32 tests.
-    EXPECT_LE(relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, at::kFloat, bias.cuda()), expected),
+    EXPECT_LE(relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, at::kFloat, with_bias_gpu), expected),
+              2.5e-4);
+    // Accumulating into an output on the GPU, as a weight gradient into main_grad.
+    Fp8GemmOptions accumulate;
+    accumulate.out = at::randn({272, 400}).cuda();
+    accumulate.accumulate = true;
+    const auto start = accumulate.out.cpu();
+    EXPECT_LE(relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, at::kFloat, accumulate),
+                             fp8_blockwise_gemm(a, b, at::kFloat) + start),
               2.5e-4);
     // bfloat16 output: one more rounding, 2^-9 relative.
     EXPECT_LE(
-        relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, at::kBFloat16, bias.cuda()), expected),
+        relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, at::kBFloat16, with_bias_gpu), expected),
         4e-3);
   }
 }

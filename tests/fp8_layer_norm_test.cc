@@ -396,6 +396,33 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPOutsideARegionIsItsModules) {
   ExpectErrorContaining([] { Fp8LayerNormMLP(0, 16); }, "hidden_size and ffn_hidden_size");
 }
 
+// Under the blockwise recipe (no fused LayerNorm or GELU casts for it yet) the fused modules
+// run their parts one after the other, each Fp8Linear blockwise: the same bytes as the parts,
+// and the same gradients.
+TEST_F(Fp8LayerNormTest, UnderTheBlockwiseRecipeTheFusedModulesRunTheirParts) {
+  auto mlp = make_mlp(torch::kCPU, 128, 256);
+  const auto x = torch::randn({3, 16, 128});
+  const auto recipe = Fp8RecipeOptions().fp8_recipe("blockwise");
+  auto run = [&](bool fused) {
+    mlp->zero_grad();
+    const auto xr = x.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      Fp8Autocast region(recipe);
+      y = fused ? mlp->forward(xr)
+                : mlp->fc2->forward(at::gelu(
+                      mlp->ln_fc1->linear->forward(mlp->ln_fc1->layer_norm->forward(xr)), "tanh"));
+    }
+    y.sum().backward();
+    return std::vector<torch::Tensor>{y, xr.grad(), mlp->ln_fc1->linear->weight.grad().clone(),
+                                      mlp->fc2->weight.grad().clone()};
+  };
+  const auto fused = run(true), parts = run(false);
+  for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(BytesEqual(fused[i], parts[i])) << i;
+  // And they are FP8 results: not the high-precision ones.
+  EXPECT_FALSE(BytesEqual(fused[0], mlp->forward(x)));
+}
+
 TEST_F(Fp8LayerNormTest, LayerNormMLPFp8ParamsFeedBothMainGrads) {
   Fp8LayerNormMLP mlp{nullptr};
   {

@@ -227,6 +227,26 @@ TEST(GptPretrainTest, Fp8RecipeTensorwiseTrainsAndIsRecordedInTheCheckpoint) {
   EXPECT_NE(mxfp8.err.find("NVIDIA Blackwell"), std::string::npos) << mxfp8.err;
 }
 
+// --fp8-recipe blockwise: Megatron-Bridge's subchannel preset (weights in high precision, every
+// layer in FP8); it learns, the checkpoint names it, and --fp8-params true is refused by name.
+TEST(GptPretrainTest, Fp8RecipeBlockwiseTrainsAndIsRecordedInTheCheckpoint) {
+  const auto dir = scratch("blockwise");
+  const auto common = with(kTiny, {"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-min-gemm-size", "0",
+                                   "--log-every", "0", "--save-dir", dir.string(), "--steps", "30",
+                                   "--fp8-recipe", "blockwise"});
+  const auto run = gpt_pretrain(common);
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("precision bf16-mixed fp8=hybrid recipe=blockwise, device"), std::string::npos) << run.out;
+  const auto lines = metrics(dir);
+  ASSERT_EQ(lines.size(), 30u);
+  EXPECT_LT(lines.back()["loss"].get<double>(), lines.front()["loss"].get<double>() - 1.0) << "it learns";
+  const auto fp8_params = gpt_pretrain(with(common, {"--fp8-params", "true", "--save-dir",
+                                                     scratch("blockwise_fp8_params").string()}));
+  EXPECT_NE(fp8_params.code, 0);
+  EXPECT_NE(fp8_params.err.find("fp8_params = true with fp8_recipe = \"blockwise\""), std::string::npos)
+      << fp8_params.err;
+}
+
 // Micro-batches `indices` (of 4 samples) of `data` are samples [4 i, 4 i + 4) of `reference`
 // (a GptDataset or BlendedGptDataset), tokens and labels.
 template <typename Reference>

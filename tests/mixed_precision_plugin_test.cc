@@ -116,6 +116,21 @@ TEST(PrecisionPresetsTest, CarryNeMoValues) {
             "bf16-mixed fp8=hybrid recipe=tensorwise fp8_params");
   EXPECT_EQ(MixedPrecisionPlugin(recipes::bf16_with_fp8_mixed()).name(), "bf16-mixed fp8=hybrid fp8_params");
 
+  // Megatron-Bridge's subchannel (blockwise) presets: no FP8 parameters, every layer in FP8.
+  for (const auto& fp8 : {recipes::bf16_with_fp8_subchannel_scaling_mixed(),
+                          recipes::fp16_with_fp8_subchannel_scaling_mixed()}) {
+    EXPECT_EQ(fp8.fp8(), "hybrid");
+    EXPECT_EQ(fp8.fp8_recipe(), "blockwise");
+    EXPECT_EQ(fp8.num_layers_at_start_in_bf16(), 0);
+    EXPECT_EQ(fp8.num_layers_at_end_in_bf16(), 0);
+    EXPECT_FALSE(fp8.fp8_params());
+  }
+  EXPECT_EQ(recipes::fp16_with_fp8_subchannel_scaling_mixed().resolved_params_dtype(), at::kHalf);
+  EXPECT_EQ(MixedPrecisionPlugin(recipes::bf16_with_fp8_subchannel_scaling_mixed()).name(),
+            "bf16-mixed fp8=hybrid recipe=blockwise");
+  EXPECT_EQ(recipes::bf16_with_fp8_subchannel_scaling_mixed().fp8_recipe_options().resolve().scaling,
+            Fp8Scaling::kBlockwise);
+
   // Every field overrides Options-style, and the plugin converts from the options.
   MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8("e4m3").fp8_params(false);
   EXPECT_EQ(plugin.name(), "bf16-mixed fp8=e4m3");
@@ -146,11 +161,13 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_amax_compute_algo("mean")),
                         "\"mean\"");
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("current")),
-                        "fp8_recipe must be \"delayed\" or \"tensorwise\"");
+                        "fp8_recipe must be \"delayed\", \"tensorwise\" or \"blockwise\"");
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("mxfp8")),
                         "needs GPUs with MXFP8 tensor cores: NVIDIA Blackwell (compute capability 10.0 or later)");
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise")),
-                        "fp8_recipe \"blockwise\" (1x128 / 128x128 block scaling, TE's Float8BlockScaling) is not built");
+                        "fp8_params = true with fp8_recipe = \"blockwise\": weights stored in "
+                        "128x128-block FP8 are not supported yet");
+  EXPECT_NO_THROW(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise").fp8_params(false))());
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_margin(19)),
                         "fp8_margin 19 would scale every tensor's largest value to 448 / 2^19");
   EXPECT_NO_THROW(make(recipes::bf16_with_fp8_mixed().fp8_margin(kMaxFp8Margin))());

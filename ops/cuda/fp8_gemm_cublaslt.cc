@@ -243,7 +243,7 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
 }
 
 at::Tensor fp8_blockwise_gemm_cuda(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
-                                   at::ScalarType out_dtype, const at::Tensor& bias) {
+                                   at::ScalarType out_dtype, const Fp8GemmOptions& options) {
 #if CUBLAS_VERSION >= 120900
   const auto* properties = at::cuda::getDeviceProperties(a.data.device().index());
   TORCH_CHECK(properties->major == 9 && cublasLtGetVersion() >= 120900,
@@ -255,9 +255,6 @@ at::Tensor fp8_blockwise_gemm_cuda(const Fp8BlockwiseTensor& a, const Fp8Blockwi
                                     ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
                                     : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F);
   };
-  Fp8GemmOptions options;
-  options.bias = bias;
-  options.use_fast_accum = false;  // the block-scaled modes take full accumulation only
   return run_gemm({a.data, a.scale_inv, mode(a.block)}, {b.data, b.scale_inv, mode(b.block)},
                   out_dtype, options);
 #else

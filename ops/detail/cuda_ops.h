@@ -79,8 +79,9 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
 void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
                              const at::Tensor& out, const at::Tensor& scale_inv,
                              const at::Tensor& out_t, const at::Tensor& scale_inv_t);
-// cuBLASLt's block-scaled FP8 GEMM; arguments checked, bias undefined or bfloat16 [N].
+// cuBLASLt's block-scaled FP8 GEMM; arguments checked: bias undefined or bfloat16 [N], out /
+// accumulate, nothing else.
 at::Tensor fp8_blockwise_gemm_cuda(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
-                                   at::ScalarType out_dtype, const at::Tensor& bias);
+                                   at::ScalarType out_dtype, const Fp8GemmOptions& options);
 
 }  // namespace amp8::detail

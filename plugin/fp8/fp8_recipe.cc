@@ -25,11 +25,11 @@ void Fp8RecipeOptions::validate() const {
   amax_compute_algo_from_string(fp8_amax_compute_algo_, "fp8_amax_compute_algo");
   TORCH_CHECK(fp8_recipe_ != "mxfp8", "fp8_recipe \"mxfp8\" (MXFP8 block scaling, TE's "
               "MXFP8BlockScaling) needs GPUs with MXFP8 tensor cores: NVIDIA Blackwell (compute "
-              "capability 10.0 or later); amp8 trains on Hopper: use \"delayed\" or \"tensorwise\"");
-  TORCH_CHECK(fp8_recipe_ != "blockwise", "fp8_recipe \"blockwise\" (1x128 / 128x128 block scaling, "
-              "TE's Float8BlockScaling) is not built into this amp8 yet: use \"delayed\" or \"tensorwise\"");
-  TORCH_CHECK(fp8_recipe_ == "delayed" || fp8_recipe_ == "tensorwise",
-              "fp8_recipe must be \"delayed\" or \"tensorwise\", got \"", fp8_recipe_, "\"");
+              "capability 10.0 or later); amp8 trains on Hopper: use \"delayed\", \"tensorwise\" or "
+              "\"blockwise\"");
+  TORCH_CHECK(fp8_recipe_ == "delayed" || fp8_recipe_ == "tensorwise" || fp8_recipe_ == "blockwise",
+              "fp8_recipe must be \"delayed\", \"tensorwise\" or \"blockwise\", got \"", fp8_recipe_,
+              "\"");
 }
 
 Fp8Recipe Fp8RecipeOptions::resolve() const {
@@ -40,7 +40,9 @@ Fp8Recipe Fp8RecipeOptions::resolve() const {
   recipe.margin = fp8_margin_;
   recipe.amax_history_len = fp8_amax_history_len_;
   recipe.amax_compute_algo = amax_compute_algo_from_string(fp8_amax_compute_algo_, "fp8_amax_compute_algo");
-  recipe.scaling = fp8_recipe_ == "delayed" ? Fp8Scaling::kDelayed : Fp8Scaling::kTensorwise;
+  recipe.scaling = fp8_recipe_ == "delayed"      ? Fp8Scaling::kDelayed
+                   : fp8_recipe_ == "tensorwise" ? Fp8Scaling::kTensorwise
+                                                 : Fp8Scaling::kBlockwise;
   return recipe;
 }
 

@@ -23,6 +23,8 @@ inline constexpr int kMaxFp8Margin = 18;
 enum class Fp8Scaling {
   kDelayed,     ///< from the tensor's amax history (TE's DelayedScaling)
   kTensorwise,  ///< from the tensor's own amax, just before it is quantized (current scaling)
+  kBlockwise,   ///< one scale per 1×128 tile (activations, gradients) or 128×128 block
+                ///< (weights), from the tile's own amax (TE's Float8BlockScaling, DeepSeek-V3)
 };
 
 /// An Fp8RecipeOptions parsed and validated once (Fp8RecipeOptions::resolve): what regions,
@@ -36,6 +38,7 @@ struct Fp8Recipe {
   Fp8Scaling scaling = Fp8Scaling::kDelayed;
 
   bool delayed() const { return scaling == Fp8Scaling::kDelayed; }
+  bool blockwise() const { return scaling == Fp8Scaling::kBlockwise; }
   bool operator==(const Fp8Recipe&) const = default;
 };
 
@@ -56,7 +59,10 @@ struct Fp8RecipeOptions {
   /// "max": the largest amax in the history; "most_recent": the last step's. Default: "max".
   TORCH_ARG(std::string, fp8_amax_compute_algo) = "max";
   /// "delayed": scales from the amax history (TE's DelayedScaling); "tensorwise": each tensor
-  /// scaled from its own amax just before it is quantized (current scaling). Default: "delayed".
+  /// scaled from its own amax just before it is quantized (current scaling); "blockwise": one
+  /// power-of-two scale per 1×128 tile of activations and gradients and per 128×128 block of
+  /// weights (TE's Float8BlockScaling; Hopper GEMMs through cuBLASLt's block-scaled modes).
+  /// "mxfp8" is refused (Blackwell only). Default: "delayed".
   TORCH_ARG(std::string, fp8_recipe) = "delayed";
 
  public:

@@ -7,10 +7,17 @@
 
 #include "ops/fp8_gemm.h"
 #include "ops/layer_norm.h"
+#include "plugin/fp8/fp8_autocast.h"
 #include "plugin/modules/detail/fp8_linear_core.h"
 
 namespace amp8 {
 namespace {
+
+// The blockwise recipe has no fused LayerNorm or GELU casts yet: under it the fused modules run
+// their parts one after the other (each Fp8Linear blockwise).
+bool in_blockwise_region() {
+  return Fp8Autocast::is_enabled() && Fp8Autocast::current_recipe().blockwise();
+}
 
 // Stand-in for an undefined tensor argument of a custom autograd function.
 at::Tensor or_empty(const at::Tensor& t, const at::TensorOptions& options) {
@@ -366,6 +373,7 @@ torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
               "Fp8LayerNormLinear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
   auto& lin = *linear;
+  if (in_blockwise_region()) return lin.forward(layer_norm->forward(input));
   auto call = lin.prepare_fp8_call(input, input.numel() / options.in_features());
   if (!call) return lin.forward(layer_norm->forward(input));
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
@@ -426,7 +434,8 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
   auto& fc1 = *ln_fc1->linear;
   auto& out = *fc2;
   const int64_t rows = input.numel() / options.hidden_size();
-  if (!options.fused() || !fc1.runs_in_fp8(rows) || !out.runs_in_fp8(rows)) {
+  if (!options.fused() || in_blockwise_region() || !fc1.runs_in_fp8(rows) ||
+      !out.runs_in_fp8(rows)) {
     // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
     // other, each deciding for itself.
     return out.forward(at::gelu(ln_fc1->forward(input), "tanh"));

@@ -37,6 +37,17 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     auto x2d = input.reshape({-1, weight.size(1)});
     const int64_t rows = x2d.size(0);
     auto x = detail::pad_rows(x2d, detail::padded_rows(rows));
+    if (recipe.blockwise()) {
+      const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, input, weight, bias,
+                                                    input.sizes().vec());
+      auto y = detail::fp8_linear_forward_blockwise(ctx, saved, x, call.weight_blocks,
+                                                    has_bias ? bias : at::Tensor(),
+                                                    call.out_dtype);
+      const auto& w_t = call.weight_blocks.transposed;
+      detail::save_tensors(ctx, SavedTensors{w_t.data, w_t.scale_inv});
+      saved.save(ctx);
+      return saved.unflatten(y);
+    }
 
     auto x_q = detail::quantize_for(x, recipe, *call.meta, Fp8Slot::kInput);
     Fp8GemmOptions gemm;
@@ -59,6 +70,17 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
     const auto tensors = detail::load_tensors<SavedTensors>(ctx);
     const auto& grad_output = grad_outputs[0];
+    if (saved.recipe.blockwise()) {
+      auto grads = detail::fp8_linear_backward_blockwise(
+          saved, grad_output.reshape({-1, grad_output.size(-1)}),
+          detail::take_input_transpose_blockwise(ctx, saved.recipe.forward_format),
+          {tensors.weight, tensors.weight_scale_inv, saved.recipe.forward_format,
+           Fp8BlockShape::k128x128},
+          ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+      if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
+      return {grads.input,     grads.weight,    grads.bias,
+              torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
     auto grads = detail::fp8_linear_backward(
         saved, grad_output.reshape({-1, grad_output.size(-1)}),
         detail::take_input_transpose(ctx, saved.recipe.forward_format),
@@ -220,11 +242,26 @@ std::optional<Fp8LinearImpl::Fp8Call> Fp8LinearImpl::prepare_fp8_call(const torc
               "Fp8Linear: in an FP8 region the input must be float32, bfloat16 or float16, got ",
               compute);
   const auto& recipe = Fp8Autocast::current_recipe();
+  if (recipe.blockwise()) {
+    TORCH_CHECK(!options.fp8_params(),
+                "Fp8Linear(", options.in_features(), ", ", options.out_features(),
+                "): the blockwise recipe does not take fp8_params weights yet (stored in "
+                "128x128-block FP8); build the layer outside Fp8ModelInit");
+    // Scales come from each tile's own values: no history, no registration. The weight's
+    // blocks and their transpose (dgrad's operand) share the scales.
+    torch::NoGradGuard no_grad;
+    BlockwiseQuantizeOptions blocks;
+    blocks.block = Fp8BlockShape::k128x128;
+    blocks.format = recipe.forward_format;
+    Fp8Call call{{}, quantize_blockwise(weight, blocks, /*transposed=*/true), recipe, compute,
+                 meta_};
+    return call;
+  }
   meta_->ensure_history_len(recipe.amax_history_len);
   meta_->set_amax_reduction_group(Fp8Autocast::current_group());
   if (recipe.delayed()) detail::register_forward_group(meta_.get(), meta_->forward_group());
   if (options.fp8_params() && torch::GradMode::is_enabled()) meta_->main_grad().expect();
-  return Fp8Call{quantized_weight(recipe), recipe, compute, meta_};
+  return Fp8Call{quantized_weight(recipe), {}, recipe, compute, meta_};
 }
 
 const torch::Tensor& Fp8LinearImpl::grad_anchor() {

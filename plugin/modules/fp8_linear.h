@@ -11,6 +11,7 @@
 #include <ostream>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "ops/blockwise.h"
 #include "ops/quantize.h"
 #include "plugin/fp8/fp8_recipe.h"
 #include "plugin/modules/fp8_meta.h"
@@ -183,6 +184,8 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
     /// The FP8 weight and its transpose (cached or fresh); under fp8_params no transpose (the
     /// backward makes it).
     Fp8CastTranspose weight_q;
+    /// The blockwise recipe's instead: W in 128×128 blocks and Wᵀ (the same blocks).
+    Fp8BlockwiseCastTranspose weight_blocks;
     Fp8Recipe recipe;
     at::ScalarType out_dtype;  ///< the autocast dtype, else the input's
     c10::intrusive_ptr<Fp8Meta> meta;

@@ -53,7 +53,8 @@ struct MixedPrecisionOptions {
   // ---- FP8 (Transformer Engine's DelayedScaling; see Fp8RecipeOptions) ----
   /// "none", "hybrid" or "e4m3". Default: "none".
   TORCH_ARG(std::string, fp8) = "none";
-  /// "delayed" or "tensorwise". Default: "delayed".
+  /// "delayed", "tensorwise" or "blockwise" (see Fp8RecipeOptions::fp8_recipe; blockwise with
+  /// fp8_params false). Default: "delayed".
   TORCH_ARG(std::string, fp8_recipe) = "delayed";
   /// Default: 0.
   TORCH_ARG(int, fp8_margin) = 0;

@@ -169,9 +169,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   // The FP8 settings below need --fp8 (or a --compare run with +fp8).
   std::vector<CLI::Option*> fp8_flags;
   fp8_flags.push_back(app.add_option("--fp8-recipe", fp8_recipe,
-                                     "with FP8: delayed (NeMo's presets: scales from an amax history) or "
+                                     "with FP8: delayed (NeMo's presets: scales from an amax history), "
                                      "tensorwise (Megatron-Bridge's current scaling: each tensor's own amax, "
-                                     "first and last layer in bf16)")
+                                     "first and last layer in bf16) or blockwise (Megatron-Bridge's subchannel "
+                                     "scaling: a scale per 1x128 tile of activations and gradients and per 128x128 "
+                                     "block of weights, as DeepSeek-V3)")
                           ->capture_default_str()->transform(lower_case()));
   int64_t layers_start_bf16 = -1, layers_end_bf16 = -1;  // -1: the recipe's
   fp8_flags.push_back(app.add_option("--num-layers-at-start-in-bf16", layers_start_bf16,
@@ -188,8 +190,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                         ->capture_default_str()->transform(lower_case());
   fp8_flags.push_back(history_flag);
   fp8_flags.push_back(algo_flag);
-  fp8_flags.push_back(app.add_option("--fp8-params", fp8_params, "with FP8: keep linear weights only in FP8 (NeMo's FP8 presets: true)")
-                          ->capture_default_str()->transform(boolean()));
+  auto* fp8_params_flag =
+      app.add_option("--fp8-params", fp8_params,
+                     "with FP8: keep linear weights only in FP8 (NeMo's delayed and tensorwise presets: true; "
+                     "blockwise: false, and true is not supported yet)")
+          ->capture_default_str()->transform(boolean());
+  fp8_flags.push_back(fp8_params_flag);
   fp8_flags.push_back(app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
                                      "with FP8: GEMMs smaller than this (rows x in x out) run in high precision; 0 = all in FP8")
                           ->capture_default_str()->check(whole_number(0, std::numeric_limits<int64_t>::max())));
@@ -309,7 +315,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       auto options = precision_from_flags(name, fp8_format, precision_device, recipe_name);
       if (options.fp8_enabled()) {
         options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
-            .fp8_params(fp8_params).fp8_min_gemm_size(fp8_min_gemm_size);
+            .fp8_min_gemm_size(fp8_min_gemm_size);
+        // The blockwise presets keep weights in high precision (Megatron-Bridge's
+        // fp8_param_gather = False); an explicit --fp8-params true still reaches the options,
+        // which name the combination.
+        if (recipe_name != "blockwise" || fp8_params_flag->count() > 0) options.fp8_params(fp8_params);
         if (layers_start_bf16 >= 0) options.num_layers_at_start_in_bf16(layers_start_bf16);
         if (layers_end_bf16 >= 0) options.num_layers_at_end_in_bf16(layers_end_bf16);
         // The amax history belongs to delayed scaling alone.
@@ -359,7 +369,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     TORCH_CHECK(resume.empty(), "--compare and --resume cannot be combined");
     std::vector<std::pair<std::string, MixedPrecisionOptions>> runs;
     for (const auto& item : split(compare)) {
-      // <precision>[+fp8[=hybrid|=e4m3]][+delayed|+tensorwise][+fp8-params|+bf16-params]; every item is checked
+      // <precision>[+fp8[=hybrid|=e4m3]][+delayed|+tensorwise|+blockwise][+fp8-params|+bf16-params]; every item is checked
       // before anything runs.
       std::stringstream parts(item);
       std::string name, part, format = "none", recipe_name = fp8_recipe;
@@ -370,11 +380,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
           format = part == "fp8=e4m3" ? "e4m3" : "hybrid";
         } else if (part == "fp8-params" || part == "bf16-params") {
           params = part == "fp8-params";
-        } else if (part == "delayed" || part == "tensorwise") {
+        } else if (part == "delayed" || part == "tensorwise" || part == "blockwise") {
           recipe_name = part;
         } else {
           TORCH_CHECK(false, "--compare: \"", item, "\": unknown part \"", part,
-                      "\"; expected <precision>[+fp8[=hybrid|=e4m3]][+delayed|+tensorwise][+fp8-params|+bf16-params]");
+                      "\"; expected <precision>[+fp8[=hybrid|=e4m3]][+delayed|+tensorwise|+blockwise]"
+                      "[+fp8-params|+bf16-params]");
         }
       }
       TORCH_CHECK(!params || format != "none", "--compare: \"", item,

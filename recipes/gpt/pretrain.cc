@@ -102,12 +102,17 @@ MixedPrecisionOptions precision_from_flags(const std::string& precision, const s
   TORCH_CHECK(fp8 == "none" || fp8 == "hybrid" || fp8 == "e4m3",
               "fp8 must be \"none\", \"hybrid\" or \"e4m3\", got \"", fp8, "\"");
   const bool with_fp8 = fp8 != "none";
-  const bool current_scaling = fp8_recipe == "tensorwise";
-  if (canonical == "bf16-mixed") {
-    options = !with_fp8 ? bf16_mixed() : current_scaling ? bf16_with_fp8_current_scaling_mixed() : bf16_with_fp8_mixed();
-  }
-  if (canonical == "16-mixed") {
-    options = !with_fp8 ? fp16_mixed() : current_scaling ? fp16_with_fp8_current_scaling_mixed() : fp16_with_fp8_mixed();
+  const bool bf16 = canonical == "bf16-mixed";
+  if (bf16 || canonical == "16-mixed") {
+    if (!with_fp8) {
+      options = bf16 ? bf16_mixed() : fp16_mixed();
+    } else if (fp8_recipe == "tensorwise") {
+      options = bf16 ? bf16_with_fp8_current_scaling_mixed() : fp16_with_fp8_current_scaling_mixed();
+    } else if (fp8_recipe == "blockwise") {
+      options = bf16 ? bf16_with_fp8_subchannel_scaling_mixed() : fp16_with_fp8_subchannel_scaling_mixed();
+    } else {
+      options = bf16 ? bf16_with_fp8_mixed() : fp16_with_fp8_mixed();
+    }
   }
   // Any other recipe name is named by validate() ("mxfp8": which GPUs it needs); "32" with FP8
   // is rejected there too.

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "ops/blockwise.h"
 #include "ops/fp8_gemm.h"
 #include "ops/layer_norm.h"
 #include "plugin/fp8/detail/fp8_state.h"
@@ -217,6 +218,83 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
     // (t().contiguous()) ran at a tenth of the copy rate, 5 ms of a 1b step (profiled).
     const auto w_t = w.transposed ? saved_w : fp8_transpose(saved_w);
     grads.input = fp8_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, rows);
+  }
+  return grads;
+}
+
+namespace {
+
+// The block-scaled GEMMs write float32 or bfloat16; a float16 result goes through float32.
+at::Tensor blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
+                          at::ScalarType out_dtype, const Fp8GemmOptions& options = {}) {
+  if (out_dtype == at::kFloat || out_dtype == at::kBFloat16)
+    return fp8_blockwise_gemm(a, b, out_dtype, options);
+  return fp8_blockwise_gemm(a, b, at::kFloat, options).to(out_dtype);
+}
+
+BlockwiseQuantizeOptions row_tiles(Fp8Format format) {
+  BlockwiseQuantizeOptions tiles;
+  tiles.block = Fp8BlockShape::k1x128;
+  tiles.format = format;
+  return tiles;
+}
+
+}  // namespace
+
+at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
+                                        const Fp8LinearSaved& saved, const at::Tensor& x,
+                                        const Fp8BlockwiseCastTranspose& weight_blocks,
+                                        const at::Tensor& bias, at::ScalarType out_dtype) {
+  const auto& recipe = saved.recipe;
+  auto x_q = quantize_blockwise(x, row_tiles(recipe.forward_format), /*transposed=*/true);
+  Fp8GemmOptions gemm;
+  gemm.bias = bias;
+  auto y = blockwise_gemm(x_q.data, weight_blocks.data, out_dtype, gemm);
+  ctx->saved_data["x_t"] = x_q.transposed.data;
+  ctx->saved_data["x_t.scale_inv"] = x_q.transposed.scale_inv;
+  return y.size(0) == saved.rows ? y : y.narrow(0, 0, saved.rows);
+}
+
+Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradContext* ctx,
+                                                  Fp8Format format) {
+  const auto data = ctx->saved_data.find("x_t");
+  const auto scale_inv = ctx->saved_data.find("x_t.scale_inv");
+  TORCH_CHECK(data != ctx->saved_data.end() && scale_inv != ctx->saved_data.end(),
+              "Fp8Linear: the saved input was already freed by an earlier backward pass; trying to "
+              "backward through the graph a second time needs retain_graph=true the first time");
+  Fp8BlockwiseTensor x_t{data->second.toTensor(), scale_inv->second.toTensor(), format,
+                         Fp8BlockShape::k1x128};
+  if (!current_backward_keeps_graph()) {
+    ctx->saved_data.erase("x_t");
+    ctx->saved_data.erase("x_t.scale_inv");
+  }
+  return x_t;
+}
+
+Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
+                                             const at::Tensor& grad_output2d,
+                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w_t,
+                                             bool need_input, bool need_weight, bool need_bias) {
+  const auto& recipe = saved.recipe;
+  Fp8LinearGrads grads;
+  auto g = pad_rows(grad_output2d, padded_rows(saved.rows));
+  if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
+      g.scalar_type() != at::kHalf) {
+    g = g.to(at::kFloat);
+  }
+  // The padding rows are zero: they add nothing to the column sum.
+  if (need_bias && saved.has_bias) grads.bias = g.sum(0, false, at::kFloat).to(saved.bias_dtype);
+  auto g_q = quantize_blockwise(g, row_tiles(recipe.backward_format), /*transposed=*/need_weight);
+  g = at::Tensor();
+  if (need_weight) {
+    // dW[N,K] = dyᵀ[N,T] · x[T,K] = dyᵀ · (xᵀ[K,T])ᵀ, both in 1×128 tiles along T.
+    grads.weight = blockwise_gemm(g_q.transposed, x_t, saved.weight_dtype);
+  }
+  g_q.transposed = {};
+  x_t = {};
+  if (need_input) {
+    // dx[T,K] = dy[T,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ, Wᵀ in the weight's 128×128 blocks.
+    grads.input = blockwise_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, saved.rows);
   }
   return grads;
 }

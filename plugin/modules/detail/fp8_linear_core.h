@@ -135,4 +135,29 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
                                    bool need_weight, bool need_bias,
                                    const at::Tensor& gelu_input = {});
 
+// ---- the blockwise recipe (TE's Float8BlockScaling): activations and gradients in 1×128
+// tiles, weights in 128×128 blocks, each GEMM block-scaled (ops/blockwise.h) ----
+
+/// y = x·Wᵀ (+ bias) for x [rows padded to 16, in] in the recipe's forward format, quantized
+/// here in 1×128 tiles; its transpose xᵀ (the weight gradient's operand, in its own tiles) is
+/// kept in the context's saved_data as save_input_transpose keeps the tensorwise one. The
+/// result has saved.rows rows, in `out_dtype` (float16 through a float32 GEMM output: the
+/// block-scaled GEMMs write float32 or bfloat16).
+at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
+                                        const Fp8LinearSaved& saved, const at::Tensor& x,
+                                        const Fp8BlockwiseCastTranspose& weight_blocks,
+                                        const at::Tensor& bias, at::ScalarType out_dtype);
+/// The saved xᵀ of fp8_linear_forward_blockwise, freed from the context unless the graph is
+/// retained (see take_input_transpose).
+Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradContext* ctx,
+                                                  Fp8Format format);
+/// The backward GEMMs of the blockwise recipe: the output gradient quantized in 1×128 tiles
+/// (and its transpose, for wgrad, in its own tiles) in the recipe's backward format; wgrad
+/// dW = dyᵀ·x from the two transposes (1×128 × 1×128), dgrad dx = dy·W from Wᵀ's blocks
+/// (1×128 × 128×128); the bias gradient a float32 column sum of the unquantized gradient.
+Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
+                                             const at::Tensor& grad_output2d,
+                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w_t,
+                                             bool need_input, bool need_weight, bool need_bias);
+
 }  // namespace amp8::detail
