@@ -96,13 +96,19 @@ __global__ void __launch_bounds__(kTransposeThreads)
     if (c0 + t < cols) scale_inv_t[(r0 / kBlockLen) * cols + c0 + t] = __fdiv_rn(1.0f, scale);
   }
   __syncthreads();
-  // Row j of xᵀ (column c0 + j of x) gets 128 consecutive bytes: 8 threads of 16 each.
+  // Row j of xᵀ (column c0 + j of x) gets 128 consecutive bytes: 8 threads of 16 each, one
+  // 16-byte store where the row allows it.
   const int j = t / 8, chunk = (t % 8) * 16;
   const int64_t c = c0 + j;
   if (c >= cols) return;
-  for (int i = 0; i < 16; ++i) {
-    const int64_t r = r0 + chunk + i;
-    if (r < rows) out_t[c * rows + r] = saturating_cast<kE5M2>(tile[chunk + i][j], scales[j]);
+  alignas(16) uint8_t bytes[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) bytes[i] = saturating_cast<kE5M2>(tile[chunk + i][j], scales[j]);
+  uint8_t* row = out_t + c * rows + r0 + chunk;
+  if (r0 + chunk + 16 <= rows && reinterpret_cast<uintptr_t>(row) % 16 == 0) {
+    *reinterpret_cast<uint4*>(row) = *reinterpret_cast<const uint4*>(bytes);
+  } else {
+    for (int i = 0; i < 16 && r0 + chunk + i < rows; ++i) row[i] = bytes[i];
   }
 }
 
@@ -119,6 +125,9 @@ __global__ void __launch_bounds__(kSquareThreads)
                             int64_t scale_ld_t) {
   __shared__ float warp_amax[kSquareThreads / 32];
   __shared__ float block_scale;
+  // The quantized block, for xᵀ's coalesced rows (one padding byte per row against bank
+  // conflicts).
+  __shared__ uint8_t block[kBlockLen][kBlockLen + 4];
   const int64_t rb = blockIdx.y, cb = blockIdx.x;
   const int64_t r0 = rb * kBlockLen, c0 = cb * kBlockLen;
   const int t = threadIdx.x;
@@ -145,12 +154,22 @@ __global__ void __launch_bounds__(kSquareThreads)
   const float scale = block_scale;
   for (int i = 0; i < kPerThread; ++i) {
     const int index = i * kSquareThreads + t;
-    const int64_t r = r0 + index / kBlockLen, c = c0 + index % kBlockLen;
+    const int row = index / kBlockLen, col = index % kBlockLen;
+    const int64_t r = r0 + row, c = c0 + col;
     if (r < rows && c < cols) {
       const uint8_t q = saturating_cast<kE5M2>(to_float(x[r * cols + c]), scale);
       out[r * cols + c] = q;
-      if (out_t != nullptr) out_t[c * rows + r] = q;
+      block[row][col] = q;
     }
+  }
+  if (out_t == nullptr) return;
+  __syncthreads();
+  // xᵀ's rows (x's columns), 128 consecutive bytes each, read down the shared block.
+  for (int i = 0; i < kPerThread; ++i) {
+    const int index = i * kSquareThreads + t;
+    const int col = index / kBlockLen, row = index % kBlockLen;
+    const int64_t r = r0 + row, c = c0 + col;
+    if (r < rows && c < cols) out_t[c * rows + r] = block[row][col];
   }
 }
 
