@@ -37,15 +37,15 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     auto x2d = input.reshape({-1, weight.size(1)});
     const int64_t rows = x2d.size(0);
     auto x = detail::pad_rows(x2d, detail::padded_rows(rows));
+    const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, input, weight, bias,
+                                                  input.sizes().vec());
+    saved.save(ctx);
     if (recipe.blockwise()) {
-      const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, input, weight, bias,
-                                                    input.sizes().vec());
       auto y = detail::fp8_linear_forward_blockwise(ctx, saved, x, call.weight_blocks,
                                                     has_bias ? bias : at::Tensor(),
                                                     call.out_dtype);
       const auto& w_t = call.weight_blocks.transposed;
       detail::save_tensors(ctx, SavedTensors{w_t.data, w_t.scale_inv});
-      saved.save(ctx);
       return saved.unflatten(y);
     }
 
@@ -59,9 +59,6 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto w = detail::dgrad_weight_of(call.weight_q);
     detail::save_tensors(ctx, SavedTensors{w.weight.data, w.weight.scale_inv});
     detail::save_input_transpose(ctx, x_q.transposed);
-    const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, input, weight, bias,
-                                                  input.sizes().vec());
-    saved.save(ctx);
     return saved.unflatten(y);
   }
 

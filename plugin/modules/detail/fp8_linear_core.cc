@@ -7,6 +7,7 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "ops/blockwise.h"
 #include "ops/fp8_gemm.h"
@@ -125,28 +126,45 @@ at::Tensor Fp8LinearSaved::unflatten(const at::Tensor& t2d) const {
   return t2d.reshape(sizes);
 }
 
-void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t,
-                          const std::string& key) {
-  ctx->saved_data[key] = x_t.data;
-  ctx->saved_data[key + ".scale_inv"] = x_t.scale_inv;
+namespace {
+
+void save_transpose_pair(torch::autograd::AutogradContext* ctx, const at::Tensor& data,
+                         const at::Tensor& scale_inv, const std::string& key) {
+  ctx->saved_data[key] = data;
+  ctx->saved_data[key + ".scale_inv"] = scale_inv;
 }
 
-Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format,
-                               const std::string& key) {
+// The data and scale_inv save_transpose_pair kept, the context's references dropped unless the
+// graph is retained.
+std::pair<at::Tensor, at::Tensor> take_transpose_pair(torch::autograd::AutogradContext* ctx,
+                                                      const std::string& key) {
   const auto data = ctx->saved_data.find(key);
   const auto scale_inv = ctx->saved_data.find(key + ".scale_inv");
   TORCH_CHECK(data != ctx->saved_data.end() && scale_inv != ctx->saved_data.end(),
               "Fp8Linear: the saved input was already freed by an earlier backward pass; trying to "
               "backward through the graph a second time needs retain_graph=true the first time");
-  Fp8Tensor x_t(data->second.toTensor(), scale_inv->second.toTensor(), format);
+  std::pair<at::Tensor, at::Tensor> pair{data->second.toTensor(), scale_inv->second.toTensor()};
   // Without retain_graph this backward is the tensor's last use: drop the context's
-  // reference so that fp8_linear_backward frees it after wgrad, as autograd would free a
+  // reference so that the backward frees it after wgrad, as autograd would free a
   // save_for_backward tensor only after the whole backward function.
   if (!current_backward_keeps_graph()) {
     ctx->saved_data.erase(key);
     ctx->saved_data.erase(key + ".scale_inv");
   }
-  return x_t;
+  return pair;
+}
+
+}  // namespace
+
+void save_input_transpose(torch::autograd::AutogradContext* ctx, const Fp8Tensor& x_t,
+                          const std::string& key) {
+  save_transpose_pair(ctx, x_t.data, x_t.scale_inv, key);
+}
+
+Fp8Tensor take_input_transpose(torch::autograd::AutogradContext* ctx, Fp8Format format,
+                               const std::string& key) {
+  auto [data, scale_inv] = take_transpose_pair(ctx, key);
+  return Fp8Tensor(std::move(data), std::move(scale_inv), format);
 }
 
 Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
@@ -250,25 +268,14 @@ at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
   Fp8GemmOptions gemm;
   gemm.bias = bias;
   auto y = blockwise_gemm(x_q.data, weight_blocks.data, out_dtype, gemm);
-  ctx->saved_data["x_t"] = x_q.transposed.data;
-  ctx->saved_data["x_t.scale_inv"] = x_q.transposed.scale_inv;
+  save_transpose_pair(ctx, x_q.transposed.data, x_q.transposed.scale_inv, "x_t");
   return y.size(0) == saved.rows ? y : y.narrow(0, 0, saved.rows);
 }
 
 Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradContext* ctx,
                                                   Fp8Format format) {
-  const auto data = ctx->saved_data.find("x_t");
-  const auto scale_inv = ctx->saved_data.find("x_t.scale_inv");
-  TORCH_CHECK(data != ctx->saved_data.end() && scale_inv != ctx->saved_data.end(),
-              "Fp8Linear: the saved input was already freed by an earlier backward pass; trying to "
-              "backward through the graph a second time needs retain_graph=true the first time");
-  Fp8BlockwiseTensor x_t{data->second.toTensor(), scale_inv->second.toTensor(), format,
-                         Fp8BlockShape::k1x128};
-  if (!current_backward_keeps_graph()) {
-    ctx->saved_data.erase("x_t");
-    ctx->saved_data.erase("x_t.scale_inv");
-  }
-  return x_t;
+  auto [data, scale_inv] = take_transpose_pair(ctx, "x_t");
+  return {std::move(data), std::move(scale_inv), format, Fp8BlockShape::k1x128};
 }
 
 Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
