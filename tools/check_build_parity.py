@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Checks that the Bazel and CMake builds are the same build: the same C++ sources compiled, the
-same test executables, and the same preprocessor macros on every amp8 source.
+"""Checks that the Bazel and CMake builds are the same build: the same C++ sources compiled into
+the same targets, the same test executables, and the same preprocessor macros on every amp8
+source. A Bazel cc_library //pkg:name is CMake's amp8_<name> (//ops:ops is amp8_ops,
+//recipes:precision amp8_precision); binaries and tests keep their names.
 
 Usage: check_build_parity.py CMAKE_BUILD_DIR   (configured with CMAKE_EXPORT_COMPILE_COMMANDS=ON;
        runs `./bazelw aquery` / `query`, which analyse the Bazel build without compiling)
@@ -62,18 +64,33 @@ def bazel(*args):
 
 
 def bazel_compiles():
-    """{source: macros} for every C++ compile of amp8's own sources in the Bazel build."""
-    text = bazel("aquery", 'mnemonic("CppCompile", //...)', "--output=jsonproto")
+    """{source: (target, macros)} for every C++ compile of amp8's own sources in the Bazel build,
+    the target named as CMake names it."""
+    text = json.loads(bazel("aquery", 'mnemonic("CppCompile", //...)', "--output=jsonproto"))
+    libraries = set(bazel("query", "kind(cc_library, //...)").split())
+    labels = {t["id"]: t["label"] for t in text.get("targets", [])}
     compiles = {}
-    for action in json.loads(text).get("actions", []):
+    for action in text.get("actions", []):
         args = action.get("arguments", [])
         src = None
         for i, arg in enumerate(args):
             if arg == "-c" and i + 1 < len(args):
                 src = args[i + 1]
         if src and not src.startswith("external/") and src.endswith(".cc"):
-            compiles[src] = macros(args)
+            label = labels.get(action.get("targetId"), "?")
+            name = label.split(":")[-1]
+            compiles[src] = ("amp8_" + name if label in libraries else name, macros(args))
     return compiles
+
+
+def cmake_target(args):
+    """The target of a CMake compile, from its object path (CMakeFiles/<target>.dir/...)."""
+    for i, arg in enumerate(args):
+        if arg == "-o" and i + 1 < len(args):
+            for part in pathlib.PurePath(args[i + 1]).parts:
+                if part.endswith(".dir"):
+                    return part[: -len(".dir")]
+    return "?"
 
 
 def cmake_compiles(build):
@@ -82,7 +99,7 @@ def cmake_compiles(build):
         args = entry.get("arguments") or shlex.split(entry["command"])
         src = source_of([entry["file"]], entry["directory"])
         if src and src.endswith(".cc") and not src.startswith(CMAKE_ONLY_PREFIXES):
-            compiles[src] = macros(args)
+            compiles[src] = (cmake_target(args), macros(args))
     return compiles
 
 
@@ -95,9 +112,12 @@ def main() -> int:
     for src in sorted(set(cm) - set(bz)):
         problems.append(f"{src}: compiled by CMake, not by Bazel")
     for src in sorted(set(bz) & set(cm)):
-        if bz[src] != cm[src]:
-            problems.append(f"{src}: macros only in Bazel {sorted(bz[src] - cm[src])}, "
-                            f"only in CMake {sorted(cm[src] - bz[src])}")
+        (bz_target, bz_macros), (cm_target, cm_macros) = bz[src], cm[src]
+        if bz_target != cm_target:
+            problems.append(f"{src}: in Bazel's target {bz_target}, in CMake's {cm_target}")
+        if bz_macros != cm_macros:
+            problems.append(f"{src}: macros only in Bazel {sorted(bz_macros - cm_macros)}, "
+                            f"only in CMake {sorted(cm_macros - bz_macros)}")
 
     bazel_tests = {line.split(":")[-1] for line in bazel("query", "kind(cc_test, //...)").split()}
     # CMake builds one test executable per tests/<unit>_test.cc, named after it.
@@ -109,7 +129,8 @@ def main() -> int:
 
     for p in problems:
         print("build parity:", p)
-    print(f"build parity: {len(bz)} sources and {len(bazel_tests)} test executables compared, "
+    targets = len({target for target, _ in bz.values()})
+    print(f"build parity: {len(bz)} sources in {targets} targets and {len(bazel_tests)} test executables compared, "
           f"{len(problems)} difference(s)")
     return 1 if problems else 0
 

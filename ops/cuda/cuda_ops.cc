@@ -229,6 +229,28 @@ void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out) {
                                               in.size(0), in.size(1), current_stream()));
 }
 
+namespace {
+
+// The fused optimizers' tensors grouped by (gradient dtype, copy dtype), the kernels' template
+// arguments: launch(pointers, count, grad_type, copy_type) once per group present.
+template <typename Pointers, typename StepTensor, typename ToPointers, typename Launch>
+void launch_by_dtypes(const std::vector<StepTensor>& tensors, ToPointers&& to_pointers, Launch&& launch) {
+  constexpr int kCopyTypes = 3;  // cuda::CopyType: none, bf16, fp16
+  std::vector<std::vector<Pointers>> groups(3 * kCopyTypes);
+  for (const auto& t : tensors) {
+    groups[static_cast<int>(input_type(t.grad)) * kCopyTypes + static_cast<int>(copy_type(t.model_copy))]
+        .push_back(to_pointers(t));
+  }
+  for (size_t key = 0; key < groups.size(); ++key) {
+    if (groups[key].empty()) continue;
+    AMP8_CUDA_CHECK(launch(groups[key].data(), static_cast<int>(groups[key].size()),
+                           static_cast<cuda::InputType>(key / kCopyTypes),
+                           static_cast<cuda::CopyType>(key % kCopyTypes)));
+  }
+}
+
+}  // namespace
+
 void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& o,
                           double grad_multiplier) {
   const c10::cuda::CUDAGuard guard(tensors.front().param.device());
@@ -243,24 +265,18 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
   scalars.one_minus_beta2 = static_cast<float>(1 - o.beta2);
   scalars.eps = static_cast<float>(o.eps);
   scalars.grad_multiplier = static_cast<float>(grad_multiplier);
-  // One launch sequence per (grad dtype, copy dtype).
-  std::vector<std::vector<cuda::AdamTensorPointers>> batches(9);
-  for (const auto& t : tensors) {
-    const int key = static_cast<int>(input_type(t.grad)) * 3 + static_cast<int>(copy_type(t.model_copy));
-    batches[key].push_back({t.param.mutable_data_ptr<float>(), t.exp_avg.mutable_data_ptr<float>(),
-                            t.exp_avg_sq.mutable_data_ptr<float>(), t.grad.const_data_ptr(),
-                            t.model_copy.defined() ? t.model_copy.mutable_data_ptr() : nullptr,
-                            t.param.numel(),
-                            static_cast<float>(o.lr / (1 - std::pow(o.beta1, t.step))),
-                            static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t.step)))});
-  }
-  for (int key = 0; key < 9; ++key) {
-    if (batches[key].empty()) continue;
-    AMP8_CUDA_CHECK(cuda::launch_fused_adam(batches[key].data(), static_cast<int>(batches[key].size()),
-                                            static_cast<cuda::InputType>(key / 3),
-                                            static_cast<cuda::CopyType>(key % 3), scalars,
-                                            current_stream()));
-  }
+  launch_by_dtypes<cuda::AdamTensorPointers>(
+      tensors,
+      [&](const AdamStepTensor& t) -> cuda::AdamTensorPointers {
+        return {t.param.mutable_data_ptr<float>(), t.exp_avg.mutable_data_ptr<float>(),
+                t.exp_avg_sq.mutable_data_ptr<float>(), t.grad.const_data_ptr(),
+                optional_mutable_ptr(t.model_copy), t.param.numel(),
+                static_cast<float>(o.lr / (1 - std::pow(o.beta1, t.step))),
+                static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t.step)))};
+      },
+      [&](const cuda::AdamTensorPointers* pointers, int n, cuda::InputType grad, cuda::CopyType copy) {
+        return cuda::launch_fused_adam(pointers, n, grad, copy, scalars, current_stream());
+      });
 }
 
 void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdStepOptions& o,
@@ -274,22 +290,17 @@ void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdSte
   scalars.grad_multiplier = static_cast<float>(grad_multiplier);
   scalars.nesterov = o.nesterov;
   const bool with_momentum = o.momentum != 0;
-  // One launch sequence per (grad dtype, copy dtype).
-  std::vector<std::vector<cuda::SgdTensorPointers>> batches(9);
-  for (const auto& t : tensors) {
-    const int key = static_cast<int>(input_type(t.grad)) * 3 + static_cast<int>(copy_type(t.model_copy));
-    batches[key].push_back({t.param.mutable_data_ptr<float>(),
-                            with_momentum ? t.momentum_buffer.mutable_data_ptr<float>() : nullptr,
-                            t.grad.const_data_ptr(), optional_mutable_ptr(t.model_copy),
-                            t.param.numel(), t.first_step});
-  }
-  for (int key = 0; key < 9; ++key) {
-    if (batches[key].empty()) continue;
-    AMP8_CUDA_CHECK(cuda::launch_fused_sgd(batches[key].data(), static_cast<int>(batches[key].size()),
-                                           static_cast<cuda::InputType>(key / 3),
-                                           static_cast<cuda::CopyType>(key % 3), scalars,
-                                           current_stream()));
-  }
+  launch_by_dtypes<cuda::SgdTensorPointers>(
+      tensors,
+      [&](const SgdStepTensor& t) -> cuda::SgdTensorPointers {
+        return {t.param.mutable_data_ptr<float>(),
+                with_momentum ? t.momentum_buffer.mutable_data_ptr<float>() : nullptr,
+                t.grad.const_data_ptr(), optional_mutable_ptr(t.model_copy), t.param.numel(),
+                t.first_step};
+      },
+      [&](const cuda::SgdTensorPointers* pointers, int n, cuda::InputType grad, cuda::CopyType copy) {
+        return cuda::launch_fused_sgd(pointers, n, grad, copy, scalars, current_stream());
+      });
 }
 
 }  // namespace amp8::detail

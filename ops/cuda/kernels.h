@@ -58,7 +58,7 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 InputType dbias_type, Stream stream);
 
 // out[c] = Σ_p part[p, c] over `parts` rows of float32 partial sums [parts, cols], in a fixed
-// order, summed in float32 and rounded once to out_type (layer_norm_kernels.cu).
+// order, summed in float32 and rounded once to out_type (column_sum_kernels.cu).
 int launch_column_sum(const float* part, int parts, int64_t cols, void* out, InputType out_type,
                       Stream stream);
 
@@ -118,7 +118,7 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
                           int64_t rows, int64_t hidden, void* dx, float* part, int parts,
                           void* dgamma, void* dbeta, Stream stream);
 
-// out [cols, rows] = in [rows, cols]ᵀ, bytes.
+// out [cols, rows] = in [rows, cols]ᵀ, bytes (byte_transpose_kernels.cu).
 int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream);
 
 // ---- Fused Adam / AdamW with FP32 master weights (fused_adam_kernels.cu) ----

@@ -1,4 +1,4 @@
-// LayerNorm forward (high-precision or FP8 output) and backward, and the FP8 byte transpose.
+// LayerNorm forward (high-precision or FP8 output) and backward.
 //
 // One row per block iteration; each thread keeps its share of the row in registers, so x is
 // read once and the statistics are an exact two-pass mean/variance in float32.
@@ -21,21 +21,6 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
 
 // p[0..kVec) into out; p is 16-byte aligned when kVec is a multiple of 4.
 template <int kVec>
@@ -288,84 +273,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
-// out[c] = Σ_p part[p, c], in a fixed order (it depends only on `parts`). Block (kSumCols,
-// kSumLanes): a warp reads 4 partial rows × 8 columns, one full 32-byte sector per row, and each
-// lane keeps four independent sums so that four loads are in flight. Narrow column groups give
-// a hidden size of 1024 128 blocks instead of 32 (the first version: 32 columns × 8 lanes, a
-// quarter of the SMs busy and one load in flight per lane).
-constexpr int kSumCols = 8, kSumLanes = 64, kSumUnroll = 4;
-static_assert(kSumUnroll == 4, "column_sum_kernel adds its four sums by hand");
-template <typename O>
-__global__ void __launch_bounds__(kSumCols* kSumLanes)
-    column_sum_kernel(const float* __restrict__ part, int parts, int cols, O* __restrict__ out) {
-  __shared__ float acc[kSumLanes][kSumCols + 1];
-  const int c = blockIdx.x * kSumCols + threadIdx.x;
-  float sum[kSumUnroll] = {};
-  if (c < cols) {
-    const float* column = part + c;
-    int p = threadIdx.y;
-    for (; p + (kSumUnroll - 1) * kSumLanes < parts; p += kSumUnroll * kSumLanes) {
-#pragma unroll
-      for (int k = 0; k < kSumUnroll; ++k) {
-        sum[k] += column[static_cast<int64_t>(p + k * kSumLanes) * cols];
-      }
-    }
-    for (; p < parts; p += kSumLanes) sum[0] += column[static_cast<int64_t>(p) * cols];
-  }
-  acc[threadIdx.y][threadIdx.x] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
-  __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    float total = 0.0f;
-#pragma unroll 8
-    for (int k = 0; k < kSumLanes; ++k) total += acc[k][threadIdx.x];
-    out[c] = from_float<O>(total);
-  }
-}
-
-// 64×64-byte tiles through shared memory; kVec4 moves 4 bytes per access (rows and cols
-// multiples of 4).
-template <bool kVec4>
-__global__ void __launch_bounds__(256)
-    byte_transpose_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t rows,
-                          int64_t cols) {
-  __shared__ alignas(4) uint8_t tile[64][68];
-  const int tid = threadIdx.x;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 64;
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 64;
-  if constexpr (kVec4) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int r = tid / 16 + 16 * k, c = (tid % 16) * 4;
-      if (row0 + r < rows && col0 + c < cols) {
-        *reinterpret_cast<uint32_t*>(&tile[r][c]) =
-            *reinterpret_cast<const uint32_t*>(in + (row0 + r) * cols + col0 + c);
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int oc = tid / 16 + 16 * k, orow = (tid % 16) * 4;
-      if (col0 + oc < cols && row0 + orow < rows) {
-        const uint32_t packed = tile[orow][oc] | (tile[orow + 1][oc] << 8) |
-                                (tile[orow + 2][oc] << 16) | (tile[orow + 3][oc] << 24);
-        *reinterpret_cast<uint32_t*>(out + (col0 + oc) * rows + row0 + orow) = packed;
-      }
-    }
-  } else {
-    for (int k = 0; k < 16; ++k) {
-      const int idx = tid + 256 * k, r = idx / 64, c = idx % 64;
-      if (row0 + r < rows && col0 + c < cols) tile[r][c] = in[(row0 + r) * cols + col0 + c];
-    }
-    __syncthreads();
-    for (int k = 0; k < 16; ++k) {
-      const int idx = tid + 256 * k, oc = idx / 64, orow = idx % 64;
-      if (col0 + oc < cols && row0 + orow < rows) {
-        out[(col0 + oc) * rows + row0 + orow] = tile[orow][oc];
-      }
-    }
-  }
-}
-
 // How a row of `hidden` elements is spread over a block: `vec` elements per access, `iters`
 // accesses per thread (at most max_elems elements per thread, so the row fits in registers),
 // `threads` threads (a multiple of 32; preferred_threads or fewer when possible, never more
@@ -580,36 +487,6 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
       return 0;
     });
   });
-}
-
-int launch_column_sum(const float* part, int parts, int64_t cols, void* out, InputType out_type,
-                      Stream stream) {
-  if (parts < 1 || cols < 1 || cols > (int64_t{1} << 30)) {
-    return static_cast<int>(cudaErrorInvalidValue);
-  }
-  const dim3 block(kSumCols, kSumLanes);
-  const int grid = static_cast<int>((cols + kSumCols - 1) / kSumCols);
-  return dispatch_input(out_type, [&](auto tag) {
-    using O = decltype(tag);
-    column_sum_kernel<O><<<grid, block, 0, stream>>>(part, parts, static_cast<int>(cols),
-                                                     static_cast<O*>(out));
-    return static_cast<int>(cudaGetLastError());
-  });
-}
-
-int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream) {
-  const dim3 grid(static_cast<unsigned>((cols + 63) / 64), static_cast<unsigned>((rows + 63) / 64));
-  if (grid.y > 65535) return static_cast<int>(cudaErrorInvalidValue);
-  const auto* src = static_cast<const uint8_t*>(in);
-  auto* dst = static_cast<uint8_t*>(out);
-  const bool vec4 = rows % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 4 == 0 &&
-                    reinterpret_cast<uintptr_t>(out) % 4 == 0;
-  if (vec4) {
-    byte_transpose_kernel<true><<<grid, 256, 0, stream>>>(src, dst, rows, cols);
-  } else {
-    byte_transpose_kernel<false><<<grid, 256, 0, stream>>>(src, dst, rows, cols);
-  }
-  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace amp8::cuda
