@@ -2,7 +2,7 @@
 """Checks that amp8's folders include only from the layers below them (docs/design.md, "Layers"):
 
     ops/ < plugin/compat/ < plugin/fp8/ < plugin/modules/ < plugin/optim/ < plugin/distributed/
-        < plugin/precision/ < plugin/training/ < recipes/ < recipes/data/ < recipes/gpt/
+        < plugin/precision/ < plugin/training/ < recipes/ < recipes/data/ < recipes/llama/ < recipes/gpt/
         < recipes/gpt_pretrain.cc (the binary's main)
 
 A source may include its own folder and any folder earlier in LAYERS (plugin/optim/ does not
@@ -15,7 +15,7 @@ import sys
 
 LAYERS = ["ops", "plugin/compat", "plugin/fp8", "plugin/modules", "plugin/optim",
           "plugin/distributed", "plugin/precision", "plugin/training", "recipes", "recipes/data",
-          "recipes/gpt", "recipes/gpt_pretrain.cc"]
+          "recipes/llama", "recipes/gpt", "recipes/gpt_pretrain.cc"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
