@@ -61,6 +61,52 @@ TEST(GptPretrainTest, TrainsWritesMetricsPictureAndCheckpoint) {
   EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step_00000030.ckpt"));
 }
 
+// The Llama 3 configs go through the same recipe, flags, outputs and checkpoints: a tiny Llama
+// trains on bytes, in FP8 too (every GEMM: --fp8-min-gemm-size 0), validates, compares, and
+// resumes exactly; the GPT-only flag is refused by name.
+TEST(GptPretrainTest, LlamaConfigsTrainThroughTheSameRecipe) {
+  const std::vector<std::string> llama = {"--config", "llama_tiny", "--device", "cpu", "--seq", "64",
+                                          "--micro-batch", "8", "--log-every", "0"};
+  const auto dir = scratch("llama");
+  const auto run = gpt_pretrain(with(llama, {"--steps", "30", "--eval-every", "15", "--eval-iters", "2",
+                                             "--save-dir", dir.string(), "--compare", "32,bf16-mixed+fp8",
+                                             "--fp8-min-gemm-size", "0"}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("config llama_tiny ("), std::string::npos) << run.out;
+  for (const auto* name : {"32", "bf16-mixed_fp8"}) {
+    SCOPED_TRACE(name);
+    const auto lines = metrics(dir / name);
+    ASSERT_EQ(lines.size(), 30u);
+    double first = 0, last = 0;
+    for (int i = 0; i < 5; ++i) first += lines[i]["loss"].get<double>() / 5;
+    for (int i = 25; i < 30; ++i) last += lines[i]["loss"].get<double>() / 5;
+    EXPECT_NEAR(first, std::log(256.0), 0.5) << "starts near uniform over bytes";
+    EXPECT_LT(last, first - 1.0) << "the loss falls";
+    EXPECT_TRUE(lines[14].contains("val_loss"));
+    EXPECT_TRUE(lines[29].contains("val_loss"));
+  }
+  EXPECT_TRUE(fs::exists(dir / "compare.svg"));
+
+  const auto full = scratch("llama_full"), split = scratch("llama_split");
+  const auto common = with(llama, {"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-min-gemm-size", "0"});
+  ASSERT_EQ(gpt_pretrain(with(common, {"--steps", "12", "--save-dir", full.string()})).code, 0);
+  ASSERT_EQ(gpt_pretrain(with(common, {"--steps", "12", "--save-every", "6", "--save-dir", split.string()})).code, 0);
+  fs::remove(split / "checkpoints" / "step_00000012.ckpt");  // as if stopped after step 6's save
+  const auto resumed = gpt_pretrain(with(common, {"--steps", "12", "--save-dir", split.string(), "--resume",
+                                                  split.string()}));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  const auto a = metrics(full), b = metrics(split);
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(b.size(), 12u);
+  for (size_t i = 0; i < 12; ++i) EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+
+  const auto bad = gpt_pretrain(with(llama, {"--steps", "2", "--fused-mlp", "false", "--save-dir",
+                                             scratch("llama_bad").string()}));
+  EXPECT_NE(bad.err.find("--fused-mlp applies to the GPT configs"), std::string::npos) << bad.err;
+  const auto unknown = gpt_pretrain({"--config", "llama2_7b", "--device", "cpu"});
+  EXPECT_NE(unknown.err.find("\"llama_tiny\", \"llama32_1b\""), std::string::npos) << unknown.err;
+}
+
 // --profile: steps 1..2 recorded, the trace and the table written and printed.
 TEST(GptPretrainTest, ProfileRecordsTheAskedSteps) {
   const auto dir = scratch("profile");

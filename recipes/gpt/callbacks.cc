@@ -54,7 +54,7 @@ double StepTimer::steady_step_seconds() const {
   return median({seconds_.begin() + static_cast<std::ptrdiff_t>(seconds_.size() / 2), seconds_.end()});
 }
 
-Evaluator::Evaluator(int64_t every, int64_t iters, Batch batch, GptModel model, int64_t vocab, std::ostream& out)
+Evaluator::Evaluator(int64_t every, int64_t iters, Batch batch, Decoder model, int64_t vocab, std::ostream& out)
     : every_(every), iters_(iters), batch_(std::move(batch)), model_(std::move(model)), vocab_(vocab), out_(out),
       loss_(NAN) {}
 
@@ -62,18 +62,18 @@ void Evaluator::on_train_batch_end(Trainer& trainer, const StepMetrics& m) {
   if (m.step % every_ != 0 && m.step != trainer.options.max_steps()) return;
   auto& precision = *trainer.plugins;
   torch::NoGradGuard no_grad;
-  model_->eval();
+  model_.module().eval();
   at::Tensor sum;
   for (int64_t k = 0; k < iters_; ++k) {
     auto [inputs, targets] = batch_(k);
     auto context = precision.forward_context();
-    auto logits = precision.convert_output(model_->forward(precision.convert_input(inputs)));
+    auto logits = precision.convert_output(model_.forward(precision.convert_input(inputs)));
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, vocab_}), targets.reshape({-1}))
                     .to(at::kFloat);
     context.close();
     sum = sum.defined() ? sum + loss : loss;
   }
-  model_->train();
+  model_.module().train();
   step_ = m.step;
   loss_ = precision.data_parallel_mean(sum.reshape({})).item<double>() / static_cast<double>(iters_);
   points_.emplace_back(static_cast<double>(m.step), loss_);

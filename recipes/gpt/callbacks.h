@@ -18,7 +18,7 @@
 #include "plugin/distributed/distributed_optimizer.h"
 #include "plugin/precision/mixed_precision_plugin.h"
 #include "plugin/training/trainer.h"
-#include "recipes/gpt/gpt_model.h"
+#include "recipes/gpt/decoder.h"
 
 namespace amp8::recipes {
 
@@ -62,7 +62,7 @@ class Evaluator : public Callback {
  public:
   /// The k-th held-out micro-batch: (inputs, targets).
   using Batch = std::function<std::pair<at::Tensor, at::Tensor>(int64_t k)>;
-  Evaluator(int64_t every, int64_t iters, Batch batch, GptModel model, int64_t vocab, std::ostream& out);
+  Evaluator(int64_t every, int64_t iters, Batch batch, Decoder model, int64_t vocab, std::ostream& out);
   void on_train_batch_end(Trainer& trainer, const StepMetrics& m) override;
   /// The step of the latest evaluation (-1 before the first) and its loss.
   int64_t step() const { return step_; }
@@ -73,7 +73,7 @@ class Evaluator : public Callback {
  private:
   int64_t every_, iters_;
   Batch batch_;
-  GptModel model_;
+  Decoder model_;
   int64_t vocab_;
   std::ostream& out_;
   int64_t step_ = -1;

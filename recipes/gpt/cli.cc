@@ -138,7 +138,7 @@ std::string folder_name(std::string name) {
 }  // namespace
 
 int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
-  CLI::App app{"GPT pretraining in C++ with amp8: byte-level GPT, any precision (NeMo's knobs)",
+  CLI::App app{"GPT / Llama 3 pretraining in C++ with amp8: byte-level or Megatron data, any precision (NeMo's knobs)",
                "gpt_pretrain"};
   // A flag given twice takes its last value (so a command can be extended by appending flags).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -160,7 +160,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t seed = 1234;
   constexpr int64_t kMaxCount = int64_t{1} << 40;  // steps, intervals, elements
   constexpr int64_t kMaxBatch = int64_t{1} << 20;  // sequences, micro-batches, tokens
-  app.add_option("--config", config, "model config: tiny, small, 125m, 128m, 350m, 1b")
+  app.add_option("--config", config, "model config: tiny, small, 125m, 128m, 350m, 1b (GPT); llama_tiny, "
+                 "llama32_1b, llama32_3b, llama3_8b (Llama 3)")
       ->capture_default_str()->transform(lower_case());
   app.add_option("--precision", precision, "32, bf16-mixed, 16-mixed (fp16-mixed), or auto (bf16-mixed on a GPU, 32 on the CPU)")
       ->capture_default_str()->transform(lower_case());
@@ -249,7 +250,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
       "reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
       "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
-  app.add_option("--fused-mlp", fused_mlp,
+  auto* fused_mlp_flag = app.add_option("--fused-mlp", fused_mlp,
                  "each block's MLP as one Fp8LayerNormMLP call: in FP8, GELU inside the FP8 casts "
                  "(TE's LayerNormMLP); false: its modules one after the other")
       ->capture_default_str()->transform(boolean());
@@ -303,7 +304,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.bucket_size = bucket_size;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
     recipe.attention_backend = attention_backend;
-    recipe.model.fused_mlp(fused_mlp);
+    if (auto* gpt = std::get_if<GptConfig>(&recipe.model)) {
+      gpt->fused_mlp(fused_mlp);
+    } else {
+      TORCH_CHECK(fused_mlp_flag->count() == 0, "--fused-mlp applies to the GPT configs (LayerNorm and "
+                  "GELU MLPs); config ", config, " is a Llama");
+    }
     recipe.profile_dir = profile_dir;
     recipe.profile_first_step = profile_first_step;
     recipe.profile_steps = profile_steps;
@@ -458,7 +464,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       TORCH_CHECK(file.good(), "cannot write ", (fs::path(base) / "compare.jsonl").string());
     }
     const auto picture = (fs::path(base) / "compare.svg").string();
-    write_loss_svg(picture, curves, "GPT " + config + ": loss by precision (same seed and data)");
+    write_loss_svg(picture, curves, config + ": loss by precision (same seed and data)");
     out << "gpt_pretrain: comparison picture " << picture << std::endl;
     if (!failures.empty()) {
       std::string list;

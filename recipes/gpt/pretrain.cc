@@ -77,19 +77,22 @@ LossCurve read_curve(const std::string& name, const std::string& metrics_path) {
 PretrainRecipe gpt_pretrain_recipe(const std::string& config) {
   PretrainRecipe recipe;
   recipe.config_name = config;
-  recipe.model = GptConfig::named(config);
-  if (config == "tiny") {
+  recipe.model = decoder_config(config);
+  if (config == "tiny" || config == "llama_tiny") {
     // About a minute on two CPU cores.
     recipe.micro_batch = 16, recipe.seq = 128, recipe.lr = 3e-3, recipe.min_lr = 3e-4;
     recipe.trainer.max_steps(1000).log_every_n_steps(100);
     recipe.eval_every = 100;
   } else if (config == "small") {
     recipe.micro_batch = 16, recipe.seq = 256, recipe.lr = 1e-3, recipe.min_lr = 1e-4;
+  } else if (std::holds_alternative<LlamaConfig>(recipe.model)) {
+    // Llama 3's pretraining: 8192-token sequences, peak lr 3e-4 (8B), decayed to a tenth.
+    recipe.micro_batch = 1, recipe.seq = max_seq_len(recipe.model), recipe.lr = 3e-4, recipe.min_lr = 3e-5;
   } else {
-    recipe.micro_batch = 8, recipe.seq = recipe.model.max_seq_len(), recipe.lr = 6e-4,
+    recipe.micro_batch = 8, recipe.seq = max_seq_len(recipe.model), recipe.lr = 6e-4,
     recipe.min_lr = 6e-5;
   }
-  if (config != "tiny") recipe.eval_every = 1000;  // Megatron's default eval-interval
+  if (config != "tiny" && config != "llama_tiny") recipe.eval_every = 1000;  // Megatron's default eval-interval
   recipe.save_dir = "runs/gpt_" + config;
   return recipe;
 }
@@ -137,12 +140,12 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
               "data-prefix needs the tokenizer's vocabulary size: --vocab-size");
   TORCH_CHECK(recipe.vocab_size == 0 || !recipe.data_prefix.empty(), "vocab-size applies to --data-prefix only "
               "(byte-level data has 256 tokens)");
-  if (!recipe.data_prefix.empty()) model_config.vocab_size((recipe.vocab_size + 127) / 128 * 128);
-  model_config.validate();
+  if (!recipe.data_prefix.empty()) set_vocab_size(model_config, (recipe.vocab_size + 127) / 128 * 128);
+  validate(model_config);
   recipe.precision.validate();
   TORCH_CHECK(recipe.micro_batch >= 1, "micro-batch must be >= 1, got ", recipe.micro_batch);
-  TORCH_CHECK(recipe.seq >= 1 && recipe.seq <= recipe.model.max_seq_len(), "seq must be in [1, ",
-              recipe.model.max_seq_len(), "] for config \"", recipe.config_name, "\", got ", recipe.seq);
+  TORCH_CHECK(recipe.seq >= 1 && recipe.seq <= max_seq_len(recipe.model), "seq must be in [1, ",
+              max_seq_len(recipe.model), "] for config \"", recipe.config_name, "\", got ", recipe.seq);
   TORCH_CHECK(recipe.lr > 0 && std::isfinite(recipe.lr), "lr must be positive, got ", recipe.lr);
   TORCH_CHECK(recipe.min_lr >= 0 && recipe.min_lr <= recipe.lr, "min_lr must be in [0, lr], got ",
               recipe.min_lr);
@@ -165,11 +168,11 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   if (!recipe.data_prefix.empty()) {
     const int64_t samples = recipe.trainer.max_steps() * recipe.trainer.accumulate_grad_batches() *
                             recipe.micro_batch * world_size;
-    megatron.emplace(recipe.data_prefix, recipe.split, recipe.seq, recipe.seed, samples, model_config.vocab_size());
+    megatron.emplace(recipe.data_prefix, recipe.split, recipe.seq, recipe.seed, samples, vocab_size(model_config));
     // The split's validation part, when it has one ("969,30,1" does, "100,0,0" not).
     if (recipe.eval_every > 0 && split_matrix_from_string(recipe.split)[1].has_value()) {
       megatron_validation.emplace(recipe.data_prefix, recipe.split, recipe.seq, recipe.seed,
-                                  recipe.eval_iters * recipe.micro_batch * world_size, model_config.vocab_size(),
+                                  recipe.eval_iters * recipe.micro_batch * world_size, vocab_size(model_config),
                                   DatasetSplit::kValid);
     }
   }
@@ -222,14 +225,13 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   std::ostream null_stream(nullptr);
   std::ostream& out = rank == 0 ? log : null_stream;
   torch::manual_seed(recipe.seed);
-  GptModel model{nullptr};
-  {
+  const Decoder model = [&] {
     std::optional<Fp8ModelInit> fp8_init;
     if (recipe.precision.fp8_params()) fp8_init.emplace();
-    model = GptModel(model_config);
-  }
-  model->to(device);
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(recipe.lr)
+    return Decoder(model_config);
+  }();
+  model.module().to(device);
+  torch::optim::AdamW optimizer(model.module().parameters(), torch::optim::AdamWOptions(recipe.lr)
                                                          .betas({0.9, 0.95})
                                                          .weight_decay(recipe.weight_decay));
   auto trainer_options = recipe.trainer;
@@ -237,7 +239,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   // Tokens of one micro-batch over all ranks (the progress line's tokens/s is the job's).
   const int64_t tokens_per_micro_batch = recipe.micro_batch * recipe.seq * world;
   trainer_options.tokens_per_micro_batch(tokens_per_micro_batch);
-  const double flops_per_token = model->flops_per_token(recipe.seq);
+  const double flops_per_token = model.flops_per_token(recipe.seq);
   if (device.is_cuda()) {  // the progress line's TFLOP/s per GPU and MFU
     trainer_options.flops_per_token(flops_per_token)
         .peak_flops_per_device(dense_bf16_peak_flops(cuda_device_name(device.index() < 0 ? 0 : device.index())));
@@ -305,7 +307,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                                   : heldout.batch(recipe.seed + 1, /*step=*/k, /*micro_batch=*/rank, recipe.micro_batch,
                                                   recipe.seq, device);
         },
-        model, model_config.vocab_size(), out);
+        model, vocab_size(model_config), out);
     trainer.callbacks.push_back(evaluator);
   } else if (recipe.eval_every > 0) {
     out << "gpt_pretrain: no validation: " << (megatron ? "the split " + recipe.split + " has no validation part"
@@ -319,7 +321,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
         evaluator.get()));
   }
 
-  out << "gpt_pretrain: config " << recipe.config_name << " (" << model->parameter_count() / 1e6
+  out << "gpt_pretrain: config " << recipe.config_name << " (" << model.parameter_count() / 1e6
       << " M parameters), precision " << trainer.plugins->name() << ", device " << device
       << ", data " << (megatron ? megatron->source() : data.source() + " (" + std::to_string(data.size()) + " bytes)")
       << ", " << trainer_options.max_steps()
@@ -331,9 +333,9 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
 #endif
 
   const AttentionBackendGuard attention_backend(recipe.attention_backend);
-  const auto vocab = model_config.vocab_size();
+  const auto vocab = vocab_size(model_config);
   const auto start = std::chrono::steady_clock::now();
-  trainer.fit(*model, optimizer,
+  trainer.fit(model.module(), optimizer,
               [&](const TrainStepInput& in) {
                 // Rank r draws micro-batches r·A … r·A + A−1 of the step's global batch.
                 const int64_t micro = rank * trainer_options.accumulate_grad_batches() + in.micro_batch;
@@ -341,7 +343,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                     megatron ? megatron->batch((in.step * trainer_options.accumulate_grad_batches() + in.micro_batch) * world + rank,
                                                recipe.micro_batch, device)
                              : data.batch(recipe.seed, in.step, micro, recipe.micro_batch, recipe.seq, device);
-                auto logits = in.precision.convert_output(model->forward(in.precision.convert_input(inputs)));
+                auto logits = in.precision.convert_output(model.forward(in.precision.convert_input(inputs)));
                 return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}),
                                                             targets.reshape({-1}));
               },
@@ -356,7 +358,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   result.start_step = trainer.global_step() - static_cast<int64_t>(trainer.history().size());
   result.nothing_to_do = trainer.history().empty() && !trainer.stopped();
   result.history = trainer.history();
-  result.parameters = model->parameter_count();
+  result.parameters = model.parameter_count();
   result.precision = trainer.plugins->name();
   result.metrics_path = metrics_path;
   if (evaluator) {
@@ -403,7 +405,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();
   if (group) group->shutdown();  // NCCL's communicators, before the process exits
   if (rank == 0) write_loss_svg(result.picture_path, {read_curve(result.precision, metrics_path)},
-                 "GPT " + recipe.config_name + " pretraining loss (" + result.precision + ")");
+                 recipe.config_name + " pretraining loss (" + result.precision + ")");
   return result;
 }
 

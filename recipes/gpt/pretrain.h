@@ -10,18 +10,20 @@
 
 #include "plugin/precision/mixed_precision_plugin.h"
 #include "plugin/training/trainer.h"
-#include "recipes/gpt/gpt_model.h"
+#include "recipes/gpt/decoder.h"
 
 namespace amp8::recipes {
 
-/// Everything a GPT pretraining run needs, in the spirit of NeMo's `pretrain_recipe()`: model,
-/// data, optimizer and LR schedule, trainer, precision. Change any field before run_pretraining:
+/// Everything a pretraining run of a GPT or a Llama 3 needs, in the spirit of NeMo's
+/// `pretrain_recipe()`: model, data, optimizer and LR schedule, trainer, precision. Change any
+/// field before run_pretraining:
 ///   auto recipe = amp8::recipes::gpt_pretrain_recipe("small");
 ///   recipe.precision = amp8::recipes::bf16_with_fp8_mixed();
 ///   recipe.trainer.max_steps(2000);
 struct PretrainRecipe {
   std::string config_name = "tiny";
-  GptConfig model = GptConfig::named("tiny");
+  /// A GptConfig or a LlamaConfig (decoder_config(name)).
+  DecoderConfig model = GptConfig::named("tiny");
   /// Default: "32". gpt_pretrain's --precision auto (its default) picks bf16-mixed on a GPU.
   MixedPrecisionOptions precision = MixedPrecisionOptions("32");
   TrainerOptions trainer = TrainerOptions().max_steps(300).log_every_n_steps(25).gradient_clip_val(1.0);
@@ -76,8 +78,8 @@ struct PretrainRecipe {
   int64_t profile_steps = 3;
 };
 
-/// The default recipe for a named model config (see GptConfig::named): batch, sequence and
-/// learning rate sized for it.
+/// The default recipe for a named model config (see decoder_config: GPT's and Llama 3's names):
+/// batch, sequence and learning rate sized for it.
 PretrainRecipe gpt_pretrain_recipe(const std::string& config = "tiny");
 
 struct PretrainResult {

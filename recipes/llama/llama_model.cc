@@ -14,7 +14,7 @@ namespace amp8::recipes {
 LlamaConfig LlamaConfig::named(const std::string& name) {
   // Llama 3.2 (1B, 3B): rotary scaling factor 32, tied head; Llama 3 8B: no scaling, own head.
   const auto llama32 = RopeScaling().factor(32.0);
-  if (name == "tiny") return LlamaConfig();
+  if (name == "llama_tiny") return LlamaConfig();
   if (name == "llama32_1b") {
     return LlamaConfig().hidden(2048).layers(16).heads(32).kv_heads(8).ffn_hidden(8192)
         .max_seq_len(8192).rope_scaling(llama32).tie_embeddings(true);
@@ -32,7 +32,7 @@ LlamaConfig LlamaConfig::named(const std::string& name) {
   TORCH_CHECK(false, "llama config must be one of ", accepted, ", got \"", name, "\"");
 }
 
-std::vector<std::string> LlamaConfig::names() { return {"tiny", "llama32_1b", "llama32_3b", "llama3_8b"}; }
+std::vector<std::string> LlamaConfig::names() { return {"llama_tiny", "llama32_1b", "llama32_3b", "llama3_8b"}; }
 
 void LlamaConfig::validate() const {
   TORCH_CHECK(vocab_size_ >= 1, "vocab_size must be >= 1, got ", vocab_size_);

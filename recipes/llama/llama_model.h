@@ -36,7 +36,7 @@ struct RopeScaling {
   TORCH_ARG(int64_t, original_max_position_embeddings) = 8192;
 };
 
-/// Shape of a Llama 3 decoder. Named configs: LlamaConfig::named("tiny" | "llama32_1b" |
+/// Shape of a Llama 3 decoder. Named configs: LlamaConfig::named("llama_tiny" | "llama32_1b" |
 /// "llama32_3b" | "llama3_8b"), the published shapes (the vocabulary is the caller's: 256 bytes
 /// unless set).
 struct LlamaConfig {
@@ -65,7 +65,7 @@ struct LlamaConfig {
   TORCH_ARG(bool, tie_embeddings) = false;
 
  public:
-  /// tiny (CPU tests), llama32_1b (hidden 2048, 16 layers, 32 / 8 heads, FFN 8192),
+  /// llama_tiny (CPU tests), llama32_1b (hidden 2048, 16 layers, 32 / 8 heads, FFN 8192),
   /// llama32_3b (3072, 28 layers, 24 / 8, FFN 8192), llama3_8b (4096, 32 layers, 32 / 8,
   /// FFN 14336). Throws naming the accepted names.
   static LlamaConfig named(const std::string& name);
