@@ -152,6 +152,8 @@ TEST_F(LlamaModelTest, NamedConfigsHaveThePublishedShapes) {
   EXPECT_EQ(one.ffn_hidden(), 8192);
   ASSERT_TRUE(one.rope_scaling().has_value());
   EXPECT_EQ(one.rope_scaling()->factor(), 32.0);
+  EXPECT_EQ(LlamaConfig::named("llama3_8b_4layer").layers(), 4);
+  EXPECT_EQ(LlamaConfig::named("llama3_8b_4layer").ffn_hidden(), 14336);
   const auto three = LlamaConfig::named("llama32_3b");
   EXPECT_EQ(three.hidden(), 3072);
   EXPECT_EQ(three.layers(), 28);

@@ -161,7 +161,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   constexpr int64_t kMaxCount = int64_t{1} << 40;  // steps, intervals, elements
   constexpr int64_t kMaxBatch = int64_t{1} << 20;  // sequences, micro-batches, tokens
   app.add_option("--config", config, "model config: tiny, small, 125m, 128m, 350m, 1b (GPT); llama_tiny, "
-                 "llama32_1b, llama32_3b, llama3_8b (Llama 3)")
+                 "llama32_1b, llama32_3b, llama3_8b, llama3_8b_4layer (Llama 3)")
       ->capture_default_str()->transform(lower_case());
   app.add_option("--precision", precision, "32, bf16-mixed, 16-mixed (fp16-mixed), or auto (bf16-mixed on a GPU, 32 on the CPU)")
       ->capture_default_str()->transform(lower_case());

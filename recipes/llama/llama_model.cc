@@ -27,12 +27,14 @@ LlamaConfig LlamaConfig::named(const std::string& name) {
     return LlamaConfig().hidden(4096).layers(32).heads(32).kv_heads(8).ffn_hidden(14336)
         .max_seq_len(8192);
   }
+  // Llama 3 8B's layer shape at a depth that fits one GPU with room to spare (a benchmark proxy).
+  if (name == "llama3_8b_4layer") return named("llama3_8b").layers(4);
   std::string accepted;
   for (const auto& n : names()) accepted += (accepted.empty() ? "\"" : ", \"") + n + "\"";
   TORCH_CHECK(false, "llama config must be one of ", accepted, ", got \"", name, "\"");
 }
 
-std::vector<std::string> LlamaConfig::names() { return {"llama_tiny", "llama32_1b", "llama32_3b", "llama3_8b"}; }
+std::vector<std::string> LlamaConfig::names() { return {"llama_tiny", "llama32_1b", "llama32_3b", "llama3_8b", "llama3_8b_4layer"}; }
 
 void LlamaConfig::validate() const {
   TORCH_CHECK(vocab_size_ >= 1, "vocab_size must be >= 1, got ", vocab_size_);

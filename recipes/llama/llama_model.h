@@ -67,7 +67,8 @@ struct LlamaConfig {
  public:
   /// llama_tiny (CPU tests), llama32_1b (hidden 2048, 16 layers, 32 / 8 heads, FFN 8192),
   /// llama32_3b (3072, 28 layers, 24 / 8, FFN 8192), llama3_8b (4096, 32 layers, 32 / 8,
-  /// FFN 14336). Throws naming the accepted names.
+  /// FFN 14336), llama3_8b_4layer (llama3_8b's layers, 4 of them: a one-GPU benchmark proxy).
+  /// Throws naming the accepted names.
   static LlamaConfig named(const std::string& name);
   static std::vector<std::string> names();
   /// Throws naming the field and what was expected.
