@@ -170,7 +170,7 @@ TEST_F(LlamaModelTest, BadConfigsAreNamed) {
                                  "hidden (64) must be a positive multiple of heads (5)");
   testing::ExpectErrorContaining([] { LlamaModel(LlamaConfig().rope_scaling(RopeScaling().low_freq_factor(4))); },
                                  "low_freq_factor < high_freq_factor");
-  testing::ExpectErrorContaining([] { LlamaConfig::named("llama2_7b"); }, "\"llama3_8b\", got \"llama2_7b\"");
+  testing::ExpectErrorContaining([] { LlamaConfig::named("llama2_7b"); }, "\"llama3_8b_4layer\", got \"llama2_7b\"");
   LlamaModel model(LlamaConfig().max_seq_len(8));
   testing::ExpectErrorContaining([&] { model->forward(torch::zeros({1, 9}, torch::kLong)); },
                                  "sequence length 9 exceeds max_seq_len 8");
