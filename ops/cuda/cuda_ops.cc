@@ -229,6 +229,32 @@ void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out) {
                                               in.size(0), in.size(1), current_stream()));
 }
 
+void swiglu_cuda(const at::Tensor& gate_up, const at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t ffn = out.size(-1);
+  AMP8_CUDA_CHECK(cuda::launch_swiglu(gate_up.const_data_ptr(), input_type(gate_up),
+                                      out.mutable_data_ptr(), out.numel() / ffn, ffn,
+                                      current_stream()));
+}
+
+void swiglu_backward_cuda(const at::Tensor& grad, const at::Tensor& gate_up,
+                          const at::Tensor& grad_gate_up) {
+  const c10::cuda::CUDAGuard guard(gate_up.device());
+  const int64_t ffn = grad.size(-1);
+  AMP8_CUDA_CHECK(cuda::launch_swiglu_backward(
+      grad.const_data_ptr(), gate_up.const_data_ptr(), input_type(gate_up),
+      grad_gate_up.mutable_data_ptr(), grad.numel() / ffn, ffn, current_stream()));
+}
+
+void rotary_embedding_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                           bool inverse, const at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  AMP8_CUDA_CHECK(cuda::launch_rotary(
+      x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), x.size(0), x.size(1), x.size(2),
+      x.size(3), x.stride(0), x.stride(1), x.stride(2), cos.const_data_ptr<float>(),
+      sin.const_data_ptr<float>(), inverse, current_stream()));
+}
+
 namespace {
 
 // The fused optimizers' tensors grouped by (gradient dtype, copy dtype), the kernels' template

@@ -121,6 +121,20 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
 // out [cols, rows] = in [rows, cols]ᵀ, bytes (byte_transpose_kernels.cu).
 int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream);
 
+// SwiGLU over gate_up [rows, 2·ffn] (gate first) into out [rows, ffn], and its gradient for
+// grad [rows, ffn] into grad_gate_up [rows, 2·ffn]; all of one type, contiguous (ops/swiglu.h).
+int launch_swiglu(const void* gate_up, InputType type, void* out, int64_t rows, int64_t ffn,
+                  Stream stream);
+int launch_swiglu_backward(const void* grad, const void* gate_up, InputType type,
+                           void* grad_gate_up, int64_t rows, int64_t ffn, Stream stream);
+
+// Rotary embeddings of x [batch, seq, heads, head_dim] (strides in elements, the last one 1)
+// into contiguous out of x's type; cos / sin float32 [seq, head_dim / 2] (ops/rotary.h).
+int launch_rotary(const void* x, InputType type, void* out, int64_t batch, int64_t seq,
+                  int64_t heads, int64_t head_dim, int64_t stride_batch, int64_t stride_seq,
+                  int64_t stride_head, const float* cos, const float* sin, bool inverse,
+                  Stream stream);
+
 // ---- Fused Adam / AdamW with FP32 master weights (fused_adam_kernels.cu) ----
 struct AdamTensorPointers {
   float* param;          // FP32 master, updated in place

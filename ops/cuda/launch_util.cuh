@@ -26,6 +26,14 @@ inline int num_sms() {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Blocks for `work` items of `threads`-thread blocks, one item per thread, capped at a few
+// waves: elementwise kernels walk the rest grid-stride.
+inline unsigned grid_stride_blocks(int64_t work, int threads) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  const int64_t cap = static_cast<int64_t>(num_sms()) * 16;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+}
+
 // Calls f(T{}) with T the element type of `type`; returns f's error code.
 template <typename F>
 int dispatch_input(InputType type, F&& f) {

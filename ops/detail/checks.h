@@ -13,15 +13,20 @@ namespace amp8::detail {
   TORCH_CHECK(false, op, ": got a CUDA tensor but amp8 was built without CUDA");
 }
 
-inline void check_high_precision_input(const at::Tensor& x, std::string_view op) {
-  TORCH_CHECK(x.defined(), op, ": x must be a defined tensor");
+// A defined, non-empty, contiguous float32 / bfloat16 / float16 tensor on the CPU or CUDA;
+// errors name it `name`.
+inline void check_high_precision_input(const at::Tensor& x, std::string_view op,
+                                       std::string_view name = "x") {
+  TORCH_CHECK(x.defined(), op, ": ", name, " must be a defined tensor");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": x must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(x.numel() > 0, op, ": x must be non-empty, got shape ", x.sizes());
-  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous (call .contiguous()), got strides ",
-              x.strides(), " for shape ", x.sizes());
-  TORCH_CHECK(x.is_cpu() || x.is_cuda(), op, ": x must be on CPU or CUDA, got ", x.device());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": ", name,
+              " must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(x.numel() > 0, op, ": ", name, " must be non-empty, got shape ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), op, ": ", name,
+              " must be contiguous (call .contiguous()), got strides ", x.strides(), " for shape ",
+              x.sizes());
+  TORCH_CHECK(x.is_cpu() || x.is_cuda(), op, ": ", name, " must be on CPU or CUDA, got ",
+              x.device());
 }
 
 inline void check_scalar_slot(const at::Tensor& t, const at::Tensor& x, std::string_view op,

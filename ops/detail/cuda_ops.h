@@ -61,6 +61,14 @@ bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               const at::Tensor& grad_gamma, const at::Tensor& grad_beta);
 void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out);
 
+// Llama's elementwise ops (swiglu_kernels.cu, rotary_kernels.cu); outputs allocated by the
+// caller, contiguous, in the input's dtype.
+void swiglu_cuda(const at::Tensor& gate_up, const at::Tensor& out);
+void swiglu_backward_cuda(const at::Tensor& grad, const at::Tensor& gate_up,
+                          const at::Tensor& grad_gate_up);
+void rotary_embedding_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                           bool inverse, const at::Tensor& out);
+
 // Multi-tensor Adam / AdamW (fused_adam_kernels.cu); arguments checked by fused_adam_step.
 void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& options,
                           double grad_multiplier);

@@ -2,12 +2,16 @@
 
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
 #include <numbers>
+
+#include "ops/rotary.h"
+#include "ops/swiglu.h"
 
 namespace amp8::recipes {
 
@@ -92,17 +96,46 @@ Rotary Rotary::at_positions(const torch::Tensor& inverse_frequencies, int64_t se
   return {angles.cos(), angles.sin()};
 }
 
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// x ↦ rotary_embedding(x): a rotation's gradient is the inverse rotation of the output's.
+struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cos, const torch::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rotary_embedding(x, cos, sin);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {{}, {}, {}};
+    const auto saved = ctx->get_saved_variables();
+    const auto grad = grads[0].stride(3) == 1 ? grads[0] : grads[0].contiguous();
+    return {rotary_embedding(grad, saved[0], saved[1], /*inverse=*/true), {}, {}};
+  }
+};
+
+// gate_up ↦ swiglu(gate_up), one kernel each way; only gate_up is kept for the backward pass.
+struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate_up) {
+    ctx->save_for_backward({gate_up});
+    return swiglu(gate_up);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {{}};
+    return {swiglu_backward(grads[0].contiguous(), ctx->get_saved_variables()[0])};
+  }
+};
+
+}  // namespace
+
 torch::Tensor apply_rotary(const torch::Tensor& x, const Rotary& rotary) {
   TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0 && x.size(1) == rotary.cos.size(0) &&
                   x.size(3) / 2 == rotary.cos.size(1),
               "apply_rotary: x must be [batch, seq, heads, head_dim] with seq ", rotary.cos.size(0),
               " and head_dim ", 2 * rotary.cos.size(1), ", got ", x.sizes());
-  const auto pairs = x.to(torch::kFloat32).unflatten(-1, {-1, 2});
-  const auto real = pairs.select(-1, 0), imag = pairs.select(-1, 1);
-  const auto cos = rotary.cos.unsqueeze(1), sin = rotary.sin.unsqueeze(1);  // [seq, 1, hd / 2]
-  return torch::stack({real * cos - imag * sin, real * sin + imag * cos}, -1)
-      .flatten(-2)
-      .to(x.scalar_type());
+  return RotaryFunction::apply(x, rotary.cos, rotary.sin);
 }
 
 RMSNormImpl::RMSNormImpl(const RMSNormOptions& options_) : options(options_) {
@@ -144,8 +177,7 @@ SwiGluMlpImpl::SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden) {
 }
 
 torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
-  const auto gate_and_up = gate_up->forward(x).chunk(2, -1);
-  return down->forward(torch::silu(gate_and_up[0]) * gate_and_up[1]);
+  return down->forward(SwiGluFunction::apply(gate_up->forward(x).contiguous()));
 }
 
 LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& config) {

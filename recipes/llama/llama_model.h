@@ -90,7 +90,8 @@ struct Rotary {
 
 /// Rotates x [batch, seq, heads, head_dim]: each pair (x[2i], x[2i+1]) at position p, as the
 /// complex number x[2i] + j·x[2i+1], times e^(j·p·inv_freq[i]) (Meta's reference layout).
-/// Computed in float32, returned in x's dtype.
+/// Computed in float32, returned contiguous in x's dtype, in one kernel each way
+/// (ops/rotary.h); x may be a view of the fused QKV output.
 torch::Tensor apply_rotary(const torch::Tensor& x, const Rotary& rotary);
 
 /// y = x / sqrt(mean(x²) + eps) · weight over the last dimension (at::rms_norm); the weight is
@@ -131,7 +132,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
 TORCH_MODULE(LlamaAttention);
 
 /// down(silu(gate) · up), gate and up from one Fp8Linear `gate_up` (2 × ffn_hidden outputs,
-/// gate first), no biases.
+/// gate first), no biases; SwiGLU as one kernel each way (ops/swiglu.h).
 class SwiGluMlpImpl : public torch::nn::Module {
  public:
   SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden);
