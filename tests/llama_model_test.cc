@@ -232,6 +232,27 @@ TEST_F(LlamaModelTest, TrainsInEveryPrecisionLikeFp32) {
   }
 }
 
+// NeMo's num_layers_at_start/end_in_bf16 reach the Llama blocks (the ModuleList `blocks`): every
+// Fp8Linear of the first and the last block is kept in high precision, the others' are not, and
+// every one gets the plugin's fp8_min_gemm_size.
+TEST_F(LlamaModelTest, FirstAndLastBlocksInBf16) {
+  LlamaModel model(LlamaConfig().vocab_size(64).hidden(64).layers(4).heads(4).kv_heads(2).ffn_hidden(128).max_seq_len(32));
+  torch::optim::AdamW optimizer(model->parameters(), 1e-3);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_min_gemm_size(0)
+                                    .num_layers_at_start_in_bf16(1).num_layers_at_end_in_bf16(1);
+  plugin.connect(*model, optimizer);
+  for (int64_t i = 0; i < 4; ++i) {
+    const auto block = model->blocks[i]->as<recipes::LlamaBlockImpl>();
+    const bool kept = i == 0 || i == 3;
+    for (const auto& [name, linear] : {std::pair{"qkv", block->attention->qkv}, {"o_proj", block->attention->o_proj},
+                                       {"gate_up", block->mlp->gate_up}, {"down", block->mlp->down}}) {
+      EXPECT_EQ(linear->options.keep_in_high_precision(), kept) << "blocks." << i << "." << name;
+      EXPECT_EQ(linear->options.fp8_min_gemm_size(), 0) << "blocks." << i << "." << name;
+    }
+  }
+  EXPECT_EQ(plugin.conversion().kept_in_high_precision.size(), 8u);  // 4 Fp8Linear x 2 blocks
+}
+
 // 12 steps, a checkpoint, fresh objects, 12 more == 24 uninterrupted steps, loss for loss.
 TEST_F(LlamaModelTest, ResumeIsExact) {
   for (const auto& precision : {MixedPrecisionOptions("32"),
