@@ -10,6 +10,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "bench/bench_util.h"
 #include "plugin/fp8/fp8_autocast.h"
@@ -240,12 +245,119 @@ void memory_case(const std::string& cmd) {
       .print();
 }
 
+// Forward + backward of the two ways a GEMM of [m, k] x [k, n] can run, timed in one place:
+//  * without fp8_params: torch::nn::Linear under bf16 autocast against an Fp8Linear with every
+//    GEMM in FP8 (fp8_min_gemm_size 0) under `recipe`;
+//  * with fp8_params (weights held only in FP8, built under Fp8ModelInit): the same Fp8Linear
+//    kept in high precision (its FP8 weight dequantized each call, what fp8_min_gemm_size's
+//    fallback costs there) against it in FP8.
+struct PairTiming {
+  double high_precision_ms, fp8_ms;
+};
+
+PairTiming time_pair(int64_t m, int64_t k, int64_t n, const amp8::Fp8RecipeOptions& recipe,
+                     bool fp8_params, int reps) {
+  using namespace amp8;
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  auto x = torch::randn({m, k}, cuda.dtype(torch::kBFloat16)).requires_grad_(true);
+  auto g = torch::randn({m, n}, cuda.dtype(torch::kBFloat16));
+  auto fp8_step = [&](Fp8Linear& layer) {
+    return [&] {
+      torch::Tensor y;
+      {
+        bench::Bf16Autocast autocast;
+        Fp8Autocast region(recipe);
+        y = layer->forward(x);
+      }
+      y.backward(g);
+    };
+  };
+  auto make = [&](int64_t min_gemm_size) {
+    std::optional<Fp8ModelInit> init;
+    if (fp8_params) init.emplace(true, /*preserve_high_precision_init_val=*/false);
+    Fp8Linear layer(Fp8LinearOptions(k, n).fp8_min_gemm_size(min_gemm_size));
+    init.reset();
+    layer->to(torch::kCUDA);
+    if (fp8_params) layer->bias.set_data(layer->bias.to(torch::kBFloat16));
+    return layer;
+  };
+  Fp8Linear fp8 = make(0);
+  const double fp8_ms = bench::median_ms(fp8_step(fp8), 5, reps);
+  double high_ms = 0;
+  if (fp8_params) {
+    Fp8Linear fallback = make(std::numeric_limits<int64_t>::max());
+    high_ms = bench::median_ms(fp8_step(fallback), 5, reps);
+  } else {
+    torch::nn::Linear reference(k, n);
+    reference->to(torch::kCUDA);
+    high_ms = bench::median_ms([&] {
+      torch::Tensor y;
+      {
+        bench::Bf16Autocast autocast;
+        y = reference->forward(x);
+      }
+      y.backward(g);
+    }, 5, reps);
+  }
+  return {high_ms, fp8_ms};
+}
+
+std::string shape_name(int64_t m, int64_t k, int64_t n) {
+  return std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
+}
+
+// `fp8_linear_bench grid`: FP8 (delayed scaling, every GEMM in FP8) against high precision over
+// a grid of (rows, in, out), with and without fp8_params: the measurement behind the per-shape
+// fp8_min_gemm_size default (plugin/fp8/fp8_gemm_choice.h). Then the three FP8 recipes against
+// bf16 on a few shapes.
+void grid_cases(const std::string& cmd) {
+  using namespace amp8;
+  const std::vector<int64_t> rows = {1024, 2048, 4096, 8192, 16384};
+  const std::vector<int64_t> dims = {1024, 2048, 4096, 8192};
+  for (const bool fp8_params : {false, true}) {
+    for (const int64_t m : rows) {
+      for (const int64_t k : dims) {
+        for (const int64_t n : dims) {
+          const auto t = time_pair(m, k, n, Fp8RecipeOptions(), fp8_params, 20);
+          bench::Record("fp8_linear_gemm_grid", shape_name(m, k, n), cmd)
+              .timing(t.fp8_ms,
+                      fp8_params ? "the same Fp8Linear (fp8_params) kept in high precision"
+                                 : "torch::nn::Linear under bf16 autocast",
+                      t.high_precision_ms)
+              .set("recipe", "delayed")
+              .set("fp8_params", fp8_params ? "true" : "false")
+              .set("rows", m)
+              .set("in_features", k)
+              .set("out_features", n)
+              .print();
+        }
+      }
+    }
+  }
+  for (const auto& [m, k, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {8192, 8192, 8192}, {16384, 4096, 14336}, {8192, 2048, 8192}, {4096, 4096, 4096}}) {
+    for (const std::string recipe : {"delayed", "tensorwise", "blockwise"}) {
+      const auto t = time_pair(m, k, n, Fp8RecipeOptions().fp8_recipe(recipe), false, 30);
+      bench::Record("fp8_linear_recipe", shape_name(m, k, n), cmd)
+          .timing(t.fp8_ms, "torch::nn::Linear under bf16 autocast", t.high_precision_ms)
+          .set("recipe", recipe)
+          .set("tflops", 3 * 2.0 * m * n * k / t.fp8_ms / 1e9)
+          .set("baseline_tflops", 3 * 2.0 * m * n * k / t.high_precision_ms / 1e9)
+          .print();
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace amp8;
   const std::string cmd = bench::command_line(argc, argv);
   torch::manual_seed(0);
+  if (argc > 1 && std::string(argv[1]) == "grid") {
+    grid_cases(cmd);
+    return 0;
+  }
   const auto cuda = torch::TensorOptions().device(torch::kCUDA);
   const std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes = {
       {8192, 8192, 8192}, {16384, 4096, 14336}, {16384, 14336, 4096},

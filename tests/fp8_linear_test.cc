@@ -15,6 +15,7 @@
 
 #include "ops/scaling.h"
 #include "plugin/fp8/fp8_autocast.h"
+#include "plugin/fp8/fp8_gemm_choice.h"
 #include "tests/test_util.h"
 
 namespace amp8 {
@@ -381,7 +382,7 @@ TEST_F(Fp8LinearTest, RetainedGraphKeepsTheSavedInputForASecondBackward) {
 }
 
 TEST_F(Fp8LinearTest, SmallGemmsRunInHighPrecisionByDefault) {
-  Fp8Linear layer(64, 64);  // default fp8_min_gemm_size: 2^36
+  Fp8Linear layer(64, 64);  // default fp8_min_gemm_size: per shape, and 16 x 64 x 64 is below the grid
   auto x = torch::randn({16, 64});
   Fp8Autocast region;
   EXPECT_TRUE(
@@ -389,6 +390,48 @@ TEST_F(Fp8LinearTest, SmallGemmsRunInHighPrecisionByDefault) {
   EXPECT_TRUE(
       BytesEqual(layer->fp8_fwd_amax_history, torch::zeros_like(layer->fp8_fwd_amax_history)))
       << "no FP8 tensor was recorded";
+}
+
+// The default fp8_min_gemm_size chooses per shape from the measured grid: a shape is judged by
+// the largest grid point it contains (each dimension rounded down), below the grid it stays in
+// high precision, and Fp8Linear follows the choice for its own fp8_params.
+TEST_F(Fp8LinearTest, DefaultChoosesFp8PerMeasuredShape) {
+  EXPECT_EQ(Fp8LinearOptions(16, 16).fp8_min_gemm_size(), kFp8GemmSizeByShape);
+  const std::vector<int64_t> rows = {1024, 2048, 4096, 8192, 16384}, dims = {1024, 2048, 4096, 8192};
+  int chosen = 0, not_chosen = 0;
+  for (const bool params : {false, true}) {
+    for (size_t r = 0; r < rows.size(); ++r) {
+      for (const int64_t i : dims) {
+        for (const int64_t o : dims) {
+          const bool at_point = fp8_gemm_pays_off(rows[r], i, o, params);
+          (at_point ? chosen : not_chosen)++;
+          // Between grid points (and beyond the last one) as at the point below.
+          const int64_t between = r + 1 < rows.size() ? rows[r] + rows[r] / 2 : rows[r] * 4;
+          EXPECT_EQ(fp8_gemm_pays_off(between, i + i / 2, o + 16, params), at_point)
+              << between << " x " << i + i / 2 << " x " << o + 16;
+          EXPECT_EQ(fp8_gemm_chosen(rows[r], i, o, kFp8GemmSizeByShape, params), at_point);
+          // A size ≥ 0 is the product rule, whatever was measured.
+          EXPECT_TRUE(fp8_gemm_chosen(rows[r], i, o, 0, params));
+          EXPECT_EQ(fp8_gemm_chosen(rows[r], i, o, rows[r] * i * o + 1, params), false);
+        }
+      }
+    }
+    // Below the grid in any dimension: high precision.
+    EXPECT_FALSE(fp8_gemm_pays_off(1008, 8192, 8192, params));
+    EXPECT_FALSE(fp8_gemm_pays_off(16384, 1008, 8192, params));
+    EXPECT_FALSE(fp8_gemm_pays_off(16384, 8192, 1008, params));
+  }
+  EXPECT_GT(chosen, 0) << "FP8 was measured faster nowhere";
+  EXPECT_GT(not_chosen, 0) << "FP8 was measured faster everywhere";
+
+  // The module follows the choice (16 rows: far below the grid; 16384 rows: on it).
+  Fp8Linear layer(1024, 2048);
+  Fp8Autocast region;
+  EXPECT_FALSE(layer->runs_in_fp8(16));
+  EXPECT_EQ(layer->runs_in_fp8(16384), fp8_gemm_pays_off(16384, 1024, 2048, false));
+  testing::ExpectErrorContaining([] { check_fp8_min_gemm_size(-2, "fp8_min_gemm_size"); },
+                        "fp8_min_gemm_size must be >= 0 (rows x in x out of the smallest GEMM in "
+                        "FP8; 0: every GEMM) or -1 (per shape");
 }
 
 TEST_F(Fp8LinearTest, IneligibleShapesFallBackToHighPrecision) {

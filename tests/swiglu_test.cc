@@ -94,14 +94,17 @@ TEST_F(SwiGluTest, BadArgumentsNameTheParameter) {
       "grad must have gate_up's dtype");
 }
 
-// CUDA against the CPU reference: the same formulas, so equal but where expf's last place
-// moves a rounding of the result (at most one spacing, rarely).
+// CUDA against the CPU reference: the same formulas, so equal but for expf's last place (the
+// device's expf and glibc's differ there for about one input in ten). In float32 that shows
+// directly (a few float32 spacings); rounded to bfloat16 / float16 it moves a result by one
+// spacing, rarely.
 ::testing::AssertionResult MatchesCpu(const at::Tensor& cuda, const at::Tensor& cpu) {
   const auto a = cuda.cpu().to(at::kDouble), e = cpu.to(at::kDouble);
-  const double spacing = cpu.scalar_type() == at::kFloat ? 2e-6 : (cpu.scalar_type() == at::kHalf ? 1.0 / 512 : 1.0 / 64);
+  const bool fp32 = cpu.scalar_type() == at::kFloat;
+  const double spacing = fp32 ? 2e-6 : (cpu.scalar_type() == at::kHalf ? 1.0 / 512 : 1.0 / 64);
   const auto beyond = ((a - e).abs() > e.abs() * spacing).sum().item<int64_t>();
   const auto differing = (a != e).sum().item<int64_t>();
-  if (beyond == 0 && differing * 100 <= e.numel()) return ::testing::AssertionSuccess();
+  if (beyond == 0 && (fp32 || differing * 100 <= e.numel())) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << differing << " of " << e.numel() << " elements differ, "
                                        << beyond << " by more than one spacing";
 }

@@ -7,14 +7,10 @@
 
 #include "ops/fp8_format.h"
 #include "ops/scaling.h"
+#include "plugin/fp8/fp8_gemm_choice.h"  // kDefaultFp8MinGemmSize
 
 namespace amp8 {
 
-/// The one default of every `fp8_min_gemm_size` knob (Fp8LinearOptions, Fp8LayerNormLinearOptions,
-/// Fp8ConversionOptions, MixedPrecisionOptions): 2^36 = 4096³, the smallest GEMM measured
-/// faster in FP8 than in bf16 on an H200 (forward+backward 1.34× at 4096³, 0.60× at 2048³;
-/// bench/results/fp8_linear_bench.jsonl).
-inline constexpr int64_t kDefaultFp8MinGemmSize = int64_t{1} << 36;
 /// The largest useful fp8_margin: E4M3's largest value 448 / 2^18 = 0.0017 still rounds to its
 /// smallest subnormal 2^-9; with 2^19 every value rounds to zero.
 inline constexpr int kMaxFp8Margin = 18;

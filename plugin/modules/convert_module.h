@@ -19,7 +19,7 @@ struct Fp8ConversionOptions {
   /// As Fp8LinearOptions::fp8_amax_history_len. Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
   /// As Fp8LinearOptions::fp8_min_gemm_size; set on every Fp8Linear of the model, swapped in
-  /// or already there. Default: kDefaultFp8MinGemmSize (2^36).
+  /// or already there. Default: kDefaultFp8MinGemmSize (per shape).
   TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
   /// Build the Fp8Linear modules with their weights kept only in FP8 (as under Fp8ModelInit).
   /// Default: false.

@@ -77,7 +77,7 @@ struct Fp8LayerNormLinearOptions {
   TORCH_ARG(bool, bias) = true;
   /// As Fp8LinearOptions::fp8_amax_history_len. Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
-  /// As Fp8LinearOptions::fp8_min_gemm_size. Default: kDefaultFp8MinGemmSize (2^36).
+  /// As Fp8LinearOptions::fp8_min_gemm_size. Default: kDefaultFp8MinGemmSize (per shape).
   TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
   /// As Fp8LinearOptions::cache_fp8_weight. Default: false.
   TORCH_ARG(bool, cache_fp8_weight) = false;
@@ -132,7 +132,7 @@ struct Fp8LayerNormMLPOptions {
   /// As Fp8LinearOptions::fp8_amax_history_len, for both layers. Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
   /// As Fp8LinearOptions::fp8_min_gemm_size, for each layer's GEMM. Default:
-  /// kDefaultFp8MinGemmSize (2^36).
+  /// kDefaultFp8MinGemmSize (per shape).
   TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
   /// As Fp8LinearOptions::cache_fp8_weight. Default: false.
   TORCH_ARG(bool, cache_fp8_weight) = false;

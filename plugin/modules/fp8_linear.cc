@@ -13,6 +13,7 @@
 #include "plugin/modules/detail/fp8_linear_core.h"
 #include "plugin/fp8/detail/fp8_state.h"
 #include "plugin/fp8/fp8_autocast.h"
+#include "plugin/fp8/fp8_gemm_choice.h"
 
 namespace amp8 {
 
@@ -211,7 +212,8 @@ torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
 bool Fp8LinearImpl::runs_in_fp8(int64_t rows) const {
   return Fp8Autocast::is_enabled() && !options.keep_in_high_precision() && rows > 0 &&
          fp8_eligible() &&
-         rows * options.in_features() * options.out_features() >= options.fp8_min_gemm_size();
+         fp8_gemm_chosen(rows, options.in_features(), options.out_features(),
+                         options.fp8_min_gemm_size(), options.fp8_params());
 }
 
 std::optional<Fp8LinearImpl::Fp8Call> Fp8LinearImpl::prepare_fp8_call(const torch::Tensor& input,
@@ -226,10 +228,13 @@ std::optional<Fp8LinearImpl::Fp8Call> Fp8LinearImpl::prepare_fp8_call(const torc
       } else {
         TORCH_WARN_ONCE("Fp8Linear(", options.in_features(), ", ", options.out_features(),
                         "): a GEMM of ", rows, " x ", options.in_features(), " x ",
-                        options.out_features(), " is smaller than fp8_min_gemm_size (",
+                        options.out_features(), " runs in high precision under fp8_min_gemm_size ",
                         options.fp8_min_gemm_size(),
-                        ") and runs in high precision, as every such GEMM will (reported once); "
-                        "fp8_min_gemm_size(0) puts every GEMM in FP8.");
+                        options.fp8_min_gemm_size() == kFp8GemmSizeByShape
+                            ? " (per shape: FP8 was measured slower there)"
+                            : " (a smaller GEMM)",
+                        ", as every such GEMM will (reported once); fp8_min_gemm_size(0) puts "
+                        "every GEMM in FP8.");
       }
     }
     return std::nullopt;

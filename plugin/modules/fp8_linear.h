@@ -32,11 +32,12 @@ struct Fp8LinearOptions {
   /// Rows of amax history in the FP8 metadata buffers; a region whose recipe asks for another
   /// length resizes them (the newest amaxes kept). Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;
-  /// Smallest GEMM, as rows × in_features × out_features, that runs in FP8; smaller ones run
-  /// in high precision, where the fixed cost of quantizing (and the host's per-call work)
-  /// outweighs the faster GEMMs. Measured on an H200 (bench/results/fp8_linear_bench.jsonl):
-  /// forward+backward 0.60× of bf16 at 2048³, 1.34× at 4096³ = 2^36. Set 0 to always use
-  /// FP8. Default: kDefaultFp8MinGemmSize (2^36).
+  /// Which GEMMs run in FP8; the others run in high precision, where the fixed cost of
+  /// quantizing (and the host's per-call work) outweighs the faster GEMMs.
+  /// kFp8GemmSizeByShape (-1): per shape, where FP8 was measured faster on an H200
+  /// (fp8_gemm_pays_off, plugin/fp8/fp8_gemm_choice.h); a size ≥ 0: GEMMs of at least that
+  /// many rows × in_features × out_features; 0: every GEMM. Default: kDefaultFp8MinGemmSize
+  /// (kFp8GemmSizeByShape).
   TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
   /// Compute in high precision even inside an FP8 region: a layer that
   /// num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 keep out of FP8 (convert_to_fp8

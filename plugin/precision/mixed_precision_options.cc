@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "plugin/fp8/fp8_gemm_choice.h"
 #include "plugin/precision/loss_scaler.h"
 #include "plugin/precision/mixed_precision_plugin.h"
 
@@ -58,7 +59,7 @@ void MixedPrecisionOptions::validate() const {
               "fp8_params = true with fp8_recipe = \"blockwise\": weights stored in 128x128-block FP8 "
               "are not supported yet; use fp8_params = false (Megatron-Bridge's subchannel presets "
               "keep weights in high precision too)");
-  TORCH_CHECK(fp8_min_gemm_size_ >= 0, "fp8_min_gemm_size must be >= 0, got ", fp8_min_gemm_size_);
+  check_fp8_min_gemm_size(fp8_min_gemm_size_, "fp8_min_gemm_size");
   TORCH_CHECK(num_layers_at_start_in_bf16_ >= 0, "num_layers_at_start_in_bf16 must be >= 0, got ",
               num_layers_at_start_in_bf16_);
   TORCH_CHECK(num_layers_at_end_in_bf16_ >= 0, "num_layers_at_end_in_bf16 must be >= 0, got ",

@@ -67,7 +67,7 @@ struct MixedPrecisionOptions {
   TORCH_ARG(bool, fp8_params) = false;
   /// As Fp8LinearOptions::fp8_min_gemm_size, for every Fp8Linear of the model (those
   /// convert_module swaps in and those the model already has). Default: kDefaultFp8MinGemmSize
-  /// (2^36).
+  /// (per shape, where FP8 was measured faster; plugin/fp8/fp8_gemm_choice.h).
   TORCH_ARG(int64_t, fp8_min_gemm_size) = kDefaultFp8MinGemmSize;
   /// Layers at the start / end of the model kept out of FP8 (their Fp8Linear modules, swapped
   /// in or already there, compute in high precision). Default: 0.

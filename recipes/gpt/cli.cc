@@ -198,8 +198,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
           ->capture_default_str()->transform(boolean());
   fp8_flags.push_back(fp8_params_flag);
   fp8_flags.push_back(app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
-                                     "with FP8: GEMMs smaller than this (rows x in x out) run in high precision; 0 = all in FP8")
-                          ->capture_default_str()->check(whole_number(0, std::numeric_limits<int64_t>::max())));
+                                     "with FP8: GEMMs smaller than this (rows x in x out) run in high precision; 0 = all in "
+                                     "FP8; -1 = per shape, where FP8 was measured faster on an H200")
+                          ->capture_default_str()->check(whole_number(-1, std::numeric_limits<int64_t>::max())));
   app.add_option("--steps", steps, "optimizer steps (default: the config's; tiny: 1000)")->check(whole_number(1, kMaxCount));
   app.add_option("--micro-batch", micro_batch, "sequences per micro-batch (default: the config's)")
       ->check(whole_number(1, kMaxBatch));
