@@ -5,7 +5,9 @@
 #   OUTDIR/gpu_check.log            build + test + benchmark log (also on stdout)
 #   OUTDIR/ctest.xml                JUnit report of ctest
 #   OUTDIR/<benchmark>.jsonl        one JSON object per benchmark case (with gpt_stack_bench,
-#                                   OUTDIR/pytorch_gpt_stack.jsonl: the PyTorch baseline)
+#                                   OUTDIR/pytorch_gpt_stack.jsonl: the PyTorch baseline; with
+#                                   fp8_linear_bench, OUTDIR/fp8_linear_gemm_grid.jsonl: its grid
+#                                   mode, the per-shape FP8 choice's measurements and the recipes)
 #   OUTDIR/traces.tar               Kineto traces (trace.json.gz) of the profiled steps:
 #                                   gpt_stack_bench's bf16-mixed and FP8 cases (their tables
 #                                   in the log), and the AMP8_GPT_STEP runs
@@ -119,6 +121,10 @@ for bench in $BENCHMARKS; do
       pack_traces "${TMPDIR:-/tmp}/amp8_stack_profile"
     else
       "$BUILD/$bench" | tee "$OUT/$bench.jsonl" || status=1
+    fi
+    # The grid behind the per-shape FP8 choice (tools/fp8_gemm_table.py reads it) and the recipes.
+    if [[ "$bench" == fp8_linear_bench ]]; then
+      "$BUILD/$bench" grid 2>>"$LOG" | tee "$OUT/fp8_linear_gemm_grid.jsonl" || status=1
     fi
   else
     echo "missing $BUILD/$bench" | tee -a "$LOG"; status=1

@@ -48,6 +48,19 @@ int dispatch_input(InputType type, F&& f) {
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
+// Calls f(row, column) for the first column of every kVec-wide group of a [rows, cols] grid
+// (cols a multiple of kVec), the groups spread grid-stride over the launch: the loop of an
+// elementwise kernel that moves kVec elements per thread.
+template <int kVec, typename F>
+__device__ __forceinline__ void for_each_column_group(int64_t rows, int64_t cols, F&& f) {
+  const int64_t groups = cols / kVec;
+  const int64_t total = rows * groups;
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < total;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    f(v / groups, (v % groups) * kVec);
+  }
+}
+
 // Multi-tensor launches pass a table of entries (tensors, scaling groups) with the prefix sums
 // `first[0..count]` of their sizes in blocks or slots: the entry that flattened index `index`
 // falls in is the last i with first[i] <= index (binary search; `count` >= 1).

@@ -26,20 +26,16 @@ template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     rotary_kernel(const T* __restrict__ x, T* __restrict__ out, const float* __restrict__ cos,
                   const float* __restrict__ sin, RotaryShape shape, bool inverse) {
-  const int64_t groups = shape.head_dim / kVec;
-  const int64_t total = shape.batch * shape.seq * shape.heads * groups;
+  const int64_t rows = shape.batch * shape.seq * shape.heads;  // (b, t, h) in out's order
   const int64_t half_dim = shape.head_dim / 2;
-  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < total;
-       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t k = v % groups;
-    const int64_t row = v / groups;  // (b, t, h) in out's order
+  for_each_column_group<kVec>(rows, shape.head_dim, [&](int64_t row, int64_t col) {
     const int64_t h = row % shape.heads;
     const int64_t t = (row / shape.heads) % shape.seq;
     const int64_t b = row / (shape.heads * shape.seq);
-    const T* src = x + b * shape.stride_batch + t * shape.stride_seq + h * shape.stride_head + k * kVec;
-    T* dst = out + row * shape.head_dim + k * kVec;
-    const float* c = cos + t * half_dim + k * (kVec / 2);
-    const float* s = sin + t * half_dim + k * (kVec / 2);
+    const T* src = x + b * shape.stride_batch + t * shape.stride_seq + h * shape.stride_head + col;
+    T* dst = out + row * shape.head_dim + col;
+    const float* c = cos + t * half_dim + col / 2;
+    const float* s = sin + t * half_dim + col / 2;
     if constexpr (kVec == 8) {
       const auto in = *reinterpret_cast<const Pack8<T>*>(src);
       const float4 cv = *reinterpret_cast<const float4*>(c);
@@ -59,7 +55,7 @@ __global__ void __launch_bounds__(kThreads)
       dst[0] = from_float<T>(r.first);
       dst[1] = from_float<T>(r.second);
     }
-  }
+  });
 }
 
 }  // namespace

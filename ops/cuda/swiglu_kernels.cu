@@ -20,11 +20,7 @@ unsigned grid_for(int64_t work) { return grid_stride_blocks(work, kThreads); }
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     swiglu_kernel(const T* __restrict__ gate_up, T* __restrict__ out, int64_t rows, int64_t ffn) {
-  const int64_t groups = ffn / kVec;
-  const int64_t total = rows * groups;
-  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < total;
-       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = v / groups, j = (v % groups) * kVec;
+  for_each_column_group<kVec>(rows, ffn, [&](int64_t r, int64_t j) {
     const T* gate = gate_up + r * 2 * ffn + j;
     if constexpr (kVec == 8) {
       const auto g = *reinterpret_cast<const Pack8<T>*>(gate);
@@ -38,18 +34,14 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       out[r * ffn + j] = from_float<T>(detail::swiglu(to_float(gate[0]), to_float(gate[ffn])));
     }
-  }
+  });
 }
 
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     swiglu_backward_kernel(const T* __restrict__ grad, const T* __restrict__ gate_up,
                            T* __restrict__ grad_gate_up, int64_t rows, int64_t ffn) {
-  const int64_t groups = ffn / kVec;
-  const int64_t total = rows * groups;
-  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < total;
-       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = v / groups, j = (v % groups) * kVec;
+  for_each_column_group<kVec>(rows, ffn, [&](int64_t r, int64_t j) {
     const T* gate = gate_up + r * 2 * ffn + j;
     T* grad_gate = grad_gate_up + r * 2 * ffn + j;
     if constexpr (kVec == 8) {
@@ -71,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
       grad_gate[0] = from_float<T>(d.gate);
       grad_gate[ffn] = from_float<T>(d.up);
     }
-  }
+  });
 }
 
 }  // namespace
