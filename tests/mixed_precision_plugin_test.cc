@@ -664,6 +664,32 @@ TEST_F(LossScalingTest, GradientsFromLossBackwardInsteadOfThePluginsAreNamed) {
   EXPECT_TRUE(bf16.optimizer_step(bf16_optimizer));
 }
 
+TEST_F(LossScalingTest, ClippingTheScaledGradientsIsNamed) {
+  // Another slip under 16-mixed: torch::nn::utils::clip_grad_norm_ between plugin.backward and
+  // the step clips gradients still multiplied by the loss scale. An error at that step, with
+  // the remedy, until a step has gone through unchanged; plugin.clip_gradients is the remedy.
+  auto model = testing::make_mlp();
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::fp16_mixed().fp16_loss_scale(1024.0);
+  plugin.connect(*model, optimizer);
+  auto [x, y] = MlpData(9).batch(0, 0, 16);
+  auto loss_of = [&] { return torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y); };
+  const std::string slip = "MixedPrecisionPlugin (16-mixed): the gradients changed between plugin.backward(loss) "
+                           "and this step";
+  for (int micro_batch = 0; micro_batch < 2; ++micro_batch) plugin.backward(loss_of());
+  torch::nn::utils::clip_grad_norm_(model->parameters(), 1e-3);
+  ExpectErrorContaining([&] { plugin.optimizer_step(optimizer); }, slip);
+  plugin.discard_gradients(optimizer);
+  plugin.backward(loss_of());
+  torch::nn::utils::clip_grad_norm_(model->parameters(), 1e-3);
+  ExpectErrorContaining([&] { plugin.clip_gradients(optimizer, 1.0); }, "loss scale (1024)");
+  plugin.discard_gradients(optimizer);
+  // The remedy: two micro-batches, plugin.clip_gradients, a step.
+  for (int micro_batch = 0; micro_batch < 2; ++micro_batch) plugin.backward(loss_of());
+  plugin.clip_gradients(optimizer, 1e-3);
+  EXPECT_TRUE(plugin.optimizer_step(optimizer));
+}
+
 // ---- autocast ----
 
 TEST(AutocastGuardTest, EnablesAndRestoresStateAndDtype) {

@@ -1,5 +1,6 @@
 #include "plugin/precision/mixed_precision_plugin.h"
 
+#include <cmath>
 #include <limits>
 #include <unordered_map>
 
@@ -202,6 +203,7 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
   if (scaler_) {
     loss.to(at::kFloat).mul(scaler_->scale()).backward();
     scaled_backward_since_step_ = true;
+    if (checks_scaled_gradients()) scaled_grad_norm_after_backward_ = model_gradient_norm();
   } else {
     loss.backward();
   }
@@ -216,6 +218,7 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
               name(), "): this step's gradients did not come from plugin.backward(loss). loss.backward() does not "
               "multiply them by the loss scale (", loss_scale(),
               ") and unscaling divides them by it, so the model would barely train: call plugin.backward(loss)");
+  check_scaled_gradients_unchanged();
   torch::NoGradGuard no_grad;
   fused_step_ = use_fused_step(optimizer);
   // The fused step reads the gradients as they were reduced and unscales them on the fly; the
@@ -285,6 +288,34 @@ void MixedPrecisionPlugin::clear_gradients() {
   gradients_ready_ = false;
   found_inf_ = false;
   scaled_backward_since_step_ = false;
+}
+
+bool MixedPrecisionPlugin::checks_scaled_gradients() const {
+  return scaler_ && !scaled_gradients_checked_ && model_ != nullptr && optimizer_ &&
+         optimizer_->world_size() == 1;
+}
+
+double MixedPrecisionPlugin::model_gradient_norm() const {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  for (const auto& param : model_->parameters()) {
+    if (param.grad().defined()) grads.push_back(param.grad());
+  }
+  return grads.empty() ? 0.0 : global_grad_norm(grads, nullptr, grads.front().device());
+}
+
+void MixedPrecisionPlugin::check_scaled_gradients_unchanged() {
+  if (!checks_scaled_gradients() || !scaled_backward_since_step_) return;
+  const double before = scaled_grad_norm_after_backward_;
+  if (!std::isfinite(before)) return;  // an overflow (the step is skipped): compare next time
+  const double now = model_gradient_norm();
+  TORCH_CHECK(now == before, "MixedPrecisionPlugin (", name(), "): the gradients changed between "
+              "plugin.backward(loss) and this step (their norm was ", before, " after the backward, is ",
+              now, " now). Until the step they are multiplied by the loss scale (", loss_scale(),
+              "), so torch::nn::utils::clip_grad_norm_ (or anything else applied to them there) "
+              "works on scaled gradients: clip with plugin.clip_gradients(optimizer, max_norm), "
+              "which unscales first");
+  scaled_gradients_checked_ = true;
 }
 
 void MixedPrecisionPlugin::check_swapped_modules_ran() {

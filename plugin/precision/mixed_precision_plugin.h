@@ -3,6 +3,7 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -119,6 +120,13 @@ struct MixedPrecisionOptions {
 /// cannot be re-pointed in C++; the first optimizer_step() throws, naming the module, if a
 /// swapped module never ran. Such models declare amp8::Fp8Linear / Fp8LayerNorm members
 /// instead (drop-ins that compute in high precision outside an FP8 region).
+///
+/// Under loss scaling (16-mixed) the gradients between backward() and the step are still
+/// multiplied by the loss scale: anything that changes them there (torch::nn::utils::
+/// clip_grad_norm_ clips them scaled) is an error at that step's clip_gradients() /
+/// optimizer_step(), checked until one step has compared finite gradients, on a world of one
+/// (the gradients' norm after each backward() against the norm when the step begins: one more
+/// read of the gradients per micro-batch, on the first step only).
 class MixedPrecisionPlugin : public PrecisionPlugin {
  public:
   /* implicit */ MixedPrecisionPlugin(const MixedPrecisionOptions& options = {});
@@ -172,6 +180,11 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
  private:
   void clear_gradients();
   void check_swapped_modules_ran();
+  // The check of loss-scaled gradients changed between backward() and the step (see the class
+  // comment): whether it still runs, the norm it compares, and the comparison.
+  bool checks_scaled_gradients() const;
+  double model_gradient_norm() const;
+  void check_scaled_gradients_unchanged();
   bool use_fused_step(const torch::optim::Optimizer& optimizer) const;
 
   MixedPrecisionOptions options_;
@@ -193,6 +206,10 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   bool found_inf_ = false;
   bool scaled_backward_since_step_ = false;  // plugin.backward() ran under loss scaling since the last step
   bool swapped_modules_checked_ = false;
+  // The loss-scaled gradients' norm after the last backward() (NaN before one), until
+  // unscale_gradients has compared it once with finite gradients (scaled_gradients_checked_).
+  double scaled_grad_norm_after_backward_ = std::numeric_limits<double>::quiet_NaN();
+  bool scaled_gradients_checked_ = false;
   int64_t skipped_steps_ = 0;
 };
 
