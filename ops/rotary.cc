@@ -3,6 +3,10 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <string_view>
+#include <utility>
+#include <vector>
+
 #include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/elementwise_formulas.h"

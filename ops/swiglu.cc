@@ -3,6 +3,9 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <string_view>
+#include <vector>
+
 #include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/elementwise_formulas.h"

@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include <iterator>
+#include <cstddef>
 
 #include "plugin/fp8/detail/fp8_gemm_table.h"
 
