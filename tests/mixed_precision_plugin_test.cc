@@ -637,15 +637,26 @@ TEST_F(LossScalingTest, GradientsReachTheOptimizerUnscaled) {
   EXPECT_TRUE(plugin.optimizer_step(optimizer));
 }
 
+// An MLP connected under 16-mixed (loss scale 1024) with an SGD optimizer, and one batch's loss:
+// the setting of the loss-scaling slips below.
+struct ScaledMlp {
+  torch::nn::Sequential model = testing::make_mlp();
+  torch::optim::SGD optimizer{model->parameters(), 0.1};
+  MixedPrecisionPlugin plugin{recipes::fp16_mixed().fp16_loss_scale(1024.0)};
+  std::pair<torch::Tensor, torch::Tensor> data = MlpData(9).batch(0, 0, 16);
+  ScaledMlp() { plugin.connect(*model, optimizer); }
+  torch::Tensor loss() {
+    return torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(data.first))), data.second);
+  }
+};
+
 TEST_F(LossScalingTest, GradientsFromLossBackwardInsteadOfThePluginsAreNamed) {
   // A common slip under 16-mixed: loss.backward() leaves the gradients unscaled, and the step
   // would divide them by the loss scale. It is an error at the step, every step it happens.
-  auto model = testing::make_mlp();
-  torch::optim::SGD optimizer(model->parameters(), 0.1);
-  MixedPrecisionPlugin plugin = recipes::fp16_mixed().fp16_loss_scale(1024.0);
-  plugin.connect(*model, optimizer);
-  auto [x, y] = MlpData(9).batch(0, 0, 16);
-  auto loss_of = [&] { return torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y); };
+  ScaledMlp run;
+  auto& [model, optimizer, plugin, data] = run;
+  const auto& [x, y] = data;
+  auto loss_of = [&] { return run.loss(); };
   const std::string slip = "MixedPrecisionPlugin (16-mixed): this step's gradients did not come from "
                            "plugin.backward(loss). loss.backward() does not multiply them by the loss scale (1024)";
   loss_of().backward();
@@ -668,12 +679,9 @@ TEST_F(LossScalingTest, ClippingTheScaledGradientsIsNamed) {
   // Another slip under 16-mixed: torch::nn::utils::clip_grad_norm_ between plugin.backward and
   // the step clips gradients still multiplied by the loss scale. An error at that step, with
   // the remedy, until a step has gone through unchanged; plugin.clip_gradients is the remedy.
-  auto model = testing::make_mlp();
-  torch::optim::SGD optimizer(model->parameters(), 0.1);
-  MixedPrecisionPlugin plugin = recipes::fp16_mixed().fp16_loss_scale(1024.0);
-  plugin.connect(*model, optimizer);
-  auto [x, y] = MlpData(9).batch(0, 0, 16);
-  auto loss_of = [&] { return torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y); };
+  ScaledMlp run;
+  auto& [model, optimizer, plugin, data] = run;
+  auto loss_of = [&] { return run.loss(); };
   const std::string slip = "MixedPrecisionPlugin (16-mixed): the gradients changed between plugin.backward(loss) "
                            "and this step";
   for (int micro_batch = 0; micro_batch < 2; ++micro_batch) plugin.backward(loss_of());
