@@ -63,6 +63,45 @@ int main(int argc, char** argv) {
         .set("copy_gbps", copy_gbps)
         .print();
   }
+  // RMSNorm (Llama's): forward bf16 → bf16 and → E4M3 with amax, and the backward, against
+  // ATen's rms_norm (bf16, autograd for the backward) and eager LibTorch's casts.
+  {
+    const auto gamma_rms = gamma_bf16;
+    const double ours = bench::median_ms([&] { rms_norm(x, gamma_rms, 1e-5); });
+    const double aten = bench::median_ms([&] { at::rms_norm(x, {hidden}, gamma_rms, 1e-5); });
+    bench::Record("rms_norm_fwd_bf16", shape, cmd)
+        .timing(ours, "at::rms_norm (bf16)", aten)
+        .set("gbps", 4 * elems / ours / 1e6)
+        .set("fraction_of_copy", fraction(4 * elems, ours))
+        .set("copy_gbps", copy_gbps)
+        .print();
+    auto scale = torch::full({1}, 16.0f, cuda);
+    auto amax = torch::zeros({1}, cuda);
+    const double ours_fp8 = bench::median_ms(
+        [&] { rms_norm_fp8(x, gamma_rms, 1e-5, scale, Fp8Format::kE4M3, amax); });
+    const double eager_fp8 = bench::median_ms([&] {
+      auto y = at::rms_norm(x, {hidden}, gamma_rms, 1e-5);
+      amax.copy_(y.abs().amax().to(at::kFloat).reshape({1}));
+      (y.to(at::kFloat) * scale).clamp(-448, 448).to(at::kFloat8_e4m3fn);
+    });
+    bench::Record("rms_norm_fwd_fp8", shape, cmd)
+        .timing(ours_fp8, "eager LibTorch: rms_norm + amax + scale/clamp/cast", eager_fp8)
+        .set("gbps", 3 * elems / ours_fp8 / 1e6)
+        .set("fraction_of_copy", fraction(3 * elems, ours_fp8))
+        .print();
+    auto stats = rms_norm(x, gamma_rms, 1e-5).stats;
+    const double ours_bwd = bench::median_ms([&] { rms_norm_backward(dy, x, stats, gamma_rms); });
+    auto xg = x.detach().requires_grad_(true);
+    auto gg = gamma_rms.detach().requires_grad_(true);
+    auto y = at::rms_norm(xg, {hidden}, gg, 1e-5);
+    const double aten_bwd = bench::median_ms(
+        [&] { torch::autograd::grad({y}, {xg, gg}, {dy}, /*retain_graph=*/true); });
+    bench::Record("rms_norm_bwd_bf16", shape, cmd)
+        .timing(ours_bwd, "at::rms_norm's autograd backward (bf16)", aten_bwd)
+        .set("gbps", 6 * elems / ours_bwd / 1e6)
+        .set("fraction_of_copy", fraction(6 * elems, ours_bwd))
+        .print();
+  }
   // Tuning sweep of the forward kernel's threads per row (the default is
   // cuda::kDefaultLayerNormThreads), bf16 and E4M3 output.
   for (int threads : {64, 128, 256, 512}) {
@@ -77,7 +116,7 @@ int main(int argc, char** argv) {
         cuda::launch_layer_norm_fwd(
             x.const_data_ptr(), cuda::InputType::kBFloat16, gamma.const_data_ptr<float>(),
             beta.const_data_ptr<float>(), cuda::InputType::kFloat, rows, hidden, 1e-5f,
-            fp8 ? out_fp8.mutable_data_ptr() : out_bf16.mutable_data_ptr(), fp8,
+            /*rms_norm=*/false, fp8 ? out_fp8.mutable_data_ptr() : out_bf16.mutable_data_ptr(), fp8,
             mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(),
             scale.const_data_ptr<float>(), scale_inv.mutable_data_ptr<float>(),
             amax.mutable_data_ptr<float>(), false, stream, threads);
@@ -133,7 +172,7 @@ int main(int argc, char** argv) {
       const double ms = bench::median_ms([&] {
         cuda::launch_layer_norm_bwd(
             bdy.const_data_ptr(), bx.const_data_ptr(), cuda::InputType::kBFloat16,
-            stats.mean.const_data_ptr<float>(), stats.rstd.const_data_ptr<float>(),
+            /*rms_norm=*/false, stats.mean.const_data_ptr<float>(), stats.rstd.const_data_ptr<float>(),
             bgamma.const_data_ptr<float>(), cuda::InputType::kFloat, r, h, dx.mutable_data_ptr(),
             part.mutable_data_ptr<float>(), parts, dgamma.mutable_data_ptr<float>(),
             dbeta.mutable_data_ptr<float>(), at::cuda::getCurrentCUDAStream().stream());

@@ -63,11 +63,14 @@ KernelAffine kernel_affine(const at::Tensor& x, const at::Tensor& gamma, const a
 
 // ---- CPU reference ----
 
-// Statistics of one row, accumulated in float64, rounded to float32 once.
+// Statistics of one row, accumulated in float64, rounded to float32 once (RMSNorm: mean 0).
 template <typename T>
-void row_stats(const T* x, int64_t hidden, double eps, float& mean, float& rstd) {
+void row_stats(const T* x, int64_t hidden, double eps, Normalization norm, float& mean,
+               float& rstd) {
   double sum = 0.0;
-  for (int64_t c = 0; c < hidden; ++c) sum += static_cast<float>(x[c]);
+  if (norm == Normalization::kLayerNorm) {
+    for (int64_t c = 0; c < hidden; ++c) sum += static_cast<float>(x[c]);
+  }
   const double mu = sum / static_cast<double>(hidden);
   double squares = 0.0;
   for (int64_t c = 0; c < hidden; ++c) {
@@ -81,19 +84,20 @@ void row_stats(const T* x, int64_t hidden, double eps, float& mean, float& rstd)
 // For each row: statistics, then emit(row, col, y) for y in float32.
 template <typename T, typename Emit>
 void layer_norm_cpu_rows(const at::Tensor& x, const at::Tensor& gamma_f, const at::Tensor& beta_f,
-                         double eps, const at::Tensor& mean, const at::Tensor& rstd, Emit&& emit) {
+                         double eps, Normalization norm, const LayerNormStats& stats,
+                         Emit&& emit) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const T* in = x.const_data_ptr<T>();
   const float* g = gamma_f.defined() ? gamma_f.const_data_ptr<float>() : nullptr;
   const float* b = beta_f.defined() ? beta_f.const_data_ptr<float>() : nullptr;
-  float* mean_out = mean.mutable_data_ptr<float>();
-  float* rstd_out = rstd.mutable_data_ptr<float>();
+  float* mean_out = stats.mean.defined() ? stats.mean.mutable_data_ptr<float>() : nullptr;
+  float* rstd_out = stats.rstd.mutable_data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = in + r * hidden;
       float mu = 0.0f, rs = 0.0f;
-      row_stats(xr, hidden, eps, mu, rs);
-      mean_out[r] = mu;
+      row_stats(xr, hidden, eps, norm, mu, rs);
+      if (mean_out != nullptr) mean_out[r] = mu;
       rstd_out[r] = rs;
       for (int64_t c = 0; c < hidden; ++c) {
         const float y =
@@ -105,26 +109,27 @@ void layer_norm_cpu_rows(const at::Tensor& x, const at::Tensor& gamma_f, const a
 }
 
 void layer_norm_cpu(const at::Tensor& x, const at::Tensor& gamma_f, const at::Tensor& beta_f,
-                    double eps, const at::Tensor& out, const at::Tensor& mean,
-                    const at::Tensor& rstd) {
+                    double eps, Normalization norm, const at::Tensor& out,
+                    const LayerNormStats& stats) {
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_layer_norm", [&] {
         scalar_t* o = out.mutable_data_ptr<scalar_t>();
-        layer_norm_cpu_rows<scalar_t>(x, gamma_f, beta_f, eps, mean, rstd,
+        layer_norm_cpu_rows<scalar_t>(x, gamma_f, beta_f, eps, norm, stats,
                                       [&](int64_t i, float y) { o[i] = static_cast<scalar_t>(y); });
       });
 }
 
 template <typename Fp8T>
 float layer_norm_fp8_cpu_typed(const at::Tensor& x, const at::Tensor& gamma_f,
-                               const at::Tensor& beta_f, double eps, float scale, float fp8_max,
-                               Fp8T* out, const at::Tensor& mean, const at::Tensor& rstd) {
+                               const at::Tensor& beta_f, double eps, Normalization norm,
+                               float scale, float fp8_max, Fp8T* out,
+                               const LayerNormStats& stats) {
   // Per-row maxima, merged afterwards, so that the parallel rows write no shared state.
   std::vector<float> row_max(static_cast<size_t>(x.size(0)), 0.0f);
   const int64_t hidden = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_layer_norm_fp8", [&] {
-        layer_norm_cpu_rows<scalar_t>(x, gamma_f, beta_f, eps, mean, rstd, [&](int64_t i, float y) {
+        layer_norm_cpu_rows<scalar_t>(x, gamma_f, beta_f, eps, norm, stats, [&](int64_t i, float y) {
           float& m = row_max[static_cast<size_t>(i / hidden)];
           m = detail::nan_max(m, std::fabs(y));
           out[i] = detail::saturating_cast_cpu<Fp8T>(y, scale, fp8_max);
@@ -137,7 +142,8 @@ float layer_norm_fp8_cpu_typed(const at::Tensor& x, const at::Tensor& gamma_f,
 
 template <typename T>
 void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
-                                   const LayerNormStats& stats, const at::Tensor& gamma_f,
+                                   const LayerNormStats& stats, Normalization norm,
+                                   const at::Tensor& gamma_f,
                                    const at::Tensor& dx, const at::Tensor& dgamma,
                                    const at::Tensor& dbeta) {
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -145,23 +151,27 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
   const T* dyin = dy.const_data_ptr<T>();
   T* dxout = dx.mutable_data_ptr<T>();
   const float* g = gamma_f.defined() ? gamma_f.const_data_ptr<float>() : nullptr;
-  const float* mean = stats.mean.const_data_ptr<float>();
+  // RMSNorm: no mean to subtract, and no mean(g) term (y does not depend on x's mean).
+  const float* mean =
+      norm == Normalization::kLayerNorm ? stats.mean.const_data_ptr<float>() : nullptr;
   const float* rstd = stats.rstd.const_data_ptr<float>();
+  auto mean_at = [&](int64_t r) { return mean != nullptr ? mean[r] : 0.0f; };
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = xin + r * hidden;
       const T* dyr = dyin + r * hidden;
       double s1 = 0.0, s2 = 0.0;
       for (int64_t c = 0; c < hidden; ++c) {
-        const float xhat = (static_cast<float>(xr[c]) - mean[r]) * rstd[r];
+        const float xhat = (static_cast<float>(xr[c]) - mean_at(r)) * rstd[r];
         const float wdy = static_cast<float>(dyr[c]) * (g ? g[c] : 1.0f);
         s1 += wdy;
         s2 += static_cast<double>(wdy) * xhat;
       }
-      const float mean_wdy = static_cast<float>(s1 / static_cast<double>(hidden));
+      const float mean_wdy =
+          mean != nullptr ? static_cast<float>(s1 / static_cast<double>(hidden)) : 0.0f;
       const float mean_wdy_xhat = static_cast<float>(s2 / static_cast<double>(hidden));
       for (int64_t c = 0; c < hidden; ++c) {
-        const float xhat = (static_cast<float>(xr[c]) - mean[r]) * rstd[r];
+        const float xhat = (static_cast<float>(xr[c]) - mean_at(r)) * rstd[r];
         const float wdy = static_cast<float>(dyr[c]) * (g ? g[c] : 1.0f);
         dxout[r * hidden + c] = static_cast<T>(rstd[r] * (wdy - mean_wdy - xhat * mean_wdy_xhat));
       }
@@ -176,7 +186,7 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
       double sum_g = 0.0, sum_b = 0.0;
       for (int64_t r = 0; r < rows; ++r) {
         const float d = static_cast<float>(dyin[r * hidden + c]);
-        const float xhat = (static_cast<float>(xin[r * hidden + c]) - mean[r]) * rstd[r];
+        const float xhat = (static_cast<float>(xin[r * hidden + c]) - mean_at(r)) * rstd[r];
         sum_g += static_cast<double>(d) * xhat;
         sum_b += d;
       }
@@ -191,52 +201,58 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
 
 // gamma/beta: float32 or x's dtype (kernel_affine); float32 arithmetic either way.
 at::Tensor normalized_composite(const at::Tensor& x, const at::Tensor& gamma,
-                                const at::Tensor& beta, double eps, const LayerNormStats& stats) {
+                                const at::Tensor& beta, double eps, Normalization norm,
+                                const LayerNormStats& stats) {
   auto xf = x.to(at::kFloat);
-  auto mean = xf.mean(1, /*keepdim=*/true);
-  auto rstd = at::rsqrt((xf - mean).square().mean(1, /*keepdim=*/true) + eps);
-  stats.mean.copy_(mean.squeeze(1));
+  if (norm == Normalization::kLayerNorm) {
+    auto mean = xf.mean(1, /*keepdim=*/true);
+    stats.mean.copy_(mean.squeeze(1));
+    xf = xf - mean;
+  }
+  auto rstd = at::rsqrt(xf.square().mean(1, /*keepdim=*/true) + eps);
   stats.rstd.copy_(rstd.squeeze(1));
-  auto y = (xf - mean) * rstd;
+  auto y = xf * rstd;
   if (gamma.defined()) y = y * gamma;
   if (beta.defined()) y = y + beta;
   return y;
 }
 #endif
 
-LayerNormStats new_stats(const at::Tensor& x) {
+LayerNormStats new_stats(const at::Tensor& x, Normalization norm) {
   auto options = x.options().dtype(at::kFloat);
-  return {at::empty({x.size(0)}, options), at::empty({x.size(0)}, options)};
+  auto rstd = at::empty({x.size(0)}, options);
+  if (norm == Normalization::kRMSNorm) return {at::Tensor(), rstd};
+  return {at::empty({x.size(0)}, options), rstd};
 }
 
-}  // namespace
+// ---- LayerNorm and RMSNorm, one implementation (RMSNorm: beta undefined, no mean) ----
 
-LayerNormResult layer_norm(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
-                           double eps) {
-  check_forward_args(x, gamma, beta, eps, "layer_norm");
-  auto stats = new_stats(x);
+LayerNormResult normalize(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                          double eps, Normalization norm, std::string_view op) {
+  check_forward_args(x, gamma, beta, eps, op);
+  auto stats = new_stats(x, norm);
   auto out = at::empty_like(x);
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
     const auto affine = kernel_affine(x, gamma, beta);
-    if (!detail::layer_norm_cuda(x, affine.gamma, affine.beta, eps, out, stats.mean, stats.rstd,
-                                 {}, {}, nullptr, false)) {
-      out.copy_(normalized_composite(x, affine.gamma, affine.beta, eps, stats));
+    if (!detail::layer_norm_cuda(x, affine.gamma, affine.beta, eps, norm, out, stats.mean,
+                                 stats.rstd, {}, {}, nullptr, false)) {
+      out.copy_(normalized_composite(x, affine.gamma, affine.beta, eps, norm, stats));
     }
 #else
-    detail::no_cuda("layer_norm");
+    detail::no_cuda(op);
 #endif
   } else {
-    layer_norm_cpu(x, as_float(gamma), as_float(beta), eps, out, stats.mean, stats.rstd);
+    layer_norm_cpu(x, as_float(gamma), as_float(beta), eps, norm, out, stats);
   }
   return {out, stats};
 }
 
-LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
-                                  const at::Tensor& beta, double eps, const at::Tensor& scale,
-                                  Fp8Format format, const at::Tensor& amax_out,
-                                  bool accumulate_amax, const at::Tensor& out) {
-  constexpr std::string_view op = "layer_norm_fp8";
+LayerNormFp8Result normalize_fp8(const at::Tensor& x, const at::Tensor& gamma,
+                                 const at::Tensor& beta, double eps, Normalization norm,
+                                 const at::Tensor& scale, Fp8Format format,
+                                 const at::Tensor& amax_out, bool accumulate_amax,
+                                 const at::Tensor& out, std::string_view op) {
   check_forward_args(x, gamma, beta, eps, op);
   TORCH_CHECK(scale.defined(), op, ": scale must be a defined tensor");
   detail::check_scalar_slot(scale, x, op, "scale");
@@ -252,34 +268,32 @@ LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
   } else {
     result = at::empty(x.sizes(), x.options().dtype(fp8_dtype(format)));
   }
-  auto stats = new_stats(x);
+  auto stats = new_stats(x, norm);
   auto scale_inv = at::empty({1}, scale.options());
   if (x.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
     const auto affine = kernel_affine(x, gamma, beta);
     float* amax = amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
-    if (!detail::layer_norm_cuda(x, affine.gamma, affine.beta, eps, result, stats.mean,
+    if (!detail::layer_norm_cuda(x, affine.gamma, affine.beta, eps, norm, result, stats.mean,
                                  stats.rstd, scale, scale_inv, amax, accumulate_amax)) {
-      auto y = normalized_composite(x, affine.gamma, affine.beta, eps, stats);
+      auto y = normalized_composite(x, affine.gamma, affine.beta, eps, norm, stats);
       auto q = quantize(y, scale, format, amax_out, accumulate_amax);
       result.copy_(q.data);
       scale_inv.copy_(q.scale_inv);
     }
 #else
-    detail::no_cuda("layer_norm_fp8");
+    detail::no_cuda(op);
 #endif
   } else {
     const auto gamma_f = as_float(gamma), beta_f = as_float(beta);
     const float s = scale.item<float>();
     float m = 0.0f;
     if (format == Fp8Format::kE4M3) {
-      m = layer_norm_fp8_cpu_typed(x, gamma_f, beta_f, eps, s, fp8_max(format),
-                                   result.mutable_data_ptr<c10::Float8_e4m3fn>(), stats.mean,
-                                   stats.rstd);
+      m = layer_norm_fp8_cpu_typed(x, gamma_f, beta_f, eps, norm, s, fp8_max(format),
+                                   result.mutable_data_ptr<c10::Float8_e4m3fn>(), stats);
     } else {
-      m = layer_norm_fp8_cpu_typed(x, gamma_f, beta_f, eps, s, fp8_max(format),
-                                   result.mutable_data_ptr<c10::Float8_e5m2>(), stats.mean,
-                                   stats.rstd);
+      m = layer_norm_fp8_cpu_typed(x, gamma_f, beta_f, eps, norm, s, fp8_max(format),
+                                   result.mutable_data_ptr<c10::Float8_e5m2>(), stats);
     }
     scale_inv.fill_(1.0f / s);
     if (amax_out.defined()) {
@@ -289,10 +303,10 @@ LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
   return {Fp8Tensor(result, scale_inv, format), stats};
 }
 
-LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                   const LayerNormStats& stats, const at::Tensor& gamma,
-                                   const at::Tensor& beta) {
-  constexpr std::string_view op = "layer_norm_backward";
+LayerNormGrads normalize_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                  const LayerNormStats& stats, const at::Tensor& gamma,
+                                  const at::Tensor& beta, Normalization norm,
+                                  std::string_view op) {
   detail::check_high_precision_input(x, op);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [rows, hidden], got shape ", x.sizes());
   TORCH_CHECK(grad_out.defined() && grad_out.sizes() == x.sizes(), op,
@@ -302,12 +316,15 @@ LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor&
               grad_out.device());
   check_affine(gamma, x, op, "gamma");
   check_affine(beta, x, op, "beta");
-  for (const auto* t : {&stats.mean, &stats.rstd}) {
-    TORCH_CHECK(t->defined() && t->scalar_type() == at::kFloat && t->dim() == 1 &&
-                    t->size(0) == x.size(0) && t->device() == x.device() && t->is_contiguous(),
-                op, ": stats.mean and stats.rstd must be float32 [", x.size(0), "] on ", x.device(),
-                " (from layer_norm / layer_norm_fp8)");
-  }
+  const bool centered = norm == Normalization::kLayerNorm;
+  auto check_stat = [&](const at::Tensor& t, std::string_view name) {
+    TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.dim() == 1 &&
+                    t.size(0) == x.size(0) && t.device() == x.device() && t.is_contiguous(),
+                op, ": ", name, " must be float32 [", x.size(0), "] on ", x.device(), " (from ",
+                centered ? "layer_norm / layer_norm_fp8" : "rms_norm / rms_norm_fp8", ")");
+  };
+  if (centered) check_stat(stats.mean, "stats.mean");
+  check_stat(stats.rstd, "stats.rstd");
   const auto dy = grad_out.to(x.scalar_type()).contiguous();
   auto dx = at::empty_like(x);
   at::Tensor dgamma, dbeta;
@@ -317,18 +334,20 @@ LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor&
     const auto affine = kernel_affine(x, gamma, beta);
     if (affine.gamma.defined()) dgamma = at::empty_like(affine.gamma);
     if (affine.beta.defined()) dbeta = at::empty_like(affine.beta);
-    if (!detail::layer_norm_backward_cuda(dy, x, stats.mean, stats.rstd, affine.gamma, dx, dgamma,
-                                          dbeta)) {
-      auto xhat = (x.to(at::kFloat) - stats.mean.unsqueeze(1)) * stats.rstd.unsqueeze(1);
+    if (!detail::layer_norm_backward_cuda(dy, x, norm, stats.mean, stats.rstd, affine.gamma, dx,
+                                          dgamma, dbeta)) {
+      auto xf = x.to(at::kFloat);
+      if (centered) xf = xf - stats.mean.unsqueeze(1);
+      auto xhat = xf * stats.rstd.unsqueeze(1);
       auto dyf = dy.to(at::kFloat);
       auto wdy = affine.gamma.defined() ? dyf * affine.gamma : dyf;
-      dx.copy_(stats.rstd.unsqueeze(1) *
-               (wdy - wdy.mean(1, true) - xhat * (wdy * xhat).mean(1, true)));
+      auto centered_wdy = centered ? wdy - wdy.mean(1, true) : wdy;
+      dx.copy_(stats.rstd.unsqueeze(1) * (centered_wdy - xhat * (wdy * xhat).mean(1, true)));
       if (dgamma.defined()) dgamma.copy_((dyf * xhat).sum(0));
       if (dbeta.defined()) dbeta.copy_(dyf.sum(0));
     }
 #else
-    detail::no_cuda("layer_norm_backward");
+    detail::no_cuda(op);
 #endif
   } else {
     auto float_options = x.options().dtype(at::kFloat);
@@ -336,8 +355,8 @@ LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor&
     if (beta.defined()) dbeta = at::empty({x.size(1)}, float_options);
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_layer_norm_bwd", [&] {
-          layer_norm_backward_cpu_typed<scalar_t>(dy, x, stats, as_float(gamma), dx, dgamma,
-                                                  dbeta);
+          layer_norm_backward_cpu_typed<scalar_t>(dy, x, stats, norm, as_float(gamma), dx,
+                                                  dgamma, dbeta);
         });
   }
   if (dgamma.defined() && dgamma.scalar_type() != gamma.scalar_type()) {
@@ -347,6 +366,50 @@ LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor&
     dbeta = dbeta.to(beta.scalar_type());
   }
   return {dx, dgamma, dbeta};
+}
+
+}  // namespace
+
+const char* normalization_name(Normalization normalization) {
+  return normalization == Normalization::kRMSNorm ? "RMSNorm" : "LayerNorm";
+}
+
+LayerNormResult layer_norm(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
+                           double eps) {
+  return normalize(x, gamma, beta, eps, Normalization::kLayerNorm, "layer_norm");
+}
+
+LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
+                                  const at::Tensor& beta, double eps, const at::Tensor& scale,
+                                  Fp8Format format, const at::Tensor& amax_out,
+                                  bool accumulate_amax, const at::Tensor& out) {
+  return normalize_fp8(x, gamma, beta, eps, Normalization::kLayerNorm, scale, format, amax_out,
+                       accumulate_amax, out, "layer_norm_fp8");
+}
+
+LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                   const LayerNormStats& stats, const at::Tensor& gamma,
+                                   const at::Tensor& beta) {
+  return normalize_backward(grad_out, x, stats, gamma, beta, Normalization::kLayerNorm,
+                            "layer_norm_backward");
+}
+
+LayerNormResult rms_norm(const at::Tensor& x, const at::Tensor& gamma, double eps) {
+  return normalize(x, gamma, {}, eps, Normalization::kRMSNorm, "rms_norm");
+}
+
+LayerNormFp8Result rms_norm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
+                                const at::Tensor& scale, Fp8Format format,
+                                const at::Tensor& amax_out, bool accumulate_amax,
+                                const at::Tensor& out) {
+  return normalize_fp8(x, gamma, {}, eps, Normalization::kRMSNorm, scale, format, amax_out,
+                       accumulate_amax, out, "rms_norm_fp8");
+}
+
+LayerNormGrads rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                 const LayerNormStats& stats, const at::Tensor& gamma) {
+  return normalize_backward(grad_out, x, stats, gamma, {}, Normalization::kRMSNorm,
+                            "rms_norm_backward");
 }
 
 Fp8Tensor fp8_transpose(const Fp8Tensor& t) {

@@ -8,9 +8,13 @@ namespace amp8 {
 
 // LayerNorm over the last dimension of a 2-D x [rows, hidden], statistics in float32:
 //   mean = Σx / hidden,  var = Σ(x - mean)² / hidden (biased, as torch::nn::LayerNorm),
-//   rstd = 1 / √(var + eps),  y = (x - mean) · rstd · gamma + beta.
+//   rstd = 1 / √(var + eps),  y = (x - mean) · rstd · gamma + beta,
+// and RMSNorm (Llama's; at::rms_norm, TE's normalization "RMSNorm"), which neither centers nor
+// shifts:
+//   rstd = 1 / √(Σx² / hidden + eps),  y = x · rstd · gamma.
 // CPU (reference, statistics accumulated in float64) and CUDA (fused kernels, float32
-// two-pass statistics from registers) agree to float32 rounding.
+// two-pass statistics from registers; RMSNorm runs the same kernels with the mean fixed at 0)
+// agree to float32 rounding.
 //
 // Common rules:
 //  * `x` is float32, bfloat16 or float16, contiguous, 2-D, non-empty.
@@ -18,9 +22,15 @@ namespace amp8 {
 //    (no affine transform: gamma = 1, beta = 0).
 //  * `eps` > 0.
 
+/// The normalizations above (TE's `normalization` argument).
+enum class Normalization { kLayerNorm, kRMSNorm };
+
+/// "LayerNorm" or "RMSNorm".
+const char* normalization_name(Normalization normalization);
+
 /// Per-row statistics, float32 [rows]: what the backward pass needs.
 struct LayerNormStats {
-  at::Tensor mean;
+  at::Tensor mean;  ///< undefined for RMSNorm
   at::Tensor rstd;
 };
 
@@ -64,6 +74,23 @@ struct LayerNormGrads {
 LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                    const LayerNormStats& stats, const at::Tensor& gamma,
                                    const at::Tensor& beta);
+
+/// RMSNorm: y = x · rstd · gamma in x's dtype; stats.mean is undefined. Rules as layer_norm's
+/// (there is no beta).
+LayerNormResult rms_norm(const at::Tensor& x, const at::Tensor& gamma, double eps);
+
+/// RMSNorm quantized straight into FP8, with layer_norm_fp8's arguments and rules (TE's
+/// rmsnorm_fwd_fp8).
+LayerNormFp8Result rms_norm_fp8(const at::Tensor& x, const at::Tensor& gamma, double eps,
+                                const at::Tensor& scale, Fp8Format format,
+                                const at::Tensor& amax_out = {}, bool accumulate_amax = false,
+                                const at::Tensor& out = {});
+
+/// Gradients of rms_norm (grad_beta undefined), with layer_norm_backward's rules:
+///   x̂ = x · rstd,  g = grad_out · gamma,
+///   dx = rstd · (g - x̂ · mean(g · x̂)),  dgamma = Σ_rows grad_out · x̂.
+LayerNormGrads rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                 const LayerNormStats& stats, const at::Tensor& gamma);
 
 /// The byte transpose of a 2-D FP8 tensor: [rows, cols] → [cols, rows], same scale_inv.
 /// For an activation quantized once (e.g. by layer_norm_fp8) whose transpose a weight-gradient

@@ -75,6 +75,54 @@ TEST_F(Fp8LayerNormTest, MatchesTorchLayerNorm_CUDA) {
   matches_torch_case(torch::kCUDA, torch::kBFloat16);
 }
 
+// normalization(kRMSNorm): Llama's RMSNorm, values and gradients against at::rms_norm (float32,
+// ATen's) on the same weight, over a two-dimensional normalized_shape; no bias parameter.
+void matches_rms_norm_case(torch::Device device, torch::ScalarType dtype) {
+  Fp8LayerNorm ln(Fp8LayerNormOptions({4, 24}).normalization(Normalization::kRMSNorm).eps(1e-6));
+  EXPECT_THAT(ln->named_parameters().keys(), ::testing::ElementsAre("weight"));
+  auto weight = (torch::rand({4, 24}) + 0.5).to(device);
+  {
+    torch::NoGradGuard no_grad;
+    ln->weight.copy_(weight);
+  }
+  ln->to(device);
+  auto x = (torch::randn({3, 5, 4, 24}) * 2 + 1).to(device).to(dtype);
+  auto grad = torch::randn({3, 5, 4, 24}).to(device).to(dtype);
+  auto x1 = x.clone().requires_grad_(true), x2 = x.to(torch::kFloat).requires_grad_(true);
+  auto w2 = weight.clone().requires_grad_(true);
+  auto y1 = ln->forward(x1);
+  auto y2 = at::rms_norm(x2, {4, 24}, w2, 1e-6);
+  y1.backward(grad);
+  y2.backward(grad.to(torch::kFloat));
+  EXPECT_EQ(y1.scalar_type(), dtype);
+  const double bound = dtype == torch::kFloat ? 1e-5 : 1.0 / 256;  // output rounding
+  EXPECT_LE(relative_error(y1, y2), bound);
+  EXPECT_LE(relative_error(x1.grad(), x2.grad()), 2 * bound);
+  EXPECT_LE(relative_error(ln->weight.grad(), w2.grad()), 2 * bound);
+}
+
+TEST_F(Fp8LayerNormTest, RmsNormMatchesAtRmsNorm) {
+  matches_rms_norm_case(torch::kCPU, torch::kFloat);
+  matches_rms_norm_case(torch::kCPU, torch::kBFloat16);
+  std::ostringstream os;
+  os << *Fp8LayerNorm(Fp8LayerNormOptions({8}).normalization(Normalization::kRMSNorm));
+  EXPECT_EQ(os.str(),
+            "amp8::Fp8LayerNorm([8], normalization=RMSNorm, eps=1e-05, elementwise_affine=true, "
+            "bias=false)");
+  ExpectErrorContaining(
+      [] { Fp8LayerNorm(Fp8LayerNormOptions({8}).normalization(Normalization::kRMSNorm).bias(true)); },
+      "bias must be false (or unset) with normalization RMSNorm");
+  Fp8LayerNormLinear lnl(Fp8LayerNormLinearOptions(32, 16).normalization(Normalization::kRMSNorm));
+  EXPECT_THAT(lnl->named_parameters().keys(),
+              ::testing::ElementsAre("layer_norm.weight", "linear.weight", "linear.bias"));
+}
+
+TEST_F(Fp8LayerNormTest, RmsNormMatchesAtRmsNorm_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  matches_rms_norm_case(torch::kCUDA, torch::kFloat);
+  matches_rms_norm_case(torch::kCUDA, torch::kBFloat16);
+}
+
 TEST_F(Fp8LayerNormTest, BadInputIsNamed) {
   Fp8LayerNorm ln(std::vector<int64_t>{8});
   ExpectErrorContaining(
@@ -94,12 +142,15 @@ TEST_F(Fp8LayerNormTest, BadInputIsNamed) {
       "input must have in_features=32");
 }
 
-Fp8LayerNormLinear make_layer_norm_linear(torch::Device device, int64_t in, int64_t out) {
-  Fp8LayerNormLinear layer(
-      Fp8LayerNormLinearOptions(in, out).fp8_amax_history_len(4).fp8_min_gemm_size(0));
+Fp8LayerNormLinear make_layer_norm_linear(torch::Device device, int64_t in, int64_t out,
+                                          Normalization norm = Normalization::kLayerNorm) {
+  Fp8LayerNormLinear layer(Fp8LayerNormLinearOptions(in, out)
+                               .normalization(norm)
+                               .fp8_amax_history_len(4)
+                               .fp8_min_gemm_size(0));
   torch::NoGradGuard no_grad;
   layer->layer_norm->weight.copy_(torch::rand({in}) + 0.5);
-  layer->layer_norm->bias.copy_(torch::randn({in}) * 0.2);
+  if (norm == Normalization::kLayerNorm) layer->layer_norm->bias.copy_(torch::randn({in}) * 0.2);
   layer->to(device);
   return layer;
 }
@@ -116,10 +167,13 @@ TEST_F(Fp8LayerNormTest, LayerNormLinearOutsideARegionIsTheTwoModules) {
 // On the CPU with float32 input the fused module quantizes exactly the float32 LayerNorm output
 // the unfused pair would, so in an FP8 region both give the same bytes: forward, every
 // gradient, and the FP8 metadata after the updates.
+// Also with RMSNorm (rms_norm_fp8 in the fused module).
 TEST_F(Fp8LayerNormTest, FusedEqualsUnfusedPairInFp8) {
+  for (const auto norm : {Normalization::kLayerNorm, Normalization::kRMSNorm})
   for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
-    auto fused = make_layer_norm_linear(torch::kCPU, 64, 48);
-    auto unfused = make_layer_norm_linear(torch::kCPU, 64, 48);
+    SCOPED_TRACE(normalization_name(norm));
+    auto fused = make_layer_norm_linear(torch::kCPU, 64, 48, norm);
+    auto unfused = make_layer_norm_linear(torch::kCPU, 64, 48, norm);
     {
       torch::NoGradGuard no_grad;
       for (auto& p : unfused->named_parameters())
@@ -154,8 +208,11 @@ TEST_F(Fp8LayerNormTest, FusedEqualsUnfusedPairInFp8) {
 
 // The fused module in an FP8 region against LayerNorm + Linear in fp64 on the same
 // parameters, within the bounds FP8 rounding allows.
-void fused_fp64_case(torch::Device device, const std::string& fp8, torch::ScalarType dtype) {
-  auto layer = make_layer_norm_linear(device, 128, 96);
+void fused_fp64_case(torch::Device device, const std::string& fp8, torch::ScalarType dtype,
+                     Normalization norm = Normalization::kLayerNorm) {
+  SCOPED_TRACE(normalization_name(norm));
+  const bool rms = norm == Normalization::kRMSNorm;
+  auto layer = make_layer_norm_linear(device, 128, 96, norm);
   const auto recipe = Fp8RecipeOptions().fp8(fp8).fp8_amax_history_len(4);
   auto x = (torch::randn({5, 13, 128}) * 2 + 0.3).to(device).to(dtype);
   auto grad = torch::randn({5, 13, 96}).to(device).to(dtype);
@@ -171,10 +228,13 @@ void fused_fp64_case(torch::Device device, const std::string& fp8, torch::Scalar
     if (step == 0) continue;
     auto xd = x.to(torch::kDouble).requires_grad_(true);
     auto lnw = layer->layer_norm->weight.detach().to(torch::kDouble).requires_grad_(true);
-    auto lnb = layer->layer_norm->bias.detach().to(torch::kDouble).requires_grad_(true);
+    auto lnb = rms ? torch::Tensor()
+                   : layer->layer_norm->bias.detach().to(torch::kDouble).requires_grad_(true);
     auto w = layer->linear->weight.detach().to(torch::kDouble).requires_grad_(true);
     auto b = layer->linear->bias.detach().to(torch::kDouble).requires_grad_(true);
-    auto yd = torch::nn::functional::linear(torch::layer_norm(xd, {128}, lnw, lnb, 1e-5), w, b);
+    auto normalized = rms ? at::rms_norm(xd, {128}, lnw, 1e-5)
+                          : torch::layer_norm(xd, {128}, lnw, lnb, 1e-5);
+    auto yd = torch::nn::functional::linear(normalized, w, b);
     yd.backward(grad.to(torch::kDouble));
     const double grad_bound = fp8 == "hybrid" ? kHybridGradBound : kForwardBound;
     // bfloat16 input and output add their own rounding (2^-9 relative) to the FP8 error.
@@ -184,7 +244,9 @@ void fused_fp64_case(torch::Device device, const std::string& fp8, torch::Scalar
     EXPECT_LE(relative_error(xr.grad(), xd.grad()), grad_bound + extra) << device << " dx";
     EXPECT_LE(relative_error(layer->linear->weight.grad(), w.grad()), grad_bound + extra);
     EXPECT_LE(relative_error(layer->layer_norm->weight.grad(), lnw.grad()), grad_bound + extra);
-    EXPECT_LE(relative_error(layer->layer_norm->bias.grad(), lnb.grad()), grad_bound + extra);
+    if (!rms) {
+      EXPECT_LE(relative_error(layer->layer_norm->bias.grad(), lnb.grad()), grad_bound + extra);
+    }
     EXPECT_LE(relative_error(layer->linear->bias.grad(), b.grad()), 1e-5 + extra);
   }
 }
@@ -192,6 +254,7 @@ void fused_fp64_case(torch::Device device, const std::string& fp8, torch::Scalar
 TEST_F(Fp8LayerNormTest, LayerNormLinearMatchesFp64WithinFp8Bounds) {
   fused_fp64_case(torch::kCPU, "hybrid", torch::kFloat);
   fused_fp64_case(torch::kCPU, "e4m3", torch::kFloat);
+  fused_fp64_case(torch::kCPU, "hybrid", torch::kFloat, Normalization::kRMSNorm);
 }
 
 TEST_F(Fp8LayerNormTest, LayerNormLinearMatchesFp64WithinFp8Bounds_CUDA) {
@@ -199,6 +262,8 @@ TEST_F(Fp8LayerNormTest, LayerNormLinearMatchesFp64WithinFp8Bounds_CUDA) {
   fused_fp64_case(torch::kCUDA, "hybrid", torch::kFloat);
   fused_fp64_case(torch::kCUDA, "e4m3", torch::kFloat);
   fused_fp64_case(torch::kCUDA, "hybrid", torch::kBFloat16);
+  fused_fp64_case(torch::kCUDA, "hybrid", torch::kFloat, Normalization::kRMSNorm);
+  fused_fp64_case(torch::kCUDA, "hybrid", torch::kBFloat16, Normalization::kRMSNorm);
 }
 
 // The first FP8 step records max|LayerNorm output| (not max|x|) in the linear layer's input

@@ -11,6 +11,10 @@
 #include "tests/test_util.h"
 
 namespace amp8 {
+
+// How gtest names a Normalization in test names and messages.
+void PrintTo(Normalization normalization, std::ostream* os) { *os << normalization_name(normalization); }
+
 namespace {
 
 using testing::BytesEqual;
@@ -59,17 +63,19 @@ struct Fp64Reference {
   at::Tensor out, mean, rstd, grad_input, grad_gamma, grad_beta;
 };
 
-// at::layer_norm in float64 with autograd, on the same (rounded) inputs.
+// at::layer_norm (at::rms_norm) in float64 with autograd, on the same (rounded) inputs.
 Fp64Reference fp64_reference(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
-                             double eps, const at::Tensor& grad_out) {
+                             double eps, const at::Tensor& grad_out,
+                             Normalization norm = Normalization::kLayerNorm) {
   auto xd = x.cpu().to(at::kDouble).requires_grad_(true);
   auto gd = gamma.defined() ? gamma.cpu().to(at::kDouble).requires_grad_(true) : at::Tensor();
   auto bd = beta.defined() ? beta.cpu().to(at::kDouble).requires_grad_(true) : at::Tensor();
-  auto y = at::layer_norm(xd, {x.size(1)}, gd, bd, eps);
+  const bool rms = norm == Normalization::kRMSNorm;
+  auto y = rms ? at::rms_norm(xd, {x.size(1)}, gd, eps) : at::layer_norm(xd, {x.size(1)}, gd, bd, eps);
   Fp64Reference ref;
   ref.out = y.detach();
-  ref.mean = xd.detach().mean(1);
-  ref.rstd = at::rsqrt(xd.detach().var(1, /*unbiased=*/false) + eps);
+  if (!rms) ref.mean = xd.detach().mean(1);
+  ref.rstd = at::rsqrt((rms ? xd.detach().square().mean(1) : xd.detach().var(1, /*unbiased=*/false)) + eps);
   if (grad_out.defined()) {
     y.backward(grad_out.cpu().to(at::kDouble));
     ref.grad_input = xd.grad();
@@ -86,53 +92,95 @@ at::Tensor activation(int64_t rows, int64_t hidden, at::ScalarType dtype, at::De
 
 using Case = std::tuple<at::ScalarType, int64_t, int64_t>;  // dtype, rows, hidden
 
-class LayerNormTest : public testing::SeededTest, public ::testing::WithParamInterface<Case> {};
+// Each test runs for LayerNorm and for RMSNorm (beta undefined: RMSNorm has none).
+class LayerNormTest : public testing::SeededTest,
+                      public ::testing::WithParamInterface<std::tuple<Normalization, Case>> {
+ protected:
+  Normalization norm() const { return std::get<0>(GetParam()); }
+  const Case& shape() const { return std::get<1>(GetParam()); }
+};
 
-void forward_backward_case(const Case& c, at::Device device) {
+// The op under test: layer_norm* or rms_norm* (which has no beta).
+LayerNormResult forward(Normalization norm, const at::Tensor& x, const at::Tensor& gamma,
+                        const at::Tensor& beta, double eps) {
+  return norm == Normalization::kRMSNorm ? rms_norm(x, gamma, eps) : layer_norm(x, gamma, beta, eps);
+}
+
+LayerNormFp8Result forward_fp8(Normalization norm, const at::Tensor& x, const at::Tensor& gamma,
+                               const at::Tensor& beta, double eps, const at::Tensor& scale,
+                               Fp8Format format, const at::Tensor& amax) {
+  return norm == Normalization::kRMSNorm ? rms_norm_fp8(x, gamma, eps, scale, format, amax)
+                                         : layer_norm_fp8(x, gamma, beta, eps, scale, format, amax);
+}
+
+LayerNormGrads backward(Normalization norm, const at::Tensor& grad_out, const at::Tensor& x,
+                        const LayerNormStats& stats, const at::Tensor& gamma,
+                        const at::Tensor& beta) {
+  return norm == Normalization::kRMSNorm ? rms_norm_backward(grad_out, x, stats, gamma)
+                                         : layer_norm_backward(grad_out, x, stats, gamma, beta);
+}
+
+// beta for `norm`: random for LayerNorm, undefined for RMSNorm.
+at::Tensor beta_for(Normalization norm, int64_t hidden, at::ScalarType dtype, at::Device device) {
+  if (norm == Normalization::kRMSNorm) return {};
+  return at::randn({hidden}).to(dtype).to(device);
+}
+
+void forward_backward_case(Normalization norm, const Case& c, at::Device device) {
   const auto [dtype, rows, hidden] = c;
   const double eps = 1e-5;
   auto x = activation(rows, hidden, dtype, device);
   auto gamma = (at::rand({hidden}) + 0.5).to(device);
-  auto beta = at::randn({hidden}).to(device);
+  auto beta = beta_for(norm, hidden, at::kFloat, device);
   auto grad_out = at::randn({rows, hidden}).to(dtype).to(device);
-  const auto ref = fp64_reference(x, gamma, beta, eps, grad_out);
+  const auto ref = fp64_reference(x, gamma, beta, eps, grad_out, norm);
   const auto tol = tolerance_for(dtype);
 
-  auto result = layer_norm(x, gamma, beta, eps);
+  auto result = forward(norm, x, gamma, beta, eps);
   EXPECT_EQ(result.out.scalar_type(), dtype);
   EXPECT_EQ(result.out.device(), x.device());
   EXPECT_TRUE(AllClose(result.out, ref.out, tol)) << "out";
-  EXPECT_TRUE(AllClose(result.stats.mean, ref.mean, {1e-6, 1e-6})) << "mean";
+  if (norm == Normalization::kLayerNorm) {
+    EXPECT_TRUE(AllClose(result.stats.mean, ref.mean, {1e-6, 1e-6})) << "mean";
+  } else {
+    EXPECT_FALSE(result.stats.mean.defined()) << "RMSNorm has no mean";
+  }
   EXPECT_TRUE(AllClose(result.stats.rstd, ref.rstd, {1e-5, 0})) << "rstd";
 
-  auto grads = layer_norm_backward(grad_out, x, result.stats, gamma, beta);
+  auto grads = backward(norm, grad_out, x, result.stats, gamma, beta);
   EXPECT_EQ(grads.grad_input.scalar_type(), dtype);
   // dx is rounded once to its dtype; dgamma/dbeta are float32 sums over rows.
   const double dx_bound = dtype == at::kFloat ? 1e-5 : 2 * tol.rtol;
   EXPECT_LE(relative_error(grads.grad_input, ref.grad_input), dx_bound) << "dx";
   EXPECT_LE(relative_error(grads.grad_gamma, ref.grad_gamma), 1e-5) << "dgamma";
-  EXPECT_LE(relative_error(grads.grad_beta, ref.grad_beta), 1e-5) << "dbeta";
+  if (beta.defined()) {
+    EXPECT_LE(relative_error(grads.grad_beta, ref.grad_beta), 1e-5) << "dbeta";
+  } else {
+    EXPECT_FALSE(grads.grad_beta.defined());
+  }
 }
 
-TEST_P(LayerNormTest, ForwardAndBackwardMatchFp64) { forward_backward_case(GetParam(), at::kCPU); }
+TEST_P(LayerNormTest, ForwardAndBackwardMatchFp64) {
+  forward_backward_case(norm(), shape(), at::kCPU);
+}
 
 TEST_P(LayerNormTest, ForwardAndBackwardMatchFp64_CUDA) {
   AMP8_REQUIRE_CUDA();
-  forward_backward_case(GetParam(), at::kCUDA);
+  forward_backward_case(norm(), shape(), at::kCUDA);
 }
 
 // The FP8 output is the saturating quantization of the float32 output, byte for byte (float32
 // input on the CPU, where layer_norm's output is that float32 value), and amax is its max|y|.
 TEST_P(LayerNormTest, Fp8OutputIsTheQuantizedOutput) {
-  const auto [dtype, rows, hidden] = GetParam();
+  const auto [dtype, rows, hidden] = shape();
   auto x = activation(rows, hidden, at::kFloat, at::kCPU);
   auto gamma = at::rand({hidden}) + 0.5;
-  auto beta = at::randn({hidden});
-  auto y = layer_norm(x, gamma, beta, 1e-5).out;
+  auto beta = beta_for(norm(), hidden, at::kFloat, at::kCPU);
+  auto y = forward(norm(), x, gamma, beta, 1e-5).out;
   for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     auto scale = at::full({1}, 37.0f);
     auto amax = at::zeros({1});
-    auto q = layer_norm_fp8(x, gamma, beta, 1e-5, scale, format, amax);
+    auto q = forward_fp8(norm(), x, gamma, beta, 1e-5, scale, format, amax);
     auto expected = quantize(y, scale, format);
     EXPECT_TRUE(BytesEqual(q.out.data, expected.data)) << fp8_format_name(format);
     EXPECT_TRUE(testing::SameFloat(amax.item<float>(), y.abs().max().item<float>()));
@@ -145,17 +193,17 @@ TEST_P(LayerNormTest, Fp8OutputIsTheQuantizedOutput) {
 // apart (only where y·scale sits on a rounding boundary and the float32 sums differ).
 TEST_P(LayerNormTest, Fp8OutputMatchesCpu_CUDA) {
   AMP8_REQUIRE_CUDA();
-  const auto [dtype, rows, hidden] = GetParam();
+  const auto [dtype, rows, hidden] = shape();
   auto x = activation(rows, hidden, dtype, at::kCPU);
   auto gamma = at::rand({hidden}) + 0.5;
-  auto beta = at::randn({hidden});
+  auto beta = beta_for(norm(), hidden, at::kFloat, at::kCPU);
   for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     auto scale = at::full({1}, 21.0f);
     auto amax_cpu = at::zeros({1});
-    auto cpu = layer_norm_fp8(x, gamma, beta, 1e-5, scale, format, amax_cpu);
+    auto cpu = forward_fp8(norm(), x, gamma, beta, 1e-5, scale, format, amax_cpu);
     auto amax_gpu = at::zeros({1}, at::kCUDA);
-    auto gpu =
-        layer_norm_fp8(x.cuda(), gamma.cuda(), beta.cuda(), 1e-5, scale.cuda(), format, amax_gpu);
+    auto gpu = forward_fp8(norm(), x.cuda(), gamma.cuda(), beta.defined() ? beta.cuda() : beta,
+                           1e-5, scale.cuda(), format, amax_gpu);
     // Ordered codes: sign-magnitude bytes → integers whose order is the value order.
     auto codes = [](const at::Tensor& data) {
       auto bytes = data.cpu().view(at::kByte).to(at::kInt);
@@ -166,7 +214,9 @@ TEST_P(LayerNormTest, Fp8OutputMatchesCpu_CUDA) {
     EXPECT_LE(diff.max().item<int>(), 1) << fp8_format_name(format);
     EXPECT_LE(diff.gt(0).sum().item<int64_t>(), std::max<int64_t>(1, x.numel() / 100));
     EXPECT_NEAR(amax_gpu.item<float>(), amax_cpu.item<float>(), 1e-5 * amax_cpu.item<float>());
-    EXPECT_TRUE(AllClose(gpu.stats.mean, cpu.stats.mean, {1e-6, 1e-6}));
+    if (norm() == Normalization::kLayerNorm) {
+      EXPECT_TRUE(AllClose(gpu.stats.mean, cpu.stats.mean, {1e-6, 1e-6}));
+    }
     EXPECT_TRUE(AllClose(gpu.stats.rstd, cpu.stats.rstd, {1e-5, 0}));
     EXPECT_TRUE(BytesEqual(gpu.out.scale_inv, cpu.out.scale_inv));
   }
@@ -176,7 +226,7 @@ TEST_P(LayerNormTest, Fp8OutputMatchesCpu_CUDA) {
 // as they are when that is x's dtype, through float32 copies otherwise, and write dgamma/dbeta
 // in it): the same output, statistics and dx as float32 copies of the same values, bit for bit,
 // and dgamma/dbeta those float32 sums rounded once. Also gamma and beta of different dtypes.
-void half_params_case(const Case& c, at::Device device) {
+void half_params_case(Normalization norm, const Case& c, at::Device device) {
   const auto [dtype, rows, hidden] = c;
   auto x = activation(rows, hidden, dtype, device);
   auto grad_out = at::randn({rows, hidden}).to(dtype).to(device);
@@ -184,52 +234,59 @@ void half_params_case(const Case& c, at::Device device) {
   for (auto param_dtype : {at::kBFloat16, at::kHalf}) {
     auto gamma = (at::rand({hidden}) + 0.5).to(param_dtype).to(device);
     for (const bool beta_in_float : {false, true}) {
-      auto beta = at::randn({hidden}).to(beta_in_float ? at::kFloat : param_dtype).to(device);
+      if (norm == Normalization::kRMSNorm && beta_in_float) continue;  // no beta
+      auto beta = beta_for(norm, hidden, beta_in_float ? at::kFloat : param_dtype, device);
       SCOPED_TRACE(std::string(c10::toString(param_dtype)) +
                    (beta_in_float ? " gamma, float32 beta" : " gamma and beta"));
-      auto gamma_f = gamma.to(at::kFloat), beta_f = beta.to(at::kFloat);
-      auto ours = layer_norm(x, gamma, beta, 1e-5);
-      auto expected = layer_norm(x, gamma_f, beta_f, 1e-5);
+      auto gamma_f = gamma.to(at::kFloat);
+      auto beta_f = beta.defined() ? beta.to(at::kFloat) : beta;
+      auto ours = forward(norm, x, gamma, beta, 1e-5);
+      auto expected = forward(norm, x, gamma_f, beta_f, 1e-5);
       EXPECT_TRUE(BytesEqual(ours.out, expected.out)) << "out";
       EXPECT_TRUE(BytesEqual(ours.stats.rstd, expected.stats.rstd)) << "rstd";
-      auto ours_fp8 = layer_norm_fp8(x, gamma, beta, 1e-5, scale, Fp8Format::kE4M3);
-      auto expected_fp8 = layer_norm_fp8(x, gamma_f, beta_f, 1e-5, scale, Fp8Format::kE4M3);
+      auto ours_fp8 = forward_fp8(norm, x, gamma, beta, 1e-5, scale, Fp8Format::kE4M3, {});
+      auto expected_fp8 = forward_fp8(norm, x, gamma_f, beta_f, 1e-5, scale, Fp8Format::kE4M3, {});
       EXPECT_TRUE(BytesEqual(ours_fp8.out.data, expected_fp8.out.data)) << "fp8 out";
-      auto grads = layer_norm_backward(grad_out, x, ours.stats, gamma, beta);
-      auto expected_grads = layer_norm_backward(grad_out, x, expected.stats, gamma_f, beta_f);
+      auto grads = backward(norm, grad_out, x, ours.stats, gamma, beta);
+      auto expected_grads = backward(norm, grad_out, x, expected.stats, gamma_f, beta_f);
       EXPECT_TRUE(BytesEqual(grads.grad_input, expected_grads.grad_input)) << "dx";
       EXPECT_EQ(grads.grad_gamma.scalar_type(), gamma.scalar_type());
-      EXPECT_EQ(grads.grad_beta.scalar_type(), beta.scalar_type());
       EXPECT_TRUE(BytesEqual(grads.grad_gamma, expected_grads.grad_gamma.to(gamma.scalar_type())))
           << "dgamma";
-      EXPECT_TRUE(BytesEqual(grads.grad_beta, expected_grads.grad_beta.to(beta.scalar_type())))
-          << "dbeta";
+      if (beta.defined()) {
+        EXPECT_EQ(grads.grad_beta.scalar_type(), beta.scalar_type());
+        EXPECT_TRUE(BytesEqual(grads.grad_beta, expected_grads.grad_beta.to(beta.scalar_type())))
+            << "dbeta";
+      }
     }
   }
 }
 
 TEST_P(LayerNormTest, HalfParamsGiveTheirFloatValuesResults) {
-  half_params_case(GetParam(), at::kCPU);
+  half_params_case(norm(), shape(), at::kCPU);
 }
 
 TEST_P(LayerNormTest, HalfParamsGiveTheirFloatValuesResults_CUDA) {
   AMP8_REQUIRE_CUDA();
-  half_params_case(GetParam(), at::kCUDA);
+  half_params_case(norm(), shape(), at::kCUDA);
 }
 
 // Shapes: odd and prime hidden sizes (scalar path), 16-byte rows (vector path), rows with a
 // single element, and hidden sizes beyond the fused kernels' register budget (ATen path).
-INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
-                         ::testing::Values(Case{at::kFloat, 1, 3221},
-                                           Case{at::kBFloat16, 1481, 677}, Case{at::kHalf, 2333, 1},
-                                           Case{at::kFloat, 37, 64}, Case{at::kBFloat16, 129, 4096},
-                                           Case{at::kHalf, 64, 1024}, Case{at::kBFloat16, 7, 12288},
-                                           Case{at::kFloat, 5, 20000}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return std::string(c10::toString(std::get<0>(info.param))) + "_" +
-                                  testing::shape_name(std::get<1>(info.param),
-                                                      std::get<2>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LayerNormTest,
+    ::testing::Combine(::testing::Values(Normalization::kLayerNorm, Normalization::kRMSNorm),
+                       ::testing::Values(Case{at::kFloat, 1, 3221}, Case{at::kBFloat16, 1481, 677},
+                                         Case{at::kHalf, 2333, 1}, Case{at::kFloat, 37, 64},
+                                         Case{at::kBFloat16, 129, 4096}, Case{at::kHalf, 64, 1024},
+                                         Case{at::kBFloat16, 7, 12288},
+                                         Case{at::kFloat, 5, 20000})),
+    [](const ::testing::TestParamInfo<std::tuple<Normalization, Case>>& info) {
+      const Case& c = std::get<1>(info.param);
+      return std::string(normalization_name(std::get<0>(info.param))) + "_" +
+             c10::toString(std::get<0>(c)) + "_" +
+             testing::shape_name(std::get<1>(c), std::get<2>(c));
+    });
 
 class LayerNormOpTest : public testing::SeededTest {};
 
@@ -306,7 +363,26 @@ TEST_F(LayerNormOpTest, BadArgumentsAreNamed) {
       [&] {
         layer_norm_backward(at::randn({4, 8}), x, {stats.mean, at::Tensor()}, {}, {});
       },
-      "stats.mean and stats.rstd must be float32 [4]");
+      "stats.rstd must be float32 [4] on cpu (from layer_norm / layer_norm_fp8)");
+  ExpectErrorContaining([&] { rms_norm(x, at::ones({7}), 1e-5); }, "rms_norm: gamma must have shape [8]");
+  ExpectErrorContaining(
+      [&] { rms_norm_backward(at::randn({4, 8}), x, {at::Tensor(), at::Tensor()}, {}); },
+      "rms_norm_backward: stats.rstd must be float32 [4] on cpu (from rms_norm / rms_norm_fp8)");
+}
+
+// RMSNorm against its direct formula y = x / √(mean(x²) + eps) · gamma on a hand-sized row.
+TEST_F(LayerNormOpTest, RmsNormIsTheDirectFormula) {
+  auto x = at::tensor({1.0f, -2.0f, 3.0f, 0.5f, 4.0f}).reshape({1, 5});
+  auto gamma = at::tensor({0.5f, 1.0f, 1.5f, 2.0f, -1.0f});
+  const double ms = (1.0 + 4.0 + 9.0 + 0.25 + 16.0) / 5.0;
+  auto result = rms_norm(x, gamma, 1e-6);
+  for (int64_t c = 0; c < 5; ++c) {
+    const double expected = x[0][c].item<double>() / std::sqrt(ms + 1e-6) * gamma[c].item<double>();
+    EXPECT_NEAR(result.out[0][c].item<double>(), expected, 1e-6 * std::abs(expected)) << c;
+  }
+  EXPECT_NEAR(result.stats.rstd.item<double>(), 1.0 / std::sqrt(ms + 1e-6), 1e-7);
+  // LayerNorm of the same row differs (its mean, 1.3, is removed): the two paths are distinct.
+  EXPECT_FALSE(at::allclose(result.out, layer_norm(x, gamma, {}, 1e-6).out, 1e-3, 1e-3));
 }
 
 }  // namespace

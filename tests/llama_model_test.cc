@@ -97,7 +97,11 @@ TEST_F(LlamaModelTest, GroupedQueryAttentionMatchesRepeatedKvHeads) {
   torch::NoGradGuard no_grad;
   const auto out = attention->forward(x, rotary);
 
-  const auto qkv = torch::nn::functional::linear(x, attention->qkv->weight).split({6 * d, 2 * d, 2 * d}, -1);
+  // The RMSNorm inside qkv (Fp8LayerNormLinear), then its linear layer.
+  const auto normalized =
+      at::rms_norm(x, {config.hidden()}, attention->qkv->layer_norm->weight, config.norm_eps());
+  const auto qkv = torch::nn::functional::linear(normalized, attention->qkv->linear->weight)
+                       .split({6 * d, 2 * d, 2 * d}, -1);
   const auto q = recipes::apply_rotary(qkv[0].view({b, t, 6, d}), rotary).transpose(1, 2);
   auto k = recipes::apply_rotary(qkv[1].view({b, t, 2, d}), rotary).transpose(1, 2);
   auto v = qkv[2].view({b, t, 2, d}).transpose(1, 2);
@@ -244,8 +248,9 @@ TEST_F(LlamaModelTest, FirstAndLastBlocksInBf16) {
   for (int64_t i = 0; i < 4; ++i) {
     const auto block = model->blocks[i]->as<recipes::LlamaBlockImpl>();
     const bool kept = i == 0 || i == 3;
-    for (const auto& [name, linear] : {std::pair{"qkv", block->attention->qkv}, {"o_proj", block->attention->o_proj},
-                                       {"gate_up", block->mlp->gate_up}, {"down", block->mlp->down}}) {
+    for (const auto& [name, linear] :
+         {std::pair{"qkv", block->attention->qkv->linear}, {"o_proj", block->attention->o_proj},
+          {"gate_up", block->mlp->gate_up->linear}, {"down", block->mlp->down}}) {
       EXPECT_EQ(linear->options.keep_in_high_precision(), kept) << "blocks." << i << "." << name;
       EXPECT_EQ(linear->options.fp8_min_gemm_size(), 0) << "blocks." << i << "." << name;
     }

@@ -182,7 +182,7 @@ void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups,
 
 
 bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
-                     double eps, const at::Tensor& out, const at::Tensor& mean,
+                     double eps, Normalization norm, const at::Tensor& out, const at::Tensor& mean,
                      const at::Tensor& rstd, const at::Tensor& scale,
                      const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -192,7 +192,8 @@ bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Ten
   const int rc = cuda::launch_layer_norm_fwd(
       x.const_data_ptr(), input_type(x), optional_ptr(gamma), optional_ptr(beta),
       weight_type(gamma, beta), x.size(0), x.size(1), static_cast<float>(eps),
-      out.mutable_data_ptr(), out_fp8, mean.mutable_data_ptr<float>(),
+      norm == Normalization::kRMSNorm, out.mutable_data_ptr(), out_fp8,
+      static_cast<float*>(optional_mutable_ptr(mean)),
       rstd.mutable_data_ptr<float>(), out_fp8 ? scale.const_data_ptr<float>() : nullptr,
       out_fp8 ? scale_inv_out.mutable_data_ptr<float>() : nullptr, amax, accumulate_amax,
       current_stream());
@@ -202,7 +203,7 @@ bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Ten
 }
 
 bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
-                              const at::Tensor& mean, const at::Tensor& rstd,
+                              Normalization norm, const at::Tensor& mean, const at::Tensor& rstd,
                               const at::Tensor& gamma, const at::Tensor& grad_input,
                               const at::Tensor& grad_gamma, const at::Tensor& grad_beta) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -214,8 +215,8 @@ bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
   if (parts == 0) return false;
   auto workspace = at::empty({2, parts, hidden}, x.options().dtype(at::kFloat));
   const int rc = cuda::launch_layer_norm_bwd(
-      grad_out.const_data_ptr(), x.const_data_ptr(), input_type(x), mean.const_data_ptr<float>(),
-      rstd.const_data_ptr<float>(), optional_ptr(gamma), weights, rows, hidden,
+      grad_out.const_data_ptr(), x.const_data_ptr(), input_type(x),
+      norm == Normalization::kRMSNorm, static_cast<const float*>(optional_ptr(mean)), rstd.const_data_ptr<float>(), optional_ptr(gamma), weights, rows, hidden,
       grad_input.mutable_data_ptr(), workspace.mutable_data_ptr<float>(), parts,
       optional_mutable_ptr(grad_gamma), optional_mutable_ptr(grad_beta), current_stream());
   if (rc == cuda::kUnsupportedShape) return false;

@@ -96,9 +96,11 @@ inline constexpr int kDefaultLayerNormThreads = 128;
 // One row of x [rows, hidden] per block: mean/rstd (float32 [rows]) and the normalized output
 // into `out` in x's type (out_fp8 = 0) or FP8 E4M3 (1) / E5M2 (2) with *scale, writing
 // 1/scale into scale_inv and max|y| into amax (both required for FP8; amax max-merged with
-// accumulate_amax). gamma/beta are [hidden] or null.
+// accumulate_amax). gamma/beta are [hidden] or null. rms_norm: RMSNorm (the mean is taken as
+// 0 and not written: `mean` may be null; beta must be null).
 int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, const void* beta,
-                          InputType weight_type, int64_t rows, int64_t hidden, float eps, void* out,
+                          InputType weight_type, int64_t rows, int64_t hidden, float eps,
+                          bool rms_norm, void* out,
                           int out_fp8, float* mean, float* rstd, const float* scale,
                           float* scale_inv, float* amax, bool accumulate_amax, Stream stream,
                           int preferred_threads = kDefaultLayerNormThreads);
@@ -109,12 +111,14 @@ int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, cons
 int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
                          InputType type, InputType weight_type, int64_t rows, int64_t hidden);
 
-// dx (x's type) from dy (x's type); dgamma/dbeta ([hidden], either may be null).
+// dx (x's type) from dy (x's type); dgamma/dbeta ([hidden], either may be null). rms_norm:
+// RMSNorm's gradient (mean unread, may be null; dbeta must be null).
 // `parts` blocks each sum dgamma/dbeta over a grid-strided share of the rows into `part`
 // [2, parts, hidden] (float32), then launch_column_sum adds them up. layer_norm_bwd_parts gives
 // one wave of resident blocks; any parts >= 1 is correct (the benchmark sweeps it).
-int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
-                          const float* rstd, const void* gamma, InputType weight_type,
+int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rms_norm,
+                          const float* mean, const float* rstd, const void* gamma,
+                          InputType weight_type,
                           int64_t rows, int64_t hidden, void* dx, float* part, int parts,
                           void* dgamma, void* dbeta, Stream stream);
 

@@ -1,7 +1,9 @@
-// LayerNorm forward (high-precision or FP8 output) and backward.
+// LayerNorm and RMSNorm forward (high-precision or FP8 output) and backward.
 //
 // One row per block iteration; each thread keeps its share of the row in registers, so x is
-// read once and the statistics are an exact two-pass mean/variance in float32.
+// read once and the statistics are an exact two-pass mean/variance in float32. RMSNorm is the
+// same kernel with the mean fixed at 0 (a runtime flag, uniform over the grid: no instances
+// added).
 
 #include <cuda_runtime.h>
 
@@ -96,20 +98,22 @@ template <typename T, typename W, int kVec, int kIters, int kOut>
 __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
     layer_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ gamma,
                           const W* __restrict__ beta, int64_t rows, int hidden, float eps,
-                          void* __restrict__ out, float* __restrict__ mean_out,
+                          bool rms_norm, void* __restrict__ out, float* __restrict__ mean_out,
                           float* __restrict__ rstd_out, const float* __restrict__ scale_ptr,
                           float* __restrict__ scale_inv, float* __restrict__ amax) {
   constexpr bool kFp8 = kOut != 0;
   constexpr bool kE5M2 = kOut == 2;
-  // Slots 0..31 for the mean, 32..63 for the variance (see block_sum2).
+  // LayerNorm: slots 0..31 for the mean, 32..63 for the variance (see block_sum2). RMSNorm has
+  // one reduction per row: its rows alternate between the two sets.
   __shared__ float2 smem[2 * kReduceSlots];
+  int rms_slots = 0;
   const float scale = kFp8 ? *scale_ptr : 1.0f;
   if (kFp8 && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
   const int nvec = hidden / kVec;
   const float inv_hidden = 1.0f / static_cast<float>(hidden);
 
   uint32_t max_bits = 0;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x, rms_slots ^= kReduceSlots) {
     const auto* xr = reinterpret_cast<const Vec<T, kVec>*>(x + row * hidden);
     float v[kIters][kVec];
     float sum = 0.0f;
@@ -125,7 +129,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
         }
       }
     }
-    const float mean = block_sum(sum, smem) * inv_hidden;
+    const float mean = rms_norm ? 0.0f : block_sum(sum, smem) * inv_hidden;
     float squares = 0.0f;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
@@ -137,9 +141,10 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
         }
       }
     }
-    const float rstd = rsqrtf(block_sum(squares, smem + kReduceSlots) * inv_hidden + eps);
+    const int squares_slots = rms_norm ? rms_slots : kReduceSlots;
+    const float rstd = rsqrtf(block_sum(squares, smem + squares_slots) * inv_hidden + eps);
     if (threadIdx.x == 0) {
-      mean_out[row] = mean;
+      if (!rms_norm) mean_out[row] = mean;
       rstd_out[row] = rstd;
     }
 #pragma unroll
@@ -193,7 +198,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
 // dx per row; dgamma/dbeta partial sums per block (rows strided by gridDim.x), reduced later.
 template <typename T, typename W, int kVec, int kIters>
 __global__ void __launch_bounds__(kMaxThreads)
-    layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+    layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, bool rms_norm,
                           const float* __restrict__ mean, const float* __restrict__ rstd,
                           const W* __restrict__ gamma, int64_t rows, int hidden,
                           T* __restrict__ dx, float* __restrict__ dgamma_part,
@@ -220,7 +225,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x, slots ^= kReduceSlots) {
     const auto* xr = reinterpret_cast<const Vec<T, kVec>*>(x + row * hidden);
     const auto* dyr = reinterpret_cast<const Vec<T, kVec>*>(dy + row * hidden);
-    const float mu = mean[row], rs = rstd[row];
+    const float mu = rms_norm ? 0.0f : mean[row], rs = rstd[row];
     float xv[kIters][kVec], dv[kIters][kVec];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
@@ -244,7 +249,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
     const float2 sums = block_sum2(s1, s2, smem + slots);
-    const float mean_wdy = sums.x * inv_hidden, mean_wdy_xhat = sums.y * inv_hidden;
+    // RMSNorm's output does not depend on x's mean: no mean(g) term.
+    const float mean_wdy = rms_norm ? 0.0f : sums.x * inv_hidden;
+    const float mean_wdy_xhat = sums.y * inv_hidden;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int i = threadIdx.x + it * blockDim.x;
@@ -373,11 +380,12 @@ int bwd_parts(int64_t rows, const RowPlan& plan) {
 }  // namespace
 
 int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, const void* beta,
-                          InputType weight_type, int64_t rows, int64_t hidden, float eps, void* out,
-                          int out_fp8, float* mean, float* rstd, const float* scale,
+                          InputType weight_type, int64_t rows, int64_t hidden, float eps,
+                          bool rms_norm, void* out, int out_fp8, float* mean, float* rstd, const float* scale,
                           float* scale_inv, float* amax, bool accumulate_amax, Stream stream,
                           int preferred_threads) {
-  if (preferred_threads < 32 || preferred_threads > kMaxThreads || preferred_threads % 32 != 0) {
+  if (preferred_threads < 32 || preferred_threads > kMaxThreads || preferred_threads % 32 != 0 ||
+      (rms_norm && beta != nullptr) || (!rms_norm && mean == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (out_fp8 != 0 && amax != nullptr && !accumulate_amax) {
@@ -408,15 +416,15 @@ int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, cons
           switch (out_fp8) {
             case 0:
               layer_norm_fwd_kernel<T, W, kVec, kIters, 0><<<grid, plan.threads, 0, stream>>>(
-                  in, g, b, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+                  in, g, b, rows, h, eps, rms_norm, out, mean, rstd, scale, scale_inv, amax);
               break;
             case 1:
               layer_norm_fwd_kernel<T, W, kVec, kIters, 1><<<grid, plan.threads, 0, stream>>>(
-                  in, g, b, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+                  in, g, b, rows, h, eps, rms_norm, out, mean, rstd, scale, scale_inv, amax);
               break;
             default:
               layer_norm_fwd_kernel<T, W, kVec, kIters, 2><<<grid, plan.threads, 0, stream>>>(
-                  in, g, b, rows, h, eps, out, mean, rstd, scale, scale_inv, amax);
+                  in, g, b, rows, h, eps, rms_norm, out, mean, rstd, scale, scale_inv, amax);
               break;
           }
           return static_cast<int>(cudaGetLastError());
@@ -449,10 +457,13 @@ int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const vo
   });
 }
 
-int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const float* mean,
-                          const float* rstd, const void* gamma, InputType weight_type,
-                          int64_t rows, int64_t hidden, void* dx, float* part, int parts,
-                          void* dgamma, void* dbeta, Stream stream) {
+int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rms_norm,
+                          const float* mean, const float* rstd, const void* gamma,
+                          InputType weight_type, int64_t rows, int64_t hidden, void* dx,
+                          float* part, int parts, void* dgamma, void* dbeta, Stream stream) {
+  if ((rms_norm && dbeta != nullptr) || (!rms_norm && mean == nullptr)) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
   return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
     return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
@@ -469,7 +480,7 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, const f
           return kUnsupportedShape;  // never planned
         } else {
           layer_norm_bwd_kernel<T, W, kVec, kIters><<<parts, plan.threads, 0, stream>>>(
-              static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd,
+              static_cast<const T*>(dy), static_cast<const T*>(x), rms_norm, mean, rstd,
               static_cast<const W*>(gamma), rows, static_cast<int>(hidden), static_cast<T*>(dx),
               dgamma_part, dbeta_part);
           return static_cast<int>(cudaGetLastError());

@@ -10,6 +10,7 @@
 #include "ops/fp8_format.h"
 #include "ops/fused_adam.h"
 #include "ops/fused_sgd.h"
+#include "ops/layer_norm.h"
 #include "ops/fp8_gemm.h"
 #include "ops/fp8_tensor.h"
 #include "ops/scaling.h"
@@ -50,13 +51,14 @@ void delayed_scaling_update_cuda(const std::vector<DelayedScalingGroup>& groups,
 // LayerNorm kernels (ops/cuda/layer_norm_kernels.cu). gamma/beta (and grad_gamma/grad_beta)
 // are contiguous [hidden] or undefined, all defined ones of one dtype: float32 or x's; `out` is
 // x's dtype or FP8 (then scale/scale_inv/amax are used). Return false, having done nothing but
-// perhaps zeroed amax, when the fused kernels do not take the shape.
+// perhaps zeroed amax, when the fused kernels do not take the shape. RMSNorm: beta and mean
+// undefined.
 bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Tensor& beta,
-                     double eps, const at::Tensor& out, const at::Tensor& mean,
+                     double eps, Normalization norm, const at::Tensor& out, const at::Tensor& mean,
                      const at::Tensor& rstd, const at::Tensor& scale,
                      const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
 bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
-                              const at::Tensor& mean, const at::Tensor& rstd,
+                              Normalization norm, const at::Tensor& mean, const at::Tensor& rstd,
                               const at::Tensor& gamma, const at::Tensor& grad_input,
                               const at::Tensor& grad_gamma, const at::Tensor& grad_beta);
 void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out);

@@ -26,13 +26,38 @@ at::Tensor or_empty(const at::Tensor& t, const at::TensorOptions& options) {
 
 at::Tensor defined_or_null(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
 
+// The op of a module's normalization (ops/layer_norm.h); `beta` is undefined for RMSNorm.
+LayerNormResult normalize(Normalization norm, const at::Tensor& x, const at::Tensor& gamma,
+                          const at::Tensor& beta, double eps) {
+  return norm == Normalization::kRMSNorm ? rms_norm(x, gamma, eps)
+                                         : layer_norm(x, gamma, beta, eps);
+}
+
+LayerNormGrads normalize_backward(Normalization norm, const at::Tensor& grad_out,
+                                  const at::Tensor& x, const LayerNormStats& stats,
+                                  const at::Tensor& gamma, const at::Tensor& beta) {
+  return norm == Normalization::kRMSNorm ? rms_norm_backward(grad_out, x, stats, gamma)
+                                         : layer_norm_backward(grad_out, x, stats, gamma, beta);
+}
+
+// The normalization travels to the backward pass in the context's saved data.
+void save_normalization(torch::autograd::AutogradContext* ctx, Normalization norm) {
+  ctx->saved_data["normalization"] = static_cast<int64_t>(norm);
+}
+
+Normalization saved_normalization(torch::autograd::AutogradContext* ctx) {
+  return static_cast<Normalization>(ctx->saved_data.at("normalization").toInt());
+}
+
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
-  // weight/bias: [hidden] or empty (no affine). Returns [rows, hidden].
+  // weight/bias: [hidden] or empty (no affine; no bias). Returns [rows, hidden].
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x2d,
-                               const torch::Tensor& weight, const torch::Tensor& bias, double eps) {
+                               const torch::Tensor& weight, const torch::Tensor& bias, double eps,
+                               Normalization norm) {
     const auto gamma = defined_or_null(weight), beta = defined_or_null(bias);
-    auto result = layer_norm(x2d, gamma, beta, eps);
+    auto result = normalize(norm, x2d, gamma, beta, eps);
     ctx->save_for_backward({x2d, result.stats.mean, result.stats.rstd, weight, bias});
+    save_normalization(ctx, norm);
     return result.out;
   }
 
@@ -40,10 +65,12 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const auto gamma = defined_or_null(saved[3]), beta = defined_or_null(saved[4]);
-    auto grads = layer_norm_backward(grad_outputs[0], saved[0], {saved[1], saved[2]}, gamma, beta);
+    auto grads = normalize_backward(saved_normalization(ctx), grad_outputs[0], saved[0],
+                                    {saved[1], saved[2]}, gamma, beta);
     if (!ctx->needs_input_grad(1)) grads.grad_gamma = at::Tensor();
     if (!ctx->needs_input_grad(2)) grads.grad_beta = at::Tensor();
-    return {grads.grad_input, grads.grad_gamma, grads.grad_beta, torch::Tensor()};
+    return {grads.grad_input, grads.grad_gamma, grads.grad_beta, torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -60,7 +87,7 @@ struct LayerNormFp8 {
 
 LayerNormFp8 layer_norm_fp8_for(Fp8Meta& meta, const Fp8Recipe& recipe, const at::Tensor& x2d,
                                 const at::Tensor& ln_weight, const at::Tensor& ln_bias,
-                                double eps) {
+                                double eps, Normalization norm) {
   const int64_t rows = x2d.size(0), hidden = x2d.size(1);
   const int64_t rows_padded = detail::padded_rows(rows);
   const auto format = recipe.forward_format;
@@ -68,12 +95,17 @@ LayerNormFp8 layer_norm_fp8_for(Fp8Meta& meta, const Fp8Recipe& recipe, const at
     const auto fp8_options = x2d.options().dtype(fp8_dtype(format));
     auto buffer = rows_padded == rows ? at::empty({rows, hidden}, fp8_options)
                                       : at::zeros({rows_padded, hidden}, fp8_options);
-    auto ln = layer_norm_fp8(x2d, ln_weight, ln_bias, eps, meta.scale(Fp8Slot::kInput), format,
-                             meta.amax(Fp8Slot::kInput), /*accumulate_amax=*/true,
-                             buffer.narrow(0, 0, rows));
+    const auto& scale = meta.scale(Fp8Slot::kInput);
+    const auto& amax = meta.amax(Fp8Slot::kInput);
+    auto out = buffer.narrow(0, 0, rows);
+    auto ln = norm == Normalization::kRMSNorm
+                  ? rms_norm_fp8(x2d, ln_weight, eps, scale, format, amax,
+                                 /*accumulate_amax=*/true, out)
+                  : layer_norm_fp8(x2d, ln_weight, ln_bias, eps, scale, format, amax,
+                                   /*accumulate_amax=*/true, out);
     return {Fp8Tensor(buffer, ln.out.scale_inv, format), at::Tensor(), ln.stats};
   }
-  auto ln = layer_norm(x2d, ln_weight, ln_bias, eps);
+  auto ln = normalize(norm, x2d, ln_weight, ln_bias, eps);
   auto q = detail::quantize_for(detail::pad_rows(ln.out, rows_padded), recipe, meta,
                                 Fp8Slot::kInput);
   return {q.data, q.transposed.data, ln.stats};
@@ -110,7 +142,8 @@ struct LayerNormSaved {
   std::array<torch::Tensor, 3> grads(torch::autograd::AutogradContext* ctx,
                                      const detail::Fp8LinearSaved& saved,
                                      const at::Tensor& grad_out2d) const {
-    auto ln = layer_norm_backward(grad_out2d, x2d, {mean, rstd}, weight, bias);
+    auto ln = normalize_backward(saved_normalization(ctx), grad_out2d, x2d, {mean, rstd},
+                                 defined_or_null(weight), defined_or_null(bias));
     return {ctx->needs_input_grad(0) ? saved.unflatten(ln.grad_input) : torch::Tensor(),
             ctx->needs_input_grad(1) ? ln.grad_gamma : torch::Tensor(),
             ctx->needs_input_grad(2) ? ln.grad_beta : torch::Tensor()};
@@ -138,11 +171,14 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
                                const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
                                const torch::Tensor& weight, const torch::Tensor& bias,
                                const torch::Tensor& grad_anchor, bool has_bias,
-                               const Fp8LinearImpl::Fp8Call& call, double eps) {
+                               const Fp8LinearImpl::Fp8Call& call, double eps,
+                               Normalization norm) {
     const int64_t hidden = ln_weight.size(0);
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0);
-    auto ln = layer_norm_fp8_for(*call.meta, call.recipe, x2d, ln_weight, ln_bias, eps);
+    auto ln = layer_norm_fp8_for(*call.meta, call.recipe, x2d, ln_weight, defined_or_null(ln_bias),
+                                 eps, norm);
+    save_normalization(ctx, norm);
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
     if (has_bias) gemm.bias = bias;
@@ -177,7 +213,7 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     std::array<torch::Tensor, 3> ln;
     if (need_ln) ln = tensors.grads(ctx, saved, grads.input);
     return {ln[0],           ln[1],           ln[2],           grads.weight,   grads.bias,
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -206,12 +242,15 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
                                bool fc1_has_bias, bool fc2_has_bias,
                                const Fp8LinearImpl::Fp8Call& fc1_call,
-                               const Fp8LinearImpl::Fp8Call& fc2_call, double eps) {
+                               const Fp8LinearImpl::Fp8Call& fc2_call, double eps,
+                               Normalization norm) {
     const int64_t hidden = ln_weight.size(0);
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
     const auto& recipe = fc1_call.recipe;
-    auto ln = layer_norm_fp8_for(*fc1_call.meta, recipe, x2d, ln_weight, ln_bias, eps);
+    auto ln = layer_norm_fp8_for(*fc1_call.meta, recipe, x2d, ln_weight, defined_or_null(ln_bias),
+                                 eps, norm);
+    save_normalization(ctx, norm);
 
     Fp8GemmOptions gemm1;
     gemm1.use_fast_accum = true;
@@ -277,7 +316,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     return {ln[0],           ln[1],           ln[2],           fc1_grads.weight,
             fc1_grads.bias,  fc2_grads.weight, fc2_grads.bias,  torch::Tensor(),
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -294,6 +333,11 @@ int64_t Fp8LayerNormImpl::hidden_size() const {
                          int64_t{1}, std::multiplies<>());
 }
 
+bool Fp8LayerNormImpl::has_bias() const {
+  return options.elementwise_affine() &&
+         options.bias().value_or(options.normalization() == Normalization::kLayerNorm);
+}
+
 void Fp8LayerNormImpl::reset() {
   TORCH_CHECK(!options.normalized_shape().empty(),
               "Fp8LayerNorm: normalized_shape must name at least one dimension");
@@ -302,9 +346,12 @@ void Fp8LayerNormImpl::reset() {
                 options.normalized_shape());
   }
   TORCH_CHECK(options.eps() > 0, "Fp8LayerNorm: eps must be positive, got ", options.eps());
+  TORCH_CHECK(options.normalization() == Normalization::kLayerNorm || !options.bias().value_or(false),
+              "Fp8LayerNorm: bias must be false (or unset) with normalization RMSNorm, which "
+              "has no shift");
   if (options.elementwise_affine()) {
     weight = register_parameter("weight", torch::empty(options.normalized_shape()));
-    bias = options.bias() ? register_parameter("bias", torch::empty(options.normalized_shape()))
+    bias = has_bias() ? register_parameter("bias", torch::empty(options.normalized_shape()))
                           : register_parameter("bias", {}, /*requires_grad=*/false);
   } else {
     weight = register_parameter("weight", {}, /*requires_grad=*/false);
@@ -321,8 +368,9 @@ void Fp8LayerNormImpl::reset_parameters() {
 
 void Fp8LayerNormImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "amp8::Fp8LayerNorm(" << at::IntArrayRef(options.normalized_shape())
+         << (options.normalization() == Normalization::kRMSNorm ? ", normalization=RMSNorm" : "")
          << ", eps=" << options.eps() << ", elementwise_affine=" << options.elementwise_affine()
-         << ", bias=" << (options.elementwise_affine() && options.bias()) << ")";
+         << ", bias=" << has_bias() << ")";
 }
 
 torch::Tensor Fp8LayerNormImpl::forward(const torch::Tensor& input) {
@@ -338,7 +386,8 @@ torch::Tensor Fp8LayerNormImpl::forward(const torch::Tensor& input) {
   auto y = LayerNormFunction::apply(
       input.reshape({-1, hidden}).contiguous(),
       or_empty(weight.defined() ? weight.reshape({hidden}) : weight, placeholder),
-      or_empty(bias.defined() ? bias.reshape({hidden}) : bias, placeholder), options.eps());
+      or_empty(bias.defined() ? bias.reshape({hidden}) : bias, placeholder), options.eps(),
+      options.normalization());
   return y.reshape(input.sizes());
 }
 
@@ -352,7 +401,9 @@ Fp8LayerNormLinearImpl::Fp8LayerNormLinearImpl(const Fp8LayerNormLinearOptions& 
 
 void Fp8LayerNormLinearImpl::reset() {
   layer_norm = register_module(
-      "layer_norm", Fp8LayerNorm(Fp8LayerNormOptions({options.in_features()}).eps(options.eps())));
+      "layer_norm", Fp8LayerNorm(Fp8LayerNormOptions({options.in_features()})
+                                     .normalization(options.normalization())
+                                     .eps(options.eps())));
   linear = register_module("linear",
                            Fp8Linear(Fp8LinearOptions(options.in_features(), options.out_features())
                                          .bias(options.bias())
@@ -364,7 +415,9 @@ void Fp8LayerNormLinearImpl::reset() {
 
 void Fp8LayerNormLinearImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "amp8::Fp8LayerNormLinear(in_features=" << options.in_features()
-         << ", out_features=" << options.out_features() << ", eps=" << options.eps()
+         << ", out_features=" << options.out_features()
+         << (options.normalization() == Normalization::kRMSNorm ? ", normalization=RMSNorm" : "")
+         << ", eps=" << options.eps()
          << ", bias=" << options.bias() << (options.fp8_params() ? ", fp8_params=true" : "") << ")";
 }
 
@@ -381,9 +434,11 @@ torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
               "Fp8LayerNormLinear: input must be float32, bfloat16 or float16, got ",
               input.scalar_type());
   const auto& anchor = lin.grad_anchor();
-  return LayerNormLinearFunction::apply(input, layer_norm->weight, layer_norm->bias, lin.weight,
-                                        lin.bias.defined() ? lin.bias : anchor.detach(), anchor,
-                                        lin.options.bias(), *call, options.eps());
+  const auto& ln_bias = layer_norm->bias;
+  return LayerNormLinearFunction::apply(
+      input, layer_norm->weight, ln_bias.defined() ? ln_bias : anchor.detach().new_empty({0}),
+      lin.weight, lin.bias.defined() ? lin.bias : anchor.detach(), anchor, lin.options.bias(),
+      *call, options.eps(), options.normalization());
 }
 
 }  // namespace amp8
@@ -405,6 +460,7 @@ void Fp8LayerNormMLPImpl::reset() {
   ln_fc1 = register_module(
       "ln_fc1", Fp8LayerNormLinear(
                     Fp8LayerNormLinearOptions(options.hidden_size(), options.ffn_hidden_size())
+                        .normalization(options.normalization())
                         .eps(options.eps())
                         .bias(options.bias())
                         .fp8_amax_history_len(options.fp8_amax_history_len())
@@ -422,7 +478,9 @@ void Fp8LayerNormMLPImpl::reset() {
 
 void Fp8LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "amp8::Fp8LayerNormMLP(hidden_size=" << options.hidden_size()
-         << ", ffn_hidden_size=" << options.ffn_hidden_size() << ", eps=" << options.eps()
+         << ", ffn_hidden_size=" << options.ffn_hidden_size()
+         << (options.normalization() == Normalization::kRMSNorm ? ", normalization=RMSNorm" : "")
+         << ", eps=" << options.eps()
          << ", bias=" << options.bias() << (options.fp8_params() ? ", fp8_params=true" : "")
          << (options.fused() ? "" : ", fused=false") << ")";
 }
@@ -450,11 +508,14 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
                         "Fp8LayerNormMLP: runs_in_fp8 and prepare_fp8_call disagree");
   const auto& fc1_anchor = fc1.grad_anchor();
   const auto& fc2_anchor = out.grad_anchor();
+  const auto& ln_bias = ln_fc1->layer_norm->bias;
   return LayerNormMLPFunction::apply(
-      input, ln_fc1->layer_norm->weight, ln_fc1->layer_norm->bias, fc1.weight,
+      input, ln_fc1->layer_norm->weight,
+      ln_bias.defined() ? ln_bias : fc1_anchor.detach().new_empty({0}), fc1.weight,
       fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
       out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
-      fc1.options.bias(), out.options.bias(), *fc1_call, *fc2_call, options.eps());
+      fc1.options.bias(), out.options.bias(), *fc1_call, *fc2_call, options.eps(),
+      options.normalization());
 }
 
 }  // namespace amp8

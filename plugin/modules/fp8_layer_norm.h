@@ -6,33 +6,42 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <vector>
 
+#include "ops/layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
 
 namespace amp8 {
 
 /// Options of Fp8LayerNorm, like torch::nn::LayerNormOptions:
 ///   Fp8LayerNormOptions({1024}).eps(1e-6)
+///   Fp8LayerNormOptions({2048}).normalization(Normalization::kRMSNorm)   // Llama's RMSNorm
 struct Fp8LayerNormOptions {
   /* implicit */ Fp8LayerNormOptions(std::vector<int64_t> normalized_shape)
       : normalized_shape_(std::move(normalized_shape)) {}
   /// The trailing dimensions normalized over (their product is the hidden size).
   TORCH_ARG(std::vector<int64_t>, normalized_shape);
-  /// Added to the variance for numerical stability. Default: 1e-5.
+  /// LayerNorm (subtract the mean, divide by the standard deviation) or RMSNorm (divide by the
+  /// root mean square; no shift), as TE's `normalization`. Default: kLayerNorm.
+  TORCH_ARG(Normalization, normalization) = Normalization::kLayerNorm;
+  /// Added to the variance (RMSNorm: the mean square) for numerical stability. Default: 1e-5.
   TORCH_ARG(double, eps) = 1e-5;
-  /// Learn a per-element scale (`weight`, ones) and shift (`bias`, zeros). Default: true.
+  /// Learn a per-element scale (`weight`, ones) and, for LayerNorm, shift (`bias`, zeros).
+  /// Default: true.
   TORCH_ARG(bool, elementwise_affine) = true;
-  /// Learn the shift `bias` (only with elementwise_affine). Default: true.
-  TORCH_ARG(bool, bias) = true;
+  /// Learn the shift `bias` (only with elementwise_affine). Default: LayerNorm has one, RMSNorm
+  /// none; true with RMSNorm is an error.
+  TORCH_ARG(std::optional<bool>, bias) = std::nullopt;
 };
 
 /// A drop-in replacement for torch::nn::LayerNorm (same parameters `weight`/`bias`, same
 /// initialisation, same biased variance) computed by amp8's LayerNorm op: statistics in
 /// float32 in the forward and the backward pass, fused CUDA kernels (ops/layer_norm.h), the
 /// output in the input's dtype (as Transformer Engine's LayerNorm; torch::nn::LayerNorm under
-/// at::autocast returns float32).
+/// at::autocast returns float32). With normalization(kRMSNorm) it is an RMSNorm (at::rms_norm's
+/// y = x / √(mean(x²) + eps) · weight; TE's RMSNorm), by the same kernels.
 ///
 /// When the normalized output feeds an Fp8Linear, use Fp8LayerNormLinear: inside an FP8
 /// region it writes the output directly in FP8 with its amax, so the activation is quantized
@@ -59,18 +68,23 @@ class Fp8LayerNormImpl : public torch::nn::Cloneable<Fp8LayerNormImpl> {
 
  private:
   int64_t hidden_size() const;
+  bool has_bias() const;
   int64_t forward_calls_ = 0;
 };
 
 TORCH_MODULE(Fp8LayerNorm);
 
-/// Options of Fp8LayerNormLinear: a LayerNorm over in_features followed by a linear layer.
+/// Options of Fp8LayerNormLinear: a LayerNorm (or RMSNorm) over in_features followed by a
+/// linear layer.
 ///   Fp8LayerNormLinearOptions(1024, 3072).eps(1e-5).bias(false)
+///   Fp8LayerNormLinearOptions(2048, 3072).normalization(Normalization::kRMSNorm).bias(false)
 struct Fp8LayerNormLinearOptions {
   Fp8LayerNormLinearOptions(int64_t in_features, int64_t out_features)
       : in_features_(in_features), out_features_(out_features) {}
   TORCH_ARG(int64_t, in_features);
   TORCH_ARG(int64_t, out_features);
+  /// As Fp8LayerNormOptions::normalization (RMSNorm: the norm has no bias). Default: kLayerNorm.
+  TORCH_ARG(Normalization, normalization) = Normalization::kLayerNorm;
   /// The LayerNorm's eps. Default: 1e-5.
   TORCH_ARG(double, eps) = 1e-5;
   /// The linear layer's bias. Default: true.
@@ -85,7 +99,8 @@ struct Fp8LayerNormLinearOptions {
   TORCH_ARG(bool, fp8_params) = false;
 };
 
-/// Fp8LayerNorm followed by Fp8Linear, fused the way Transformer Engine's LayerNormLinear is:
+/// Fp8LayerNorm followed by Fp8Linear, fused the way Transformer Engine's LayerNormLinear is
+/// (with normalization "LayerNorm" or "RMSNorm"):
 /// inside an FP8 region (when the linear layer runs in FP8) the LayerNorm kernel writes its
 /// output straight into E4M3 with the linear layer's input scale and records its amax into the
 /// linear layer's input history slot — one read of x, one FP8 write, no high-precision
@@ -94,7 +109,8 @@ struct Fp8LayerNormLinearOptions {
 /// when the linear layer falls back to high precision) it computes layer_norm(x) then
 /// linear(·) exactly like the two modules in sequence.
 ///
-/// Submodules `layer_norm` (Fp8LayerNorm, parameters layer_norm.weight / layer_norm.bias) and
+/// Submodules `layer_norm` (Fp8LayerNorm, parameters layer_norm.weight / layer_norm.bias; no
+/// bias for RMSNorm) and
 /// `linear` (Fp8Linear, with its FP8 metadata buffers). Built under Fp8ModelInit, the linear
 /// weight is kept in FP8 (fp8_params).
 class Fp8LayerNormLinearImpl : public torch::nn::Cloneable<Fp8LayerNormLinearImpl> {
@@ -125,6 +141,8 @@ struct Fp8LayerNormMLPOptions {
   TORCH_ARG(int64_t, hidden_size);
   /// Width of the hidden (GELU) layer.
   TORCH_ARG(int64_t, ffn_hidden_size);
+  /// As Fp8LayerNormOptions::normalization. Default: kLayerNorm.
+  TORCH_ARG(Normalization, normalization) = Normalization::kLayerNorm;
   /// The LayerNorm's eps. Default: 1e-5.
   TORCH_ARG(double, eps) = 1e-5;
   /// Biases of both linear layers. Default: true.

@@ -1,6 +1,5 @@
 #include "recipes/llama/llama_model.h"
 
-#include <ATen/ops/rms_norm.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/functional/activation.h>
@@ -138,23 +137,14 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const Rotary& rotary) {
   return RotaryFunction::apply(x, rotary.cos, rotary.sin);
 }
 
-RMSNormImpl::RMSNormImpl(const RMSNormOptions& options_) : options(options_) {
-  TORCH_CHECK(options.size() >= 1, "RMSNorm: size must be >= 1, got ", options.size());
-  TORCH_CHECK(options.eps() > 0, "RMSNorm: eps must be > 0, got ", options.eps());
-  reset();
-}
-
-void RMSNormImpl::reset() { weight = register_parameter("weight", torch::ones({options.size()})); }
-
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  return at::rms_norm(x, {options.size()}, weight.to(x.scalar_type()), options.eps());
-}
-
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& config) : config_(config) {
   const int64_t d = config.head_dim();
-  qkv = register_module("qkv", Fp8Linear(Fp8LinearOptions(
-                                   config.hidden(), (config.heads() + 2 * config.kv_heads()) * d)
-                                   .bias(false)));
+  qkv = register_module(
+      "qkv", Fp8LayerNormLinear(Fp8LayerNormLinearOptions(
+                                    config.hidden(), (config.heads() + 2 * config.kv_heads()) * d)
+                                    .normalization(Normalization::kRMSNorm)
+                                    .eps(config.norm_eps())
+                                    .bias(false)));
   o_proj = register_module("o_proj", Fp8Linear(Fp8LinearOptions(config.hidden(), config.hidden()).bias(false)));
 }
 
@@ -171,8 +161,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& 
   return o_proj->forward(attention.transpose(1, 2).reshape({b, t, heads * d}));
 }
 
-SwiGluMlpImpl::SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden) {
-  gate_up = register_module("gate_up", Fp8Linear(Fp8LinearOptions(hidden, 2 * ffn_hidden).bias(false)));
+SwiGluMlpImpl::SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden, double norm_eps) {
+  gate_up = register_module(
+      "gate_up", Fp8LayerNormLinear(Fp8LayerNormLinearOptions(hidden, 2 * ffn_hidden)
+                                        .normalization(Normalization::kRMSNorm)
+                                        .eps(norm_eps)
+                                        .bias(false)));
   down = register_module("down", Fp8Linear(Fp8LinearOptions(ffn_hidden, hidden).bias(false)));
 }
 
@@ -181,15 +175,13 @@ torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
 }
 
 LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& config) {
-  attention_norm = register_module("attention_norm", RMSNorm(RMSNormOptions(config.hidden()).eps(config.norm_eps())));
   attention = register_module("attention", LlamaAttention(config));
-  mlp_norm = register_module("mlp_norm", RMSNorm(RMSNormOptions(config.hidden()).eps(config.norm_eps())));
-  mlp = register_module("mlp", SwiGluMlp(config.hidden(), config.ffn_hidden()));
+  mlp = register_module("mlp", SwiGluMlp(config.hidden(), config.ffn_hidden(), config.norm_eps()));
 }
 
 torch::Tensor LlamaBlockImpl::forward(const torch::Tensor& x, const Rotary& rotary) {
-  const auto h = x + attention->forward(attention_norm->forward(x), rotary);
-  return h + mlp->forward(mlp_norm->forward(h));
+  const auto h = x + attention->forward(x, rotary);
+  return h + mlp->forward(h);
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& config) : config_(config) {
@@ -202,7 +194,10 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& config) : config_(config) {
   }
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < config.layers(); ++i) blocks->push_back(LlamaBlock(config));
-  final_norm = register_module("final_norm", RMSNorm(RMSNormOptions(config.hidden()).eps(config.norm_eps())));
+  final_norm = register_module(
+      "final_norm", Fp8LayerNorm(Fp8LayerNormOptions({config.hidden()})
+                                     .normalization(Normalization::kRMSNorm)
+                                     .eps(config.norm_eps())));
   if (!config.tie_embeddings()) {
     output = register_module("output", Fp8Linear(Fp8LinearOptions(config.hidden(), config.vocab_size()).bias(false)));
   }

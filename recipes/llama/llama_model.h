@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
 
 namespace amp8::recipes {
@@ -94,36 +95,18 @@ struct Rotary {
 /// (ops/rotary.h); x may be a view of the fused QKV output.
 torch::Tensor apply_rotary(const torch::Tensor& x, const Rotary& rotary);
 
-/// y = x / sqrt(mean(x²) + eps) · weight over the last dimension (at::rms_norm); the weight is
-/// used in x's dtype.
-struct RMSNormOptions {
-  explicit RMSNormOptions(int64_t size) : size_(size) {}
-  TORCH_ARG(int64_t, size);
-  /// Default: 1e-5.
-  TORCH_ARG(double, eps) = 1e-5;
-};
-
-class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
- public:
-  explicit RMSNormImpl(int64_t size) : RMSNormImpl(RMSNormOptions(size)) {}
-  explicit RMSNormImpl(const RMSNormOptions& options_);
-  void reset() override;
-  torch::Tensor forward(const torch::Tensor& x);
-
-  RMSNormOptions options;
-  torch::Tensor weight;
-};
-TORCH_MODULE(RMSNorm);
-
-/// Grouped-query self-attention: one Fp8Linear `qkv` (heads + 2 kv_heads outputs of head_dim,
-/// no bias), rotary embeddings on q and k, causal at::scaled_dot_product_attention with
-/// enable_gqa (no repeated K/V heads), and the output projection `o_proj`.
+/// The pre-attention RMSNorm and grouped-query self-attention: `qkv`, one Fp8LayerNormLinear
+/// with normalization RMSNorm (qkv.layer_norm, then qkv.linear: heads + 2 kv_heads outputs of
+/// head_dim, no bias; in FP8 the RMSNorm writes the GEMM's FP8 input directly), rotary
+/// embeddings on q and k, causal at::scaled_dot_product_attention with enable_gqa (no repeated
+/// K/V heads), and the output projection `o_proj`.
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const LlamaConfig& config);
-  /// x [batch, seq, hidden]; rotary for positions 0..seq-1.
+  /// x [batch, seq, hidden] (the residual stream, not yet normalized); rotary for positions
+  /// 0..seq-1.
   torch::Tensor forward(const torch::Tensor& x, const Rotary& rotary);
-  Fp8Linear qkv{nullptr};
+  Fp8LayerNormLinear qkv{nullptr};
   Fp8Linear o_proj{nullptr};
 
  private:
@@ -131,32 +114,35 @@ class LlamaAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaAttention);
 
-/// down(silu(gate) · up), gate and up from one Fp8Linear `gate_up` (2 × ffn_hidden outputs,
-/// gate first), no biases; SwiGLU as one kernel each way (ops/swiglu.h).
+/// The pre-MLP RMSNorm and down(silu(gate) · up): gate and up from `gate_up`, one
+/// Fp8LayerNormLinear with normalization RMSNorm (2 × ffn_hidden outputs, gate first), no
+/// biases; SwiGLU as one kernel each way (ops/swiglu.h).
 class SwiGluMlpImpl : public torch::nn::Module {
  public:
-  SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden);
+  SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden, double norm_eps);
+  /// x [..., hidden], the residual stream.
   torch::Tensor forward(const torch::Tensor& x);
-  Fp8Linear gate_up{nullptr};
+  Fp8LayerNormLinear gate_up{nullptr};
   Fp8Linear down{nullptr};
 };
 TORCH_MODULE(SwiGluMlp);
 
-/// x + attention(attention_norm(x)), then x + mlp(mlp_norm(x)).
+/// x + attention(rms_norm(x)), then x + mlp(rms_norm(x)); each RMSNorm is inside the module
+/// whose first GEMM reads it (attention.qkv.layer_norm, mlp.gate_up.layer_norm), as in
+/// Megatron-Core's TE layer specs.
 class LlamaBlockImpl : public torch::nn::Module {
  public:
   explicit LlamaBlockImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& x, const Rotary& rotary);
-  RMSNorm attention_norm{nullptr};
   LlamaAttention attention{nullptr};
-  RMSNorm mlp_norm{nullptr};
   SwiGluMlp mlp{nullptr};
 };
 TORCH_MODULE(LlamaBlock);
 
 /// Token embedding, `layers` LlamaBlocks (the ModuleList `blocks`: the layers
-/// num_layers_at_start/end_in_bf16 count), a final RMSNorm and the output head (`output`, an
-/// Fp8Linear, or the token embedding when tie_embeddings).
+/// num_layers_at_start/end_in_bf16 count), a final RMSNorm (`final_norm`, an Fp8LayerNorm with
+/// normalization RMSNorm) and the output head (`output`, an Fp8Linear, or the token embedding
+/// when tie_embeddings).
 class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaConfig& config);
@@ -170,7 +156,7 @@ class LlamaModelImpl : public torch::nn::Module {
 
   torch::nn::Embedding token_embedding{nullptr};
   torch::nn::ModuleList blocks{nullptr};
-  RMSNorm final_norm{nullptr};
+  Fp8LayerNorm final_norm{nullptr};
   Fp8Linear output{nullptr};  ///< null when tie_embeddings
 
  private:
