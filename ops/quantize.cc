@@ -10,6 +10,7 @@
 #include "ops/detail/gelu_formula.h"
 #include "ops/detail/row_sum.h"
 #include "ops/detail/scale_formula.h"
+#include "ops/swiglu.h"
 
 namespace amp8 {
 namespace {
@@ -206,6 +207,33 @@ Fp8CastTranspose cast_transpose_gelu(const at::Tensor& x, const at::Tensor& scal
 #endif
   }
   return cast_transpose(gelu_values_cpu(x, {}), scale, format, amax_out, accumulate_amax);
+}
+
+Fp8CastTranspose cast_transpose_swiglu(const at::Tensor& gate_up, const at::Tensor& scale,
+                                       Fp8Format format, const at::Tensor& amax_out,
+                                       bool accumulate_amax) {
+  check_activation_input(gate_up, scale, amax_out, "cast_transpose_swiglu");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "cast_transpose_swiglu: gate_up must have an even number ",
+              "of columns (gate and up halves), got shape ", gate_up.sizes());
+  // SwiGLU in float32, not rounded to gate_up's dtype: what the fused kernel quantizes.
+  auto values = [&] { return swiglu(gate_up.to(at::kFloat).contiguous()); };
+  if (gate_up.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
+    const auto options = gate_up.options().dtype(fp8_dtype(format));
+    auto out = at::empty({rows, ffn}, options);
+    auto out_t = at::empty({ffn, rows}, options);
+    auto scale_inv = at::empty({1}, scale.options());
+    if (gate_up.is_contiguous() &&
+        detail::cast_transpose_swiglu_cuda(gate_up, scale, format, out, out_t, scale_inv,
+                                           amax_ptr(amax_out), accumulate_amax)) {
+      return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
+    }
+#else
+    detail::no_cuda("cast_transpose_swiglu");
+#endif
+  }
+  return cast_transpose(values(), scale, format, amax_out, accumulate_amax);
 }
 
 Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input,

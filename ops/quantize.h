@@ -56,6 +56,16 @@ Fp8CastTranspose cast_transpose_gelu(const at::Tensor& x, const at::Tensor& scal
                                      Fp8Format format, const at::Tensor& amax_out = {},
                                      bool accumulate_amax = false);
 
+/// cast_transpose of swiglu(gate_up) (ops/swiglu.h's formula, in float32 and not rounded to
+/// gate_up's dtype before the cast; TE's LayerNormMLP with activation "swiglu"): the FP8 input of
+/// a SwiGLU MLP's second GEMM [rows, ffn] and its transpose straight from the first GEMM's fused
+/// gate/up output gate_up [rows, 2·ffn] (gate first), with no high-precision SwiGLU output
+/// written. amax_out receives max|swiglu(gate_up)|. CUDA: one kernel where the shape allows
+/// (rows % 16 == 0, ffn % 8 == 0, 16-byte aligned), else swiglu in float32 and cast_transpose.
+Fp8CastTranspose cast_transpose_swiglu(const at::Tensor& gate_up, const at::Tensor& scale,
+                                       Fp8Format format, const at::Tensor& amax_out = {},
+                                       bool accumulate_amax = false);
+
 /// cast_transpose of grad · gelu'(gelu_input) (the tanh approximation's derivative, float32;
 /// TE's cast_transpose_dbias_dgelu): the FP8 gradient of an MLP's first GEMM output, from one
 /// read of `grad` (the gradient of GELU's output) and `gelu_input` (both 2-D, same shape, dtype

@@ -335,14 +335,32 @@ TEST_F(Fp8LayerNormTest, Fp8ParamsUnderModelInit) {
 
 // ---- Fp8LayerNormMLP ----
 
-Fp8LayerNormMLP make_mlp(torch::Device device, int64_t hidden, int64_t ffn) {
-  Fp8LayerNormMLP mlp(
-      Fp8LayerNormMLPOptions(hidden, ffn).fp8_amax_history_len(4).fp8_min_gemm_size(0));
+// GELU with LayerNorm (GPT's MLP) or SwiGLU with RMSNorm (Llama's).
+Fp8LayerNormMLP make_mlp(torch::Device device, int64_t hidden, int64_t ffn,
+                         MlpActivation activation = MlpActivation::kGelu) {
+  const bool swiglu = activation == MlpActivation::kSwiGlu;
+  Fp8LayerNormMLP mlp(Fp8LayerNormMLPOptions(hidden, ffn)
+                          .activation(activation)
+                          .normalization(swiglu ? Normalization::kRMSNorm : Normalization::kLayerNorm)
+                          .fp8_amax_history_len(4)
+                          .fp8_min_gemm_size(0));
   torch::NoGradGuard no_grad;
   mlp->ln_fc1->layer_norm->weight.copy_(torch::rand({hidden}) + 0.5);
-  mlp->ln_fc1->layer_norm->bias.copy_(torch::randn({hidden}) * 0.2);
+  if (!swiglu) mlp->ln_fc1->layer_norm->bias.copy_(torch::randn({hidden}) * 0.2);
   mlp->to(device);
   return mlp;
+}
+
+// The activation as LibTorch computes it, for the modules run one after the other: GELU (tanh)
+// or silu(gate) · up over FC1's fused output.
+torch::Tensor libtorch_activation(MlpActivation activation, const torch::Tensor& fc1_out) {
+  if (activation == MlpActivation::kGelu) return at::gelu(fc1_out, "tanh");
+  const auto halves = fc1_out.chunk(2, -1);
+  return torch::silu(halves[0]) * halves[1];
+}
+
+const char* activation_name(MlpActivation activation) {
+  return activation == MlpActivation::kSwiGlu ? "swiglu" : "gelu";
 }
 
 // The fused MLP (GELU inside FC2's input cast, dGELU inside FC1's gradient cast) against its own
@@ -354,8 +372,8 @@ Fp8LayerNormMLP make_mlp(torch::Device device, int64_t hidden, int64_t ffn) {
 // gradient to bfloat16 before their casts.
 void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
                                const std::string& recipe_kind, double bound,
-                               int64_t batch = 5) {
-  auto fused = make_mlp(device, 64, 160);
+                               int64_t batch = 5, MlpActivation activation = MlpActivation::kGelu) {
+  auto fused = make_mlp(device, 64, 160, activation);
   // clone() without a device: LibTorch's clone(device) copies a tensor only where its device
   // differs from `device`, and cuda:0 differs from "cuda", so clone(torch::kCUDA) of a module
   // on cuda:0 returns a module that shares every parameter and buffer with it.
@@ -363,8 +381,9 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
   ASSERT_NE(sequence->fc2->fp8_fwd_scale.data_ptr(), fused->fc2->fp8_fwd_scale.data_ptr());
   const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind);
   for (int step = 0; step < 3; ++step) {
-    const std::string where = recipe_kind + " " + c10::toString(dtype) + " " +
-                              std::to_string(batch * 9) + " rows, step " + std::to_string(step);
+    const std::string where = std::string(activation_name(activation)) + " " + recipe_kind + " " +
+                              c10::toString(dtype) + " " + std::to_string(batch * 9) +
+                              " rows, step " + std::to_string(step);
     // 45 rows (padded internally to 48) or 144, a mean away from zero so that both sides of
     // GELU are used.
     auto x = ((torch::randn({batch, 9, 64}) + 0.3) * (step + 1)).to(device).to(dtype);
@@ -374,7 +393,7 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
     {
       Fp8Autocast region(recipe);
       y1 = fused->forward(x1);
-      y2 = sequence->fc2->forward(at::gelu(sequence->ln_fc1->forward(x2), "tanh"));
+      y2 = sequence->fc2->forward(libtorch_activation(activation, sequence->ln_fc1->forward(x2)));
     }
     y1.backward(grad);
     y2.backward(grad);
@@ -398,18 +417,24 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
   }
 }
 
+// Also Llama's MLP: RMSNorm and SwiGLU (inside FC2's input cast; its backward by ops/swiglu.h)
+// against LibTorch's silu(gate) · up.
 TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence) {
-  for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
-    mlp_matches_sequence_case(torch::kCPU, torch::kFloat, recipe_kind, 2e-3);
+  for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
+    for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
+      mlp_matches_sequence_case(torch::kCPU, torch::kFloat, recipe_kind, 2e-3, 5, activation);
+    }
   }
 }
 
 TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence_CUDA) {
   AMP8_REQUIRE_CUDA();
-  for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
-    mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3);
-    mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3, 16);
-    mlp_matches_sequence_case(torch::kCUDA, torch::kBFloat16, recipe_kind, 3e-2);
+  for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
+    for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
+      mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3, 5, activation);
+      mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3, 16, activation);
+      mlp_matches_sequence_case(torch::kCUDA, torch::kBFloat16, recipe_kind, 3e-2, 5, activation);
+    }
   }
 }
 
@@ -418,16 +443,19 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence_CUDA) {
 // modules in sequence. Outputs and every gradient, over two steps. (Not under current scaling:
 // there each scale comes from the amax of values the two devices' GELUs compute a float32 ulp
 // apart, and a different scale re-rounds every element.)
-void mlp_gpu_matches_cpu_case(bool fused, const std::string& recipe_kind) {
-  auto cpu = make_mlp(torch::kCPU, 64, 160);
+void mlp_gpu_matches_cpu_case(bool fused, const std::string& recipe_kind,
+                              MlpActivation activation = MlpActivation::kGelu) {
+  auto cpu = make_mlp(torch::kCPU, 64, 160, activation);
   auto gpu = std::dynamic_pointer_cast<Fp8LayerNormMLPImpl>(cpu->clone(torch::kCUDA));
   auto run = [&](Fp8LayerNormMLPImpl& mlp, const torch::Tensor& x) {
     Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind));
-    return fused ? mlp.forward(x) : mlp.fc2->forward(at::gelu(mlp.ln_fc1->forward(x), "tanh"));
+    return fused ? mlp.forward(x)
+                 : mlp.fc2->forward(libtorch_activation(activation, mlp.ln_fc1->forward(x)));
   };
   for (int step = 0; step < 2; ++step) {
-    const std::string where = std::string(fused ? "fused " : "sequence ") + recipe_kind +
-                              " step " + std::to_string(step);
+    const std::string where = std::string(fused ? "fused " : "sequence ") +
+                              activation_name(activation) + " " + recipe_kind + " step " +
+                              std::to_string(step);
     auto x = (torch::randn({5, 9, 64}) + 0.3) * (step + 1);
     auto grad = torch::randn({5, 9, 64});
     auto x1 = x.clone().requires_grad_(true), x2 = x.cuda().requires_grad_(true);
@@ -446,7 +474,9 @@ void mlp_gpu_matches_cpu_case(bool fused, const std::string& recipe_kind) {
 
 TEST_F(Fp8LayerNormTest, LayerNormMLPOnGpuMatchesCpu_CUDA) {
   AMP8_REQUIRE_CUDA();
-  for (bool fused : {true, false}) mlp_gpu_matches_cpu_case(fused, "delayed");
+  for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
+    for (bool fused : {true, false}) mlp_gpu_matches_cpu_case(fused, "delayed", activation);
+  }
 }
 
 TEST_F(Fp8LayerNormTest, LayerNormMLPOutsideARegionIsItsModules) {
@@ -458,6 +488,15 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPOutsideARegionIsItsModules) {
                                                    "ffn_hidden_size=80"));
   ExpectErrorContaining([&] { mlp->forward(torch::randn({3, 47})); },
                         "Fp8LayerNormMLP: input must have hidden_size=48");
+  // SwiGLU: FC1 is twice ffn_hidden_size wide; outside a region, amp8's SwiGLU between the
+  // modules, which equals LibTorch's silu(gate) · up in float32 but for expf's last place.
+  auto llama_mlp = make_mlp(torch::kCPU, 48, 80, MlpActivation::kSwiGlu);
+  EXPECT_EQ(llama_mlp->ln_fc1->linear->options.out_features(), 160);
+  EXPECT_EQ(llama_mlp->fc2->options.in_features(), 80);
+  EXPECT_THAT(c10::str(*llama_mlp), ::testing::HasSubstr("normalization=RMSNorm, activation=swiglu"));
+  const auto expected = llama_mlp->fc2->forward(
+      libtorch_activation(MlpActivation::kSwiGlu, llama_mlp->ln_fc1->forward(x)));
+  EXPECT_TRUE(torch::allclose(llama_mlp->forward(x), expected, 1e-5, 1e-6));
   ExpectErrorContaining([] { Fp8LayerNormMLP(0, 16); }, "hidden_size and ffn_hidden_size");
 }
 

@@ -250,7 +250,7 @@ TEST_F(LlamaModelTest, FirstAndLastBlocksInBf16) {
     const bool kept = i == 0 || i == 3;
     for (const auto& [name, linear] :
          {std::pair{"qkv", block->attention->qkv->linear}, {"o_proj", block->attention->o_proj},
-          {"gate_up", block->mlp->gate_up->linear}, {"down", block->mlp->down}}) {
+          {"gate_up", block->mlp->ln_fc1->linear}, {"down", block->mlp->fc2}}) {
       EXPECT_EQ(linear->options.keep_in_high_precision(), kept) << "blocks." << i << "." << name;
       EXPECT_EQ(linear->options.fp8_min_gemm_size(), 0) << "blocks." << i << "." << name;
     }

@@ -359,6 +359,24 @@ TEST_F(QuantizeTest, CastTransposeGeluIsTheCastOfLibTorchsGelu) {
   EXPECT_EQ(item(ct.data.scale_inv), 1.0f / 8.0f);
 }
 
+// cast_transpose_swiglu on the CPU: the cast of LibTorch's silu(gate) · up over the two halves,
+// in float32 (not rounded to the input's bfloat16), with its amax; an odd width is named.
+TEST_F(QuantizeTest, CastTransposeSwigluIsTheCastOfSiluTimesUp) {
+  auto gate_up = at::randn({77, 2 * 40}).mul(3).to(at::kBFloat16);
+  const auto halves = gate_up.to(at::kFloat).chunk(2, 1);
+  auto values = at::silu(halves[0]) * halves[1];
+  auto amax = at::zeros({1});
+  auto ct = cast_transpose_swiglu(gate_up, scalar(8.0f), Fp8Format::kE4M3, amax);
+  ASSERT_EQ(ct.data.sizes(), (std::vector<int64_t>{77, 40}));
+  auto expected = cast_transpose(values, scalar(8.0f), Fp8Format::kE4M3);
+  expect_same_fp8_values(ct.data, expected.data, "swiglu");
+  expect_same_fp8_values(ct.transposed, expected.transposed, "swiglu transposed");
+  EXPECT_NEAR(item(amax), values.abs().max().item<float>(), 1e-6 * item(amax));
+  testing::ExpectErrorContaining(
+      [] { cast_transpose_swiglu(at::randn({4, 7}), at::ones({1}), Fp8Format::kE4M3); },
+      "cast_transpose_swiglu: gate_up must have an even number of columns");
+}
+
 TEST_F(QuantizeTest, CastTransposeDgeluIsTheCastOfLibTorchsGeluBackward) {
   auto grad = at::randn({77, 45}).to(at::kBFloat16);
   auto gelu_input = at::randn({77, 45}).mul(3).to(at::kBFloat16);
@@ -521,6 +539,22 @@ TEST_P(QuantizeGpuTest, CastTransposeGeluMatchesCpu_CUDA) {
   auto gpu = cast_transpose_gelu(x.cuda(), scale.cuda(), p.format, amax_gpu);
   expect_same_fp8_values(gpu.data, cpu.data, "gelu");
   expect_same_fp8_values(gpu.transposed, cpu.transposed, "gelu transposed");
+  EXPECT_NEAR(item(amax_gpu), item(amax_cpu), 1e-6 * item(amax_cpu));
+  EXPECT_TRUE(SameFloat(item(gpu.data.scale_inv), item(cpu.data.scale_inv)));
+}
+
+// SwiGLU's cast over a gate/up tensor [rows, 2·cols] against the CPU reference (expf of each
+// side's library: a rare FP8 rounding one step apart), fused where the shape allows.
+TEST_P(QuantizeGpuTest, CastTransposeSwigluMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto gate_up = (at::randn({p.rows, 2 * p.cols}) * 3).to(p.dtype);
+  auto scale = scalar(fp8_max(p.format) / 12.0f);
+  auto amax_cpu = at::zeros({1}), amax_gpu = at::full({1}, -1.0f, at::kCUDA);
+  auto cpu = cast_transpose_swiglu(gate_up, scale, p.format, amax_cpu);
+  auto gpu = cast_transpose_swiglu(gate_up.cuda(), scale.cuda(), p.format, amax_gpu);
+  expect_same_fp8_values(gpu.data, cpu.data, "swiglu");
+  expect_same_fp8_values(gpu.transposed, cpu.transposed, "swiglu transposed");
   EXPECT_NEAR(item(amax_gpu), item(amax_cpu), 1e-6 * item(amax_cpu));
   EXPECT_TRUE(SameFloat(item(gpu.data.scale_inv), item(cpu.data.scale_inv)));
 }

@@ -105,9 +105,10 @@ bool cast_transpose_fused_cuda(const at::Tensor& x, const at::Tensor& gate,
     part = at::empty({cuda::cast_transpose_dbias_parts(x.size(0)), x.size(1)},
                      x.options().dtype(at::kFloat));
   }
+  // The output's columns: x's, but half of them for SwiGLU (x holds gate and up).
   const int err = cuda::launch_cast_transpose_fused(
       x.const_data_ptr(), gate.defined() ? gate.const_data_ptr() : nullptr, input_type(x),
-      activation, out.mutable_data_ptr(), out_t.mutable_data_ptr(), x.size(0), x.size(1),
+      activation, out.mutable_data_ptr(), out_t.mutable_data_ptr(), out.size(0), out.size(1),
       scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(), amax,
       accumulate_amax, format == Fp8Format::kE5M2,
       part.defined() ? part.mutable_data_ptr<float>() : nullptr, optional_mutable_ptr(dbias_out),
@@ -142,6 +143,14 @@ bool cast_transpose_gelu_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8F
                               const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax) {
   return cast_transpose_fused_cuda(x, {}, cuda::CastActivation::kGelu, scale, format, out, out_t,
                                    scale_inv_out, amax, accumulate_amax, {});
+}
+
+bool cast_transpose_swiglu_cuda(const at::Tensor& gate_up, const at::Tensor& scale,
+                                Fp8Format format, const at::Tensor& out, const at::Tensor& out_t,
+                                const at::Tensor& scale_inv_out, float* amax,
+                                bool accumulate_amax) {
+  return cast_transpose_fused_cuda(gate_up, {}, cuda::CastActivation::kSwiGlu, scale, format, out,
+                                   out_t, scale_inv_out, amax, accumulate_amax, {});
 }
 
 bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,

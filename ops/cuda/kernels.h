@@ -40,8 +40,10 @@ int64_t cast_transpose_dbias_parts(int64_t rows);
 //   kNone  x;
 //   kGelu  gelu(x): an MLP's second GEMM input straight from the first GEMM's output;
 //   kDGelu x · gelu'(gate), `gate` being GELU's input (x's shape and type): the gradient of the
-//          first GEMM's output from the gradient of GELU's.
-enum class CastActivation { kNone, kGelu, kDGelu };
+//          first GEMM's output from the gradient of GELU's;
+//   kSwiGlu silu(x[r, c]) · x[r, cols + c] (ops/detail/elementwise_formulas.h): x is the first
+//          GEMM's fused gate/up output [rows, 2·cols], gate first; `gate` is unused.
+enum class CastActivation { kNone, kGelu, kDGelu, kSwiGlu };
 
 // launch_cast_transpose of activation(x), with the amax of those values; with `dbias` non-null
 // also dbias[c] = Σ_r activation(x)[r, c] ([cols] in dbias_type, summed in float32) from the
@@ -49,7 +51,7 @@ enum class CastActivation { kNone, kGelu, kDGelu };
 // cast_transpose_dbias / cast_transpose_dbias_dgelu): per-tile column sums into `part`
 // [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast shape
 // (cols % 8 == 0, rows % 16 == 0, 16-byte aligned pointers) and the variants the layers use
-// (kNone with dbias, kGelu without, kDGelu either way); otherwise it launches nothing and
+// (kNone with dbias, kGelu and kSwiGlu without, kDGelu either way); otherwise it launches nothing and
 // returns kUnsupportedShape.
 int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 CastActivation activation, void* out, void* out_t, int64_t rows,

@@ -9,6 +9,7 @@
 #include "ops/cuda/fp8_convert.cuh"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/launch_util.cuh"
+#include "ops/detail/elementwise_formulas.h"
 #include "ops/detail/gelu_formula.h"
 #include "ops/detail/scale_formula.h"
 
@@ -82,7 +83,8 @@ __device__ __forceinline__ int swizzled(int t_row, int t_col) {
   return t_row * kTileRows + ((((t_col >> 4) ^ (t_row >> 3)) & 7) << 4) + (t_col & 15);
 }
 
-// The value the cast quantizes, from x (and, for kDGelu, the GELU's input `gate`), in float32.
+// The value the cast quantizes, from x (and, for kDGelu, the GELU's input `gate`; for kSwiGlu,
+// the up projection), in float32.
 template <CastActivation kAct, typename T>
 __device__ __forceinline__ void activate8(const Pack8<T>& x, const Pack8<T>& gate, float (&v)[8]) {
 #pragma unroll
@@ -92,6 +94,8 @@ __device__ __forceinline__ void activate8(const Pack8<T>& x, const Pack8<T>& gat
       v[j] = detail::gelu_tanh(xj);
     } else if constexpr (kAct == CastActivation::kDGelu) {
       v[j] = detail::gelu_tanh_backward(xj, to_float(gate.v[j]));
+    } else if constexpr (kAct == CastActivation::kSwiGlu) {
+      v[j] = detail::swiglu(xj, to_float(gate.v[j]));
     } else {
       v[j] = xj;
     }
@@ -102,18 +106,23 @@ __device__ __forceinline__ void activate8(const Pack8<T>& x, const Pack8<T>& gat
 // cast_transpose_dbias) into dbias_part[blockIdx.y, col], from the values the cast quantizes.
 // kDbias asks for four resident blocks per SM (at most 64 registers), as many as the plain
 // kernel's 48 allow at 128 columns, so that summing costs no occupancy; kGelu four too (62
-// registers); kDGelu, which holds a second tile of loads (the GELU's input), two (three
-// spilled).
+// registers); kDGelu and kSwiGlu, which hold a second tile of loads (the GELU's input, the up
+// projection), two (three spilled).
 // kAct: what is quantized (and summed, and its amax taken) is activation(x), not x (TE's
-// activation-fused casts): gelu(x), or x · gelu'(gate).
+// activation-fused casts): gelu(x), x · gelu'(gate), or swiglu(x, gate).
+// x and gate rows are x_stride elements apart (cols, but 2·cols for kSwiGlu, whose gate/up rows
+// hold both halves).
+template <CastActivation kAct>
+constexpr bool kTwoInputs = kAct == CastActivation::kDGelu || kAct == CastActivation::kSwiGlu;
+
 template <typename T, bool kE5M2, int kTileCols, bool kDbias = false,
           CastActivation kAct = CastActivation::kNone>
-__global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 : (kDbias || kAct == CastActivation::kGelu ? 4 : 1))
+__global__ void __launch_bounds__(kThreads, kTwoInputs<kAct> ? 2 : (kDbias || kAct == CastActivation::kGelu ? 4 : 1))
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
                           float* __restrict__ amax, float* __restrict__ dbias_part = nullptr,
-                          const T* __restrict__ gate = nullptr) {
+                          const T* __restrict__ gate = nullptr, int64_t x_stride = 0) {
   constexpr int kChunksPerRow = kTileCols / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   constexpr int kLoadPasses = kTileRows / kRowsPerPass;
@@ -131,15 +140,16 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
   const int chunk = threadIdx.x % kChunksPerRow;
   const int row_in_pass = threadIdx.x / kChunksPerRow;
   const int64_t gc = col0 + chunk * 8;
-  constexpr bool kGated = kAct == CastActivation::kDGelu;
+  constexpr bool kGated = kTwoInputs<kAct>;
+  const int64_t stride = x_stride > 0 ? x_stride : cols;
   Pack8<T> packs[kLoadPasses];
   Pack8<T> gates[kGated ? kLoadPasses : 1];
 #pragma unroll
   for (int pass = 0; pass < kLoadPasses; ++pass) {
     const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
     if (gr < rows && gc < cols) {
-      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
-      if constexpr (kGated) gates[pass] = *reinterpret_cast<const Pack8<T>*>(gate + gr * cols + gc);
+      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * stride + gc);
+      if constexpr (kGated) gates[pass] = *reinterpret_cast<const Pack8<T>*>(gate + gr * stride + gc);
     }
   }
   // kDbias: this thread's 8 columns summed over its rows as the cast reads them (summing in a
@@ -329,15 +339,17 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 InputType dbias_type, Stream stream) {
   constexpr int kCols = kDefaultCastTransposeTileCols;
   const bool gated = activation == CastActivation::kDGelu;
+  const bool swiglu = activation == CastActivation::kSwiGlu;
   const bool with_dbias = dbias != nullptr;
   if (!(cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) && aligned16(out_t) &&
         (!gated || aligned16(gate)))) {
     return kUnsupportedShape;
   }
   // The variants instantiated: what the layers use (a gradient's cast with its bias gradient;
-  // GELU's output cast; its backward with or without a bias gradient).
+  // GELU's and SwiGLU's output casts; GELU's backward with or without a bias gradient).
   const bool instantiated = (activation == CastActivation::kNone && with_dbias) ||
-                            (activation == CastActivation::kGelu && !with_dbias) || gated;
+                            ((activation == CastActivation::kGelu || swiglu) && !with_dbias) ||
+                            gated;
   if (!instantiated) return kUnsupportedShape;
   if (amax != nullptr && !accumulate_amax) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
@@ -346,14 +358,16 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
   const int err = dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
     const auto* in = static_cast<const T*>(x);
-    const auto* g = static_cast<const T*>(gate);
+    // SwiGLU: the up half of each gate/up row follows its gate half.
+    const auto* g = swiglu ? in + cols : static_cast<const T*>(gate);
+    const int64_t x_stride = swiglu ? 2 * cols : cols;
     auto* o = static_cast<uint8_t*>(out);
     auto* ot = static_cast<uint8_t*>(out_t);
     const dim3 grid((cols + kCols - 1) / kCols, static_cast<unsigned>(parts));
     auto launch = [&](auto e5m2_tag, auto dbias_tag, auto act_tag) {
       cast_transpose_kernel<T, decltype(e5m2_tag)::value, kCols, decltype(dbias_tag)::value,
-                            decltype(act_tag)::value>
-          <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, part, g);
+                            decltype(act_tag)::value><<<grid, kThreads, 0, stream>>>(
+          in, o, ot, rows, cols, scale, scale_inv, amax, part, g, x_stride);
     };
     auto with_format = [&](auto dbias_tag, auto act_tag) {
       if (e5m2) {
@@ -365,10 +379,13 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
     using None = std::integral_constant<CastActivation, CastActivation::kNone>;
     using Gelu = std::integral_constant<CastActivation, CastActivation::kGelu>;
     using DGelu = std::integral_constant<CastActivation, CastActivation::kDGelu>;
+    using SwiGlu = std::integral_constant<CastActivation, CastActivation::kSwiGlu>;
     if (activation == CastActivation::kNone) {
       with_format(std::true_type{}, None{});
     } else if (activation == CastActivation::kGelu) {
       with_format(std::false_type{}, Gelu{});
+    } else if (swiglu) {
+      with_format(std::false_type{}, SwiGlu{});
     } else if (with_dbias) {
       with_format(std::true_type{}, DGelu{});
     } else {

@@ -35,6 +35,11 @@ void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format
 bool cast_transpose_gelu_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                               const at::Tensor& out, const at::Tensor& out_t,
                               const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
+// The same for swiglu(gate_up) [rows, 2·ffn] → out [rows, ffn], out_t [ffn, rows].
+bool cast_transpose_swiglu_cuda(const at::Tensor& gate_up, const at::Tensor& scale,
+                                Fp8Format format, const at::Tensor& out, const at::Tensor& out_t,
+                                const at::Tensor& scale_inv_out, float* amax,
+                                bool accumulate_amax);
 // The same for grad · gelu'(gelu_input), with the column sums of those values into dbias_out
 // when it is defined.
 bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,

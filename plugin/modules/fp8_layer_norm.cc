@@ -7,6 +7,7 @@
 
 #include "ops/fp8_gemm.h"
 #include "ops/layer_norm.h"
+#include "ops/swiglu.h"
 #include "plugin/fp8/fp8_autocast.h"
 #include "plugin/modules/detail/fp8_linear_core.h"
 
@@ -47,6 +48,25 @@ void save_normalization(torch::autograd::AutogradContext* ctx, Normalization nor
 
 Normalization saved_normalization(torch::autograd::AutogradContext* ctx) {
   return static_cast<Normalization>(ctx->saved_data.at("normalization").toInt());
+}
+
+// gate_up ↦ swiglu(gate_up), one kernel each way; only gate_up is kept for the backward pass.
+struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& gate_up) {
+    ctx->save_for_backward({gate_up});
+    return swiglu(gate_up);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    if (!grads[0].defined()) return {torch::Tensor()};
+    return {swiglu_backward(grads[0].contiguous(), ctx->get_saved_variables()[0])};
+  }
+};
+
+// The MLP's activation on FC1's output, as the unfused path computes it (with autograd).
+torch::Tensor mlp_activation(MlpActivation activation, const torch::Tensor& fc1_out) {
+  if (activation == MlpActivation::kSwiGlu) return SwiGluFunction::apply(fc1_out.contiguous());
+  return at::gelu(fc1_out, "tanh");
 }
 
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
@@ -217,9 +237,10 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
   }
 };
 
-// LayerNorm → FP8 → FC1 → GELU fused into FC2's input cast → FC2, in one function (see
-// Fp8LayerNormMLPImpl). Backward: FC2's GEMMs, then GELU's backward fused into the cast of
-// FC1's output gradient (with FC1's bias gradient), FC1's GEMMs, the LayerNorm's backward.
+// LayerNorm → FP8 → FC1 → GELU or SwiGLU fused into FC2's input cast → FC2, in one function
+// (see Fp8LayerNormMLPImpl). Backward: FC2's GEMMs, then GELU's backward fused into the cast of
+// FC1's output gradient (with FC1's bias gradient) or SwiGLU's backward before it, FC1's GEMMs,
+// the LayerNorm's backward. `gelu_input` is FC1's output, whichever the activation.
 struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunction> {
   struct SavedTensors : LayerNormSaved {
     at::Tensor gelu_input;  ///< FC1's output, padded rows zeroed
@@ -243,7 +264,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                bool fc1_has_bias, bool fc2_has_bias,
                                const Fp8LinearImpl::Fp8Call& fc1_call,
                                const Fp8LinearImpl::Fp8Call& fc2_call, double eps,
-                               Normalization norm) {
+                               Normalization norm, MlpActivation activation) {
     const int64_t hidden = ln_weight.size(0);
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
@@ -251,16 +272,19 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     auto ln = layer_norm_fp8_for(*fc1_call.meta, recipe, x2d, ln_weight, defined_or_null(ln_bias),
                                  eps, norm);
     save_normalization(ctx, norm);
+    ctx->saved_data["activation"] = static_cast<int64_t>(activation);
+    const bool swiglu = activation == MlpActivation::kSwiGlu;
 
     Fp8GemmOptions gemm1;
     gemm1.use_fast_accum = true;
     if (fc1_has_bias) gemm1.bias = fc1_bias;
     auto gelu_input = fp8_gemm(ln.x_q, fc1_call.weight_q.data, fc1_call.out_dtype, gemm1);
-    // The padding rows read FC1's bias; zeroed, they stay zero through GELU (gelu(0) = 0) and
-    // add nothing to FC2's input amax.
+    // The padding rows read FC1's bias; zeroed, they stay zero through the activation
+    // (gelu(0) = swiglu(0, 0) = 0) and add nothing to FC2's input amax.
     if (rows_padded != rows) gelu_input.narrow(0, rows, rows_padded - rows).zero_();
-    auto h_q = detail::quantize_for(gelu_input, fc2_call.recipe, *fc2_call.meta, Fp8Slot::kInput,
-                                    {}, {detail::QuantizeActivation::kGelu});
+    auto h_q = detail::quantize_for(
+        gelu_input, fc2_call.recipe, *fc2_call.meta, Fp8Slot::kInput, {},
+        {swiglu ? detail::QuantizeActivation::kSwiGlu : detail::QuantizeActivation::kGelu});
     Fp8GemmOptions gemm2;
     gemm2.use_fast_accum = true;
     if (fc2_has_bias) gemm2.bias = fc2_bias;
@@ -301,22 +325,33 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
         detail::take_input_transpose(ctx, format, "fc2.x_t"),
         fc2_saved.dgrad_weight(tensors.fc2_weight_fp8, tensors.fc2_weight_scale_inv),
         /*need_input=*/true, ctx->needs_input_grad(5), ctx->needs_input_grad(6));
-    // FC1, whose output gradient is GELU's backward, computed inside its cast.
+    // FC1, whose output gradient is GELU's backward, computed inside its cast, or SwiGLU's,
+    // computed by its kernel first.
     const bool need_ln = needs_layer_norm_grads(ctx);
     const bool need_fc1_weight = ctx->needs_input_grad(3) || fc1_saved.meta->fp8_params();
     Fp8Tensor x_t;
     if (need_fc1_weight) x_t = tensors.output_transpose(format);
+    const bool swiglu =
+        static_cast<MlpActivation>(ctx->saved_data.at("activation").toInt()) == MlpActivation::kSwiGlu;
+    at::Tensor fc1_grad_output = fc2_grads.input;
+    if (swiglu) {
+      const int64_t grad_rows = fc1_grad_output.size(0);
+      fc1_grad_output = swiglu_backward(fc1_grad_output.contiguous(),
+                                        tensors.gelu_input.narrow(0, 0, grad_rows));
+    }
     auto fc1_grads = detail::fp8_linear_backward(
-        fc1_saved, fc2_grads.input, std::move(x_t),
+        fc1_saved, fc1_grad_output, std::move(x_t),
         fc1_saved.dgrad_weight(tensors.fc1_weight_fp8, tensors.fc1_weight_scale_inv), need_ln,
-        ctx->needs_input_grad(3), ctx->needs_input_grad(4), /*gelu_input=*/tensors.gelu_input);
+        ctx->needs_input_grad(3), ctx->needs_input_grad(4),
+        /*gelu_input=*/swiglu ? at::Tensor() : tensors.gelu_input);
+    fc1_grad_output = at::Tensor();
     fc2_grads.input = at::Tensor();
     std::array<torch::Tensor, 3> ln;
     if (need_ln) ln = tensors.grads(ctx, fc1_saved, fc1_grads.input);
     return {ln[0],           ln[1],           ln[2],           fc1_grads.weight,
             fc1_grads.bias,  fc2_grads.weight, fc2_grads.bias,  torch::Tensor(),
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -457,9 +492,12 @@ void Fp8LayerNormMLPImpl::reset() {
   TORCH_CHECK(options.hidden_size() > 0 && options.ffn_hidden_size() > 0,
               "Fp8LayerNormMLP: hidden_size and ffn_hidden_size must be positive, got ",
               options.hidden_size(), " and ", options.ffn_hidden_size());
+  const int64_t fc1_width = options.activation() == MlpActivation::kSwiGlu
+                                ? 2 * options.ffn_hidden_size()
+                                : options.ffn_hidden_size();
   ln_fc1 = register_module(
       "ln_fc1", Fp8LayerNormLinear(
-                    Fp8LayerNormLinearOptions(options.hidden_size(), options.ffn_hidden_size())
+                    Fp8LayerNormLinearOptions(options.hidden_size(), fc1_width)
                         .normalization(options.normalization())
                         .eps(options.eps())
                         .bias(options.bias())
@@ -480,6 +518,7 @@ void Fp8LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
   stream << std::boolalpha << "amp8::Fp8LayerNormMLP(hidden_size=" << options.hidden_size()
          << ", ffn_hidden_size=" << options.ffn_hidden_size()
          << (options.normalization() == Normalization::kRMSNorm ? ", normalization=RMSNorm" : "")
+         << (options.activation() == MlpActivation::kSwiGlu ? ", activation=swiglu" : "")
          << ", eps=" << options.eps()
          << ", bias=" << options.bias() << (options.fp8_params() ? ", fp8_params=true" : "")
          << (options.fused() ? "" : ", fused=false") << ")";
@@ -496,7 +535,7 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
       !out.runs_in_fp8(rows)) {
     // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
     // other, each deciding for itself.
-    return out.forward(at::gelu(ln_fc1->forward(input), "tanh"));
+    return out.forward(mlp_activation(options.activation(), ln_fc1->forward(input)));
   }
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                   input.scalar_type() == at::kHalf,
@@ -515,7 +554,7 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
       fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
       out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
       fc1.options.bias(), out.options.bias(), *fc1_call, *fc2_call, options.eps(),
-      options.normalization());
+      options.normalization(), options.activation());
 }
 
 }  // namespace amp8

@@ -132,15 +132,26 @@ class Fp8LayerNormLinearImpl : public torch::nn::Cloneable<Fp8LayerNormLinearImp
 
 TORCH_MODULE(Fp8LayerNormLinear);
 
+/// The activation between an Fp8LayerNormMLP's two GEMMs (TE's LayerNormMLP `activation`).
+enum class MlpActivation {
+  kGelu,    ///< "gelu": GELU, tanh approximation; FC1 is ffn_hidden_size wide
+  kSwiGlu,  ///< "swiglu": silu(gate) · up over FC1's fused output, 2 × ffn_hidden_size wide,
+            ///< gate first (Llama's w1 and w3 stacked)
+};
+
 /// Options of Fp8LayerNormMLP (TE's LayerNormMLP):
 ///   Fp8LayerNormMLPOptions(2048, 8192).eps(1e-5)
+///   Fp8LayerNormMLPOptions(2048, 8192).normalization(Normalization::kRMSNorm)
+///       .activation(MlpActivation::kSwiGlu).bias(false)                  // Llama's MLP
 struct Fp8LayerNormMLPOptions {
   Fp8LayerNormMLPOptions(int64_t hidden_size, int64_t ffn_hidden_size)
       : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size) {}
   /// Size of each input and output sample.
   TORCH_ARG(int64_t, hidden_size);
-  /// Width of the hidden (GELU) layer.
+  /// Width of the hidden layer (FC2's input; FC1's output is twice as wide with SwiGLU).
   TORCH_ARG(int64_t, ffn_hidden_size);
+  /// GELU or SwiGLU. Default: kGelu.
+  TORCH_ARG(MlpActivation, activation) = MlpActivation::kGelu;
   /// As Fp8LayerNormOptions::normalization. Default: kLayerNorm.
   TORCH_ARG(Normalization, normalization) = Normalization::kLayerNorm;
   /// The LayerNorm's eps. Default: 1e-5.
@@ -161,17 +172,20 @@ struct Fp8LayerNormMLPOptions {
   TORCH_ARG(bool, fused) = true;
 };
 
-/// LayerNorm → FC1 → GELU (tanh) → FC2, fused the way Transformer Engine's LayerNormMLP is.
+/// LayerNorm → FC1 → GELU (tanh) → FC2, fused the way Transformer Engine's LayerNormMLP is
+/// (RMSNorm and SwiGLU by the options, as TE's `normalization` and `activation`).
 /// Inside an FP8 region, when both GEMMs run in FP8:
-///   forward   the LayerNorm writes FC1's FP8 input (as Fp8LayerNormLinear); GELU is computed
-///             inside the FP8 cast (and transpose) of FC2's input (cast_transpose_gelu), so
-///             GELU's high-precision output is never written;
+///   forward   the LayerNorm writes FC1's FP8 input (as Fp8LayerNormLinear); the activation is
+///             computed inside the FP8 cast (and transpose) of FC2's input
+///             (cast_transpose_gelu / cast_transpose_swiglu), so its high-precision output is
+///             never written;
 ///   backward  GELU's derivative is applied inside the cast-transpose of FC1's output gradient
-///             (cast_transpose_dgelu), which also gives FC1's bias gradient; FC2's bias
-///             gradient comes from its own gradient's cast.
+///             (cast_transpose_dgelu), which also gives FC1's bias gradient; SwiGLU's gradient
+///             is one kernel (ops/swiglu.h) before that cast; FC2's bias gradient comes from its
+///             own gradient's cast.
 /// Otherwise (outside a region, when either layer stays in high precision, or with
-/// fused(false)) it computes
-/// ln_fc1(x), gelu(·, "tanh"), fc2(·) with the two modules in sequence.
+/// fused(false)) it computes ln_fc1(x), the activation (at::gelu(·, "tanh") or amp8::swiglu),
+/// fc2(·) with the two modules in sequence.
 ///
 /// Submodules `ln_fc1` (Fp8LayerNormLinear: ln_fc1.layer_norm, ln_fc1.linear) and `fc2`
 /// (Fp8Linear), each with its own FP8 metadata; built under Fp8ModelInit, both weights are

@@ -10,7 +10,6 @@
 #include <numbers>
 
 #include "ops/rotary.h"
-#include "ops/swiglu.h"
 
 namespace amp8::recipes {
 
@@ -115,18 +114,6 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
   }
 };
 
-// gate_up ↦ swiglu(gate_up), one kernel each way; only gate_up is kept for the backward pass.
-struct SwiGluFunction : torch::autograd::Function<SwiGluFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate_up) {
-    ctx->save_for_backward({gate_up});
-    return swiglu(gate_up);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return {{}};
-    return {swiglu_backward(grads[0].contiguous(), ctx->get_saved_variables()[0])};
-  }
-};
-
 }  // namespace
 
 torch::Tensor apply_rotary(const torch::Tensor& x, const Rotary& rotary) {
@@ -161,22 +148,14 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& 
   return o_proj->forward(attention.transpose(1, 2).reshape({b, t, heads * d}));
 }
 
-SwiGluMlpImpl::SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden, double norm_eps) {
-  gate_up = register_module(
-      "gate_up", Fp8LayerNormLinear(Fp8LayerNormLinearOptions(hidden, 2 * ffn_hidden)
-                                        .normalization(Normalization::kRMSNorm)
-                                        .eps(norm_eps)
-                                        .bias(false)));
-  down = register_module("down", Fp8Linear(Fp8LinearOptions(ffn_hidden, hidden).bias(false)));
-}
-
-torch::Tensor SwiGluMlpImpl::forward(const torch::Tensor& x) {
-  return down->forward(SwiGluFunction::apply(gate_up->forward(x).contiguous()));
-}
-
 LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& config) {
   attention = register_module("attention", LlamaAttention(config));
-  mlp = register_module("mlp", SwiGluMlp(config.hidden(), config.ffn_hidden(), config.norm_eps()));
+  mlp = register_module(
+      "mlp", Fp8LayerNormMLP(Fp8LayerNormMLPOptions(config.hidden(), config.ffn_hidden())
+                                 .normalization(Normalization::kRMSNorm)
+                                 .activation(MlpActivation::kSwiGlu)
+                                 .eps(config.norm_eps())
+                                 .bias(false)));
 }
 
 torch::Tensor LlamaBlockImpl::forward(const torch::Tensor& x, const Rotary& rotary) {

@@ -114,28 +114,18 @@ class LlamaAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaAttention);
 
-/// The pre-MLP RMSNorm and down(silu(gate) · up): gate and up from `gate_up`, one
-/// Fp8LayerNormLinear with normalization RMSNorm (2 × ffn_hidden outputs, gate first), no
-/// biases; SwiGLU as one kernel each way (ops/swiglu.h).
-class SwiGluMlpImpl : public torch::nn::Module {
- public:
-  SwiGluMlpImpl(int64_t hidden, int64_t ffn_hidden, double norm_eps);
-  /// x [..., hidden], the residual stream.
-  torch::Tensor forward(const torch::Tensor& x);
-  Fp8LayerNormLinear gate_up{nullptr};
-  Fp8Linear down{nullptr};
-};
-TORCH_MODULE(SwiGluMlp);
-
 /// x + attention(rms_norm(x)), then x + mlp(rms_norm(x)); each RMSNorm is inside the module
-/// whose first GEMM reads it (attention.qkv.layer_norm, mlp.gate_up.layer_norm), as in
-/// Megatron-Core's TE layer specs.
+/// whose first GEMM reads it (attention.qkv.layer_norm, mlp.ln_fc1.layer_norm), as in
+/// Megatron-Core's TE layer specs. `mlp` is an Fp8LayerNormMLP with normalization RMSNorm and
+/// activation SwiGLU, no biases: down(silu(gate) · up) with gate and up from one GEMM
+/// (mlp.ln_fc1.linear, 2 × ffn_hidden outputs, gate first) and down = mlp.fc2; in FP8, SwiGLU
+/// is computed inside the cast of fc2's input (TE's LayerNormMLP with activation "swiglu").
 class LlamaBlockImpl : public torch::nn::Module {
  public:
   explicit LlamaBlockImpl(const LlamaConfig& config);
   torch::Tensor forward(const torch::Tensor& x, const Rotary& rotary);
   LlamaAttention attention{nullptr};
-  SwiGluMlp mlp{nullptr};
+  Fp8LayerNormMLP mlp{nullptr};
 };
 TORCH_MODULE(LlamaBlock);
 
