@@ -11,6 +11,7 @@
 #include "ops/blockwise.h"
 #include "ops/cuda/kernels.h"
 #include "ops/quantize.h"
+#include "ops/swiglu.h"
 
 int main(int argc, char** argv) {
   using namespace amp8;
@@ -143,6 +144,24 @@ int main(int argc, char** argv) {
                   dgelu_separate_ms)
           .set("gbps", dgelu_bytes / dgelu_ms / 1e6)
           .set("fraction_of_copy", dgelu_bytes / dgelu_ms / 1e6 / copy_gbps)
+          .print();
+    }
+
+    // SwiGLU inside the cast (a Llama MLP's FC2 input, x the gate/up output [rows, 2·cols])
+    // against amp8's SwiGLU kernel then cast_transpose (the unfused path).
+    {
+      auto gate_up = at::randn({rows, 2 * cols}, cuda.dtype(at::kBFloat16));
+      const double fused_ms = bench::median_ms(
+          [&] { cast_transpose_swiglu(gate_up, scale, Fp8Format::kE4M3, amax_slot); });
+      const double separate_ms = bench::median_ms([&] {
+        cast_transpose(swiglu(gate_up), scale, Fp8Format::kE4M3, amax_slot);
+      });
+      const double swiglu_bytes = 1.0 * gate_up.nbytes() + 2.0 * x.numel();
+      bench::Record("cast_transpose_swiglu", std::to_string(rows) + "x2x" + std::to_string(cols),
+                    cmd)
+          .timing(fused_ms, "amp8 swiglu + cast_transpose", separate_ms)
+          .set("gbps", swiglu_bytes / fused_ms / 1e6)
+          .set("fraction_of_copy", swiglu_bytes / fused_ms / 1e6 / copy_gbps)
           .print();
     }
 

@@ -106,8 +106,9 @@ __device__ __forceinline__ void activate8(const Pack8<T>& x, const Pack8<T>& gat
 // cast_transpose_dbias) into dbias_part[blockIdx.y, col], from the values the cast quantizes.
 // kDbias asks for four resident blocks per SM (at most 64 registers), as many as the plain
 // kernel's 48 allow at 128 columns, so that summing costs no occupancy; kGelu four too (62
-// registers); kDGelu and kSwiGlu, which hold a second tile of loads (the GELU's input, the up
-// projection), two (three spilled).
+// registers); kDGelu, which holds a second tile of loads (the GELU's input), two (three
+// spilled); kSwiGlu, which holds one too (the up projection) but is launched with 64-column
+// tiles (half the loads per thread), four.
 // kAct: what is quantized (and summed, and its amax taken) is activation(x), not x (TE's
 // activation-fused casts): gelu(x), x · gelu'(gate), or swiglu(x, gate).
 // x and gate rows are x_stride elements apart (cols, but 2·cols for kSwiGlu, whose gate/up rows
@@ -117,7 +118,7 @@ constexpr bool kTwoInputs = kAct == CastActivation::kDGelu || kAct == CastActiva
 
 template <typename T, bool kE5M2, int kTileCols, bool kDbias = false,
           CastActivation kAct = CastActivation::kNone>
-__global__ void __launch_bounds__(kThreads, kTwoInputs<kAct> ? 2 : (kDbias || kAct == CastActivation::kGelu ? 4 : 1))
+__global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 : (kDbias || kAct == CastActivation::kGelu || kAct == CastActivation::kSwiGlu ? 4 : 1))
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
@@ -363,9 +364,11 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
     const int64_t x_stride = swiglu ? 2 * cols : cols;
     auto* o = static_cast<uint8_t*>(out);
     auto* ot = static_cast<uint8_t*>(out_t);
-    const dim3 grid((cols + kCols - 1) / kCols, static_cast<unsigned>(parts));
     auto launch = [&](auto e5m2_tag, auto dbias_tag, auto act_tag) {
-      cast_transpose_kernel<T, decltype(e5m2_tag)::value, kCols, decltype(dbias_tag)::value,
+      // SwiGLU's two loads per element fit four blocks per SM with 64-column tiles.
+      constexpr int kTile = decltype(act_tag)::value == CastActivation::kSwiGlu ? 64 : kCols;
+      const dim3 grid((cols + kTile - 1) / kTile, static_cast<unsigned>(parts));
+      cast_transpose_kernel<T, decltype(e5m2_tag)::value, kTile, decltype(dbias_tag)::value,
                             decltype(act_tag)::value><<<grid, kThreads, 0, stream>>>(
           in, o, ot, rows, cols, scale, scale_inv, amax, part, g, x_stride);
     };
