@@ -13,7 +13,6 @@
 #include "ops/fp8_gemm.h"
 #include "ops/layer_norm.h"
 #include "ops/quantize.h"
-#include "ops/swiglu.h"
 #include "plugin/fp8/detail/fp8_state.h"
 #include "plugin/compat/torch_internals.h"
 
@@ -51,9 +50,6 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
       case QuantizeActivation::kDGelu:
         return cast_transpose_dgelu(x, activation.gelu_input, scale, format, amax_slot,
                                     /*accumulate_amax=*/true, dbias_out);
-      case QuantizeActivation::kSwiGlu:
-        TORCH_INTERNAL_ASSERT(!dbias_out.defined(), "quantize_for: SwiGLU's cast has no dbias");
-        return cast_transpose_swiglu(x, scale, format, amax_slot, /*accumulate_amax=*/true);
       case QuantizeActivation::kNone:
         break;
     }
@@ -65,7 +61,6 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
   if (activation.kind == QuantizeActivation::kGelu) values = at::gelu(x, "tanh");
   if (activation.kind == QuantizeActivation::kDGelu)
     values = at::gelu_backward(x, activation.gelu_input, "tanh");
-  if (activation.kind == QuantizeActivation::kSwiGlu) values = swiglu(x);
   auto amax = compute_amax(values);
   amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
   return cast_transpose(values, compute_current_scale(amax, format, recipe.margin), format, {},

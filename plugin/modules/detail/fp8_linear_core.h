@@ -23,11 +23,10 @@ at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows);
 /// The dtype GEMM outputs take: the autocast dtype where autocast is on, else the input's.
 at::ScalarType compute_dtype(const at::Tensor& input);
 
-/// What quantize_for quantizes: x, gelu(x) (an MLP's hidden activation, tanh GELU),
-/// x · gelu'(gelu_input) (the gradient of the GEMM output that GELU read), or swiglu(x) (x the
-/// fused gate/up output [rows, 2·ffn]; the result [rows, ffn]).
+/// What quantize_for quantizes: x, gelu(x) (an MLP's hidden activation, tanh GELU), or
+/// x · gelu'(gelu_input) (the gradient of the GEMM output that GELU read).
 struct QuantizeActivation {
-  enum Kind { kNone, kGelu, kDGelu, kSwiGlu };
+  enum Kind { kNone, kGelu, kDGelu };
   Kind kind = kNone;
   at::Tensor gelu_input;  ///< kDGelu only: GELU's input, x's shape and dtype
 };
@@ -35,11 +34,10 @@ struct QuantizeActivation {
 /// Quantizes x (or its activation) as `meta`'s `slot`, in the recipe's format for the slot
 /// (the backward format for kGradOutput, else the forward one): delayed scaling uses the slot's
 /// scale and max-merges the values' amax into the slot's amax, fused into one kernel with the
-/// activation (cast_transpose_gelu / cast_transpose_dgelu / cast_transpose_swiglu); tensorwise
-/// scaling derives the scale
+/// activation (cast_transpose_gelu / cast_transpose_dgelu); tensorwise scaling derives the scale
 /// from the values themselves (and records their amax in the slot). `dbias_out` ([cols];
 /// float32, bfloat16 or float16: the bias's dtype), when defined, receives their column sums
-/// from the same read (not with kGelu or kSwiGlu).
+/// from the same read (not with kGelu).
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Meta& meta,
                               Fp8Slot slot, const at::Tensor& dbias_out = {},
                               const QuantizeActivation& activation = {});
