@@ -163,6 +163,21 @@ int main(int argc, char** argv) {
           .set("gbps", swiglu_bytes / fused_ms / 1e6)
           .set("fraction_of_copy", swiglu_bytes / fused_ms / 1e6 / copy_gbps)
           .print();
+      // SwiGLU's backward inside the gradient's cast (FC1's output gradient [rows, 2·cols] from
+      // x, SwiGLU's output gradient) against amp8's swiglu_backward then cast_transpose.
+      const double dswiglu_ms = bench::median_ms(
+          [&] { cast_transpose_dswiglu(x, gate_up, scale, Fp8Format::kE5M2, amax_slot); });
+      const double dswiglu_separate_ms = bench::median_ms([&] {
+        cast_transpose(swiglu_backward(x, gate_up), scale, Fp8Format::kE5M2, amax_slot);
+      });
+      // Reads x and gate_up; writes both FP8 layouts of [rows, 2·cols].
+      const double dswiglu_bytes = 1.0 * x.nbytes() + gate_up.nbytes() + 4.0 * x.numel();
+      bench::Record("cast_transpose_dswiglu",
+                    std::to_string(rows) + "x2x" + std::to_string(cols) + " bf16->e5m2", cmd)
+          .timing(dswiglu_ms, "amp8 swiglu_backward + cast_transpose", dswiglu_separate_ms)
+          .set("gbps", dswiglu_bytes / dswiglu_ms / 1e6)
+          .set("fraction_of_copy", dswiglu_bytes / dswiglu_ms / 1e6 / copy_gbps)
+          .print();
     }
 
     const double quant_ms =

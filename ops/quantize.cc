@@ -236,6 +236,46 @@ Fp8CastTranspose cast_transpose_swiglu(const at::Tensor& gate_up, const at::Tens
   return cast_transpose(values(), scale, format, amax_out, accumulate_amax);
 }
 
+Fp8CastTranspose cast_transpose_dswiglu(const at::Tensor& grad, const at::Tensor& gate_up,
+                                        const at::Tensor& scale, Fp8Format format,
+                                        const at::Tensor& amax_out, bool accumulate_amax,
+                                        const at::Tensor& dbias_out) {
+  check_activation_input(grad, scale, amax_out, "cast_transpose_dswiglu");
+  TORCH_CHECK(gate_up.defined() && gate_up.dim() == 2 && gate_up.size(0) == grad.size(0) &&
+                  gate_up.size(1) == 2 * grad.size(1) &&
+                  gate_up.scalar_type() == grad.scalar_type() &&
+                  gate_up.device() == grad.device() && gate_up.is_contiguous(),
+              "cast_transpose_dswiglu: gate_up must be a contiguous ", grad.scalar_type(), " [",
+              grad.size(0), ", ", 2 * grad.size(1), "] tensor on ", grad.device(),
+              " (grad's rows, twice its columns), got ",
+              gate_up.defined() ? c10::str(gate_up.scalar_type(), " ", gate_up.sizes(), " on ",
+                                           gate_up.device(),
+                                           gate_up.is_contiguous() ? "" : ", not contiguous")
+                                : std::string("an undefined tensor"));
+  if (dbias_out.defined()) check_dbias_out(dbias_out, gate_up, "cast_transpose_dswiglu");
+  // SwiGLU's backward in float32, not rounded to grad's dtype: what the fused kernel quantizes.
+  auto values = [&] {
+    return swiglu_backward(grad.to(at::kFloat).contiguous(), gate_up.to(at::kFloat));
+  };
+  if (grad.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    const int64_t rows = grad.size(0), cols = gate_up.size(1);
+    const auto options = grad.options().dtype(fp8_dtype(format));
+    auto out = at::empty({rows, cols}, options);
+    auto out_t = at::empty({cols, rows}, options);
+    auto scale_inv = at::empty({1}, scale.options());
+    if (grad.is_contiguous() &&
+        detail::cast_transpose_dswiglu_cuda(grad, gate_up, scale, format, out, out_t, scale_inv,
+                                            amax_ptr(amax_out), accumulate_amax, dbias_out)) {
+      return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
+    }
+#else
+    detail::no_cuda("cast_transpose_dswiglu");
+#endif
+  }
+  return cast_transpose(values(), scale, format, amax_out, accumulate_amax, dbias_out);
+}
+
 Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input,
                                       const at::Tensor& scale, Fp8Format format,
                                       const at::Tensor& amax_out, bool accumulate_amax,

@@ -66,6 +66,20 @@ Fp8CastTranspose cast_transpose_swiglu(const at::Tensor& gate_up, const at::Tens
                                        Fp8Format format, const at::Tensor& amax_out = {},
                                        bool accumulate_amax = false);
 
+/// cast_transpose of SwiGLU's backward (ops/swiglu.h's swiglu_backward in float32, not rounded to
+/// grad's dtype before the cast; TE's LayerNormMLP "swiglu": dSwiGLU fused with the gradient's
+/// cast-transpose): the FP8 gradient [rows, 2·ffn] of a SwiGLU MLP's first GEMM output, d gate
+/// then d up, from one read of `grad` [rows, ffn] (the gradient of SwiGLU's output) and
+/// `gate_up` [rows, 2·ffn] (its input; grad's dtype and device, contiguous). amax_out receives
+/// the max of |those values|; dbias_out ([2·ffn]), as cast_transpose's, their column sums.
+/// CUDA: one kernel where the shape allows (rows % 16 == 0, ffn % 8 == 0, 16-byte aligned, no
+/// dbias_out), else swiglu_backward in float32 and cast_transpose.
+Fp8CastTranspose cast_transpose_dswiglu(const at::Tensor& grad, const at::Tensor& gate_up,
+                                        const at::Tensor& scale, Fp8Format format,
+                                        const at::Tensor& amax_out = {},
+                                        bool accumulate_amax = false,
+                                        const at::Tensor& dbias_out = {});
+
 /// cast_transpose of grad · gelu'(gelu_input) (the tanh approximation's derivative, float32;
 /// TE's cast_transpose_dbias_dgelu): the FP8 gradient of an MLP's first GEMM output, from one
 /// read of `grad` (the gradient of GELU's output) and `gelu_input` (both 2-D, same shape, dtype

@@ -377,6 +377,34 @@ TEST_F(QuantizeTest, CastTransposeSwigluIsTheCastOfSiluTimesUp) {
       "cast_transpose_swiglu: gate_up must have an even number of columns");
 }
 
+// cast_transpose_dswiglu on the CPU: the cast of LibTorch's own gradient of silu(gate) · up
+// (float64 autograd, both halves: d gate then d up), in float32 (not rounded to the inputs'
+// bfloat16), with its amax and column sums; a gate_up that is not [rows, 2·cols] is named.
+TEST_F(QuantizeTest, CastTransposeDswigluIsTheCastOfSiluTimesUpsGradient) {
+  auto gate_up = at::randn({77, 2 * 40}).mul(3).to(at::kBFloat16);
+  auto grad = at::randn({77, 40}).to(at::kBFloat16);
+  auto leaf = gate_up.to(at::kDouble).requires_grad_(true);
+  const auto halves = leaf.chunk(2, 1);
+  (at::silu(halves[0]) * halves[1]).backward(grad.to(at::kDouble));
+  const auto values = leaf.grad().to(at::kFloat);
+  auto amax = at::zeros({1});
+  auto dbias = at::full({80}, NAN);
+  auto ct = cast_transpose_dswiglu(grad, gate_up, scalar(8.0f), Fp8Format::kE5M2, amax, false,
+                                   dbias);
+  ASSERT_EQ(ct.data.sizes(), (std::vector<int64_t>{77, 80}));
+  auto expected = cast_transpose(values, scalar(8.0f), Fp8Format::kE5M2);
+  expect_same_fp8_values(ct.data, expected.data, "dswiglu");
+  expect_same_fp8_values(ct.transposed, expected.transposed, "dswiglu transposed");
+  EXPECT_NEAR(item(amax), values.abs().max().item<float>(), 1e-6 * item(amax));
+  EXPECT_TRUE(at::allclose(dbias, values.sum(0), 1e-5, 1e-5));
+  testing::ExpectErrorContaining(
+      [] {
+        cast_transpose_dswiglu(at::randn({4, 8}), at::randn({4, 8}), at::ones({1}),
+                               Fp8Format::kE5M2);
+      },
+      "cast_transpose_dswiglu: gate_up must be a contiguous Float [4, 16] tensor");
+}
+
 TEST_F(QuantizeTest, CastTransposeDgeluIsTheCastOfLibTorchsGeluBackward) {
   auto grad = at::randn({77, 45}).to(at::kBFloat16);
   auto gelu_input = at::randn({77, 45}).mul(3).to(at::kBFloat16);
@@ -557,6 +585,33 @@ TEST_P(QuantizeGpuTest, CastTransposeSwigluMatchesCpu_CUDA) {
   expect_same_fp8_values(gpu.transposed, cpu.transposed, "swiglu transposed");
   EXPECT_NEAR(item(amax_gpu), item(amax_cpu), 1e-6 * item(amax_cpu));
   EXPECT_TRUE(SameFloat(item(gpu.data.scale_inv), item(cpu.data.scale_inv)));
+}
+
+// SwiGLU's backward cast ([d gate | d up] from the gradient [rows, cols] and gate/up
+// [rows, 2·cols]) against the CPU reference, fused where the shape allows; with a dbias_out
+// through the unfused path (the kernel has no dbias variant).
+TEST_P(QuantizeGpuTest, CastTransposeDswigluMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  auto grad = at::randn({p.rows, p.cols}).to(p.dtype);
+  auto gate_up = (at::randn({p.rows, 2 * p.cols}) * 3).to(p.dtype);
+  auto scale = scalar(fp8_max(p.format) / 8.0f);
+  for (bool with_dbias : {false, true}) {
+    auto dbias_cpu = with_dbias ? at::empty({2 * p.cols}) : at::Tensor();
+    auto dbias_gpu = with_dbias ? at::full({2 * p.cols}, NAN, at::kCUDA) : at::Tensor();
+    auto amax_cpu = at::zeros({1}), amax_gpu = at::full({1}, -1.0f, at::kCUDA);
+    auto cpu = cast_transpose_dswiglu(grad, gate_up, scale, p.format, amax_cpu, false, dbias_cpu);
+    auto gpu = cast_transpose_dswiglu(grad.cuda(), gate_up.cuda(), scale.cuda(), p.format,
+                                      amax_gpu, false, dbias_gpu);
+    const std::string where = with_dbias ? "dswiglu with dbias" : "dswiglu";
+    expect_same_fp8_values(gpu.data, cpu.data, where);
+    expect_same_fp8_values(gpu.transposed, cpu.transposed, where + " transposed");
+    EXPECT_NEAR(item(amax_gpu), item(amax_cpu), 1e-6 * item(amax_cpu)) << where;
+    EXPECT_TRUE(SameFloat(item(gpu.data.scale_inv), item(cpu.data.scale_inv))) << where;
+    if (with_dbias) {
+      EXPECT_TRUE(at::allclose(dbias_gpu.cpu(), dbias_cpu, 1e-4, 1e-4)) << where;
+    }
+  }
 }
 
 TEST_P(QuantizeGpuTest, CastTransposeDgeluMatchesCpu_CUDA) {

@@ -105,7 +105,8 @@ bool cast_transpose_fused_cuda(const at::Tensor& x, const at::Tensor& gate,
     part = at::empty({cuda::cast_transpose_dbias_parts(x.size(0)), x.size(1)},
                      x.options().dtype(at::kFloat));
   }
-  // The output's columns: x's, but half of them for SwiGLU (x holds gate and up).
+  // The output's columns: x's, but half of them for SwiGLU (x holds gate and up), twice them for
+  // SwiGLU's backward (gate holds gate and up).
   const int err = cuda::launch_cast_transpose_fused(
       x.const_data_ptr(), gate.defined() ? gate.const_data_ptr() : nullptr, input_type(x),
       activation, out.mutable_data_ptr(), out_t.mutable_data_ptr(), out.size(0), out.size(1),
@@ -151,6 +152,15 @@ bool cast_transpose_swiglu_cuda(const at::Tensor& gate_up, const at::Tensor& sca
                                 bool accumulate_amax) {
   return cast_transpose_fused_cuda(gate_up, {}, cuda::CastActivation::kSwiGlu, scale, format, out,
                                    out_t, scale_inv_out, amax, accumulate_amax, {});
+}
+
+bool cast_transpose_dswiglu_cuda(const at::Tensor& grad, const at::Tensor& gate_up,
+                                 const at::Tensor& scale, Fp8Format format, const at::Tensor& out,
+                                 const at::Tensor& out_t, const at::Tensor& scale_inv_out,
+                                 float* amax, bool accumulate_amax, const at::Tensor& dbias_out) {
+  if (dbias_out.defined()) return false;  // no dbias variant of that kernel
+  return cast_transpose_fused_cuda(grad, gate_up, cuda::CastActivation::kDSwiGlu, scale, format,
+                                   out, out_t, scale_inv_out, amax, accumulate_amax, dbias_out);
 }
 
 bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,

@@ -43,7 +43,10 @@ int64_t cast_transpose_dbias_parts(int64_t rows);
 //          first GEMM's output from the gradient of GELU's;
 //   kSwiGlu silu(x[r, c]) · x[r, cols + c] (ops/detail/elementwise_formulas.h): x is the first
 //          GEMM's fused gate/up output [rows, 2·cols], gate first; `gate` is unused.
-enum class CastActivation { kNone, kGelu, kDGelu, kSwiGlu };
+//   kDSwiGlu [d gate | d up] = swiglu_backward(x, gate) (ops/detail/elementwise_formulas.h): x is
+//          the gradient of SwiGLU's output [rows, cols / 2], `gate` SwiGLU's input gate/up
+//          [rows, cols]: the gradient of the first GEMM's output, both halves; no dbias.
+enum class CastActivation { kNone, kGelu, kDGelu, kSwiGlu, kDSwiGlu };
 
 // launch_cast_transpose of activation(x), with the amax of those values; with `dbias` non-null
 // also dbias[c] = Σ_r activation(x)[r, c] ([cols] in dbias_type, summed in float32) from the
@@ -51,8 +54,9 @@ enum class CastActivation { kNone, kGelu, kDGelu, kSwiGlu };
 // cast_transpose_dbias / cast_transpose_dbias_dgelu): per-tile column sums into `part`
 // [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast shape
 // (cols % 8 == 0, rows % 16 == 0, 16-byte aligned pointers) and the variants the layers use
-// (kNone with dbias, kGelu and kSwiGlu without, kDGelu either way); otherwise it launches nothing and
-// returns kUnsupportedShape.
+// (kNone with dbias, kGelu, kSwiGlu and kDSwiGlu without, kDGelu either way); otherwise it
+// launches nothing and returns kUnsupportedShape. `cols` is the output's: half of x's for kSwiGlu,
+// twice x's for kDSwiGlu.
 int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 CastActivation activation, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,

@@ -83,6 +83,27 @@ __device__ __forceinline__ int swizzled(int t_row, int t_col) {
   return t_row * kTileRows + ((((t_col >> 4) ^ (t_row >> 3)) & 7) << 4) + (t_col & 15);
 }
 
+// A block's transposed FP8 tile (tile_t [kTileCols][kTileRows], swizzled) to out_t [.., rows]:
+// its row c becomes out_t's row out_row0 + c (for c < valid_cols), columns row0 onwards, as whole
+// 128-byte lines (8 threads per output row, 16 bytes each).
+template <int kTileCols>
+__device__ __forceinline__ void store_transposed_tile(const uint8_t* tile_t, uint8_t* out_t,
+                                                      int64_t rows, int64_t row0,
+                                                      int64_t out_row0, int64_t valid_cols) {
+  constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;
+#pragma unroll
+  for (int pass = 0; pass < kStorePasses; ++pass) {
+    const int index = threadIdx.x + pass * kThreads;
+    const int c = index / (kTileRows / 16);  // transposed row within the tile
+    const int q = index % (kTileRows / 16);  // 16-byte chunk of that row
+    const int64_t out_col = row0 + q * 16;
+    if (c < valid_cols && out_col < rows) {
+      *reinterpret_cast<uint4*>(out_t + (out_row0 + c) * rows + out_col) =
+          *reinterpret_cast<const uint4*>(&tile_t[swizzled(c, q * 16)]);
+    }
+  }
+}
+
 // The value the cast quantizes, from x (and, for kDGelu, the GELU's input `gate`; for kSwiGlu,
 // the up projection), in float32.
 template <CastActivation kAct, typename T>
@@ -127,7 +148,6 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
   constexpr int kChunksPerRow = kTileCols / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   constexpr int kLoadPasses = kTileRows / kRowsPerPass;
-  constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;
   __shared__ alignas(16) uint8_t tile_t[kTileCols * kTileRows];  // [col][row], swizzled
 
   const float scale = *scale_ptr;
@@ -192,18 +212,79 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
       dbias_part[static_cast<int64_t>(blockIdx.y) * cols + col0 + threadIdx.x] = total;
     }
   }
+  store_transposed_tile<kTileCols>(tile_t, out_t, rows, row0, col0, cols - col0);
+  if (amax != nullptr) block_amax_to_global(max_bits, amax);
+}
+
+// SwiGLU's backward inside the cast of the gradient it gives (TE's LayerNormMLP "swiglu": dSwiGLU
+// fused with the gradient's cast-transpose). dy [rows, ffn] is the gradient of SwiGLU's output,
+// gate_up [rows, 2·ffn] its input; what is quantized is [d gate | d up] [rows, 2·ffn]
+// (detail::swiglu_backward, float32). A block reads a kTileRows × 64 tile of dy, gate and up once
+// and writes both tiles they give, ffn columns apart, in both layouts: a grid over the output's
+// 2·ffn columns would read dy and the gate twice. Three tiles of loads per thread: two resident
+// blocks per SM. Needs ffn % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers.
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, 2)
+    cast_transpose_dswiglu_kernel(const T* __restrict__ dy, const T* __restrict__ gate_up,
+                                  uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                                  int64_t rows, int64_t ffn, const float* __restrict__ scale_ptr,
+                                  float* __restrict__ scale_inv, float* __restrict__ amax) {
+  constexpr int kTileCols = 64;
+  constexpr int kChunksPerRow = kTileCols / 8;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  constexpr int kLoadPasses = kTileRows / kRowsPerPass;
+  __shared__ alignas(16) uint8_t gate_t[kTileCols * kTileRows];  // d gate, [col][row], swizzled
+  __shared__ alignas(16) uint8_t up_t[kTileCols * kTileRows];    // d up, the same
+
+  const float scale = *scale_ptr;
+  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    *scale_inv = 1.0f / scale;
+  }
+  const int64_t cols = 2 * ffn;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  uint32_t max_bits = 0;
+  const int chunk = threadIdx.x % kChunksPerRow;
+  const int row_in_pass = threadIdx.x / kChunksPerRow;
+  const int64_t gc = col0 + chunk * 8;
+  Pack8<T> grads[kLoadPasses], gates[kLoadPasses], ups[kLoadPasses];
 #pragma unroll
-  for (int pass = 0; pass < kStorePasses; ++pass) {
-    const int index = threadIdx.x + pass * kThreads;
-    const int c = index / (kTileRows / 16);  // transposed row within the tile
-    const int q = index % (kTileRows / 16);  // 16-byte chunk of that row
-    const int64_t out_row = col0 + c;
-    const int64_t out_col = row0 + q * 16;
-    if (out_row < cols && out_col < rows) {
-      *reinterpret_cast<uint4*>(out_t + out_row * rows + out_col) =
-          *reinterpret_cast<const uint4*>(&tile_t[swizzled(c, q * 16)]);
+  for (int pass = 0; pass < kLoadPasses; ++pass) {
+    const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
+    if (gr < rows && gc < ffn) {
+      grads[pass] = *reinterpret_cast<const Pack8<T>*>(dy + gr * ffn + gc);
+      gates[pass] = *reinterpret_cast<const Pack8<T>*>(gate_up + gr * cols + gc);
+      ups[pass] = *reinterpret_cast<const Pack8<T>*>(gate_up + gr * cols + ffn + gc);
     }
   }
+#pragma unroll
+  for (int pass = 0; pass < kLoadPasses; ++pass) {
+    const int r = row_in_pass + pass * kRowsPerPass;
+    const int64_t gr = row0 + r;
+    uint64_t packed_gate = 0, packed_up = 0;
+    if (gr < rows && gc < ffn) {
+      float d_gate[8], d_up[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const auto d = detail::swiglu_backward(to_float(grads[pass].v[j]),
+                                               to_float(gates[pass].v[j]), to_float(ups[pass].v[j]));
+        d_gate[j] = d.gate;
+        d_up[j] = d.up;
+      }
+      packed_gate = saturating_cast8<kE5M2>(d_gate, scale, max_bits);
+      packed_up = saturating_cast8<kE5M2>(d_up, scale, max_bits);
+      *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed_gate;
+      *reinterpret_cast<uint64_t*>(out + gr * cols + ffn + gc) = packed_up;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      gate_t[swizzled(chunk * 8 + j, r)] = static_cast<uint8_t>(packed_gate >> (8 * j));
+      up_t[swizzled(chunk * 8 + j, r)] = static_cast<uint8_t>(packed_up >> (8 * j));
+    }
+  }
+  __syncthreads();
+  store_transposed_tile<kTileCols>(gate_t, out_t, rows, row0, col0, ffn - col0);
+  store_transposed_tile<kTileCols>(up_t, out_t, rows, row0, ffn + col0, ffn - col0);
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
@@ -333,11 +414,51 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
 
 int64_t cast_transpose_dbias_parts(int64_t rows) { return (rows + kTileRows - 1) / kTileRows; }
 
+namespace {
+
+// launch_cast_transpose_fused's kDSwiGlu: dy [rows, cols / 2], gate_up and the outputs
+// [rows, cols]; no bias gradient (the SwiGLU MLPs this serves have no FC1 bias).
+int launch_cast_transpose_dswiglu(const void* dy, const void* gate_up, InputType type, void* out,
+                                  void* out_t, int64_t rows, int64_t cols, const float* scale,
+                                  float* scale_inv, float* amax, bool accumulate_amax, bool e5m2,
+                                  bool with_dbias, Stream stream) {
+  const int64_t ffn = cols / 2;
+  if (with_dbias || cols % 16 != 0 || rows % 16 != 0 || !aligned16(dy) || !aligned16(gate_up) ||
+      !aligned16(out) || !aligned16(out_t)) {
+    return kUnsupportedShape;
+  }
+  if (amax != nullptr && !accumulate_amax) {
+    if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
+  }
+  return dispatch_input(type, [&](auto tag) {
+    using T = decltype(tag);
+    const dim3 grid((ffn + 63) / 64, static_cast<unsigned>((rows + kTileRows - 1) / kTileRows));
+    const auto* g = static_cast<const T*>(dy);
+    const auto* gu = static_cast<const T*>(gate_up);
+    auto* o = static_cast<uint8_t*>(out);
+    auto* ot = static_cast<uint8_t*>(out_t);
+    if (e5m2) {
+      cast_transpose_dswiglu_kernel<T, true>
+          <<<grid, kThreads, 0, stream>>>(g, gu, o, ot, rows, ffn, scale, scale_inv, amax);
+    } else {
+      cast_transpose_dswiglu_kernel<T, false>
+          <<<grid, kThreads, 0, stream>>>(g, gu, o, ot, rows, ffn, scale, scale_inv, amax);
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+}  // namespace
+
 int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 CastActivation activation, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
                                 bool accumulate_amax, bool e5m2, float* part, void* dbias,
                                 InputType dbias_type, Stream stream) {
+  if (activation == CastActivation::kDSwiGlu) {
+    return launch_cast_transpose_dswiglu(x, gate, type, out, out_t, rows, cols, scale, scale_inv,
+                                         amax, accumulate_amax, e5m2, dbias != nullptr, stream);
+  }
   constexpr int kCols = kDefaultCastTransposeTileCols;
   const bool gated = activation == CastActivation::kDGelu;
   const bool swiglu = activation == CastActivation::kSwiGlu;

@@ -40,6 +40,12 @@ bool cast_transpose_swiglu_cuda(const at::Tensor& gate_up, const at::Tensor& sca
                                 Fp8Format format, const at::Tensor& out, const at::Tensor& out_t,
                                 const at::Tensor& scale_inv_out, float* amax,
                                 bool accumulate_amax);
+// The same for swiglu_backward(grad, gate_up) [rows, 2·ffn] (grad [rows, ffn]); false also
+// with dbias_out defined.
+bool cast_transpose_dswiglu_cuda(const at::Tensor& grad, const at::Tensor& gate_up,
+                                 const at::Tensor& scale, Fp8Format format, const at::Tensor& out,
+                                 const at::Tensor& out_t, const at::Tensor& scale_inv_out,
+                                 float* amax, bool accumulate_amax, const at::Tensor& dbias_out);
 // The same for grad · gelu'(gelu_input), with the column sums of those values into dbias_out
 // when it is defined.
 bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,

@@ -238,19 +238,19 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
 };
 
 // LayerNorm → FP8 → FC1 → GELU or SwiGLU fused into FC2's input cast → FC2, in one function
-// (see Fp8LayerNormMLPImpl). Backward: FC2's GEMMs, then GELU's backward fused into the cast of
-// FC1's output gradient (with FC1's bias gradient) or SwiGLU's backward before it, FC1's GEMMs,
-// the LayerNorm's backward. `gelu_input` is FC1's output, whichever the activation.
+// (see Fp8LayerNormMLPImpl). Backward: FC2's GEMMs, then GELU's or SwiGLU's backward fused into
+// the cast of FC1's output gradient (GELU's with FC1's bias gradient), FC1's GEMMs, the
+// LayerNorm's backward.
 struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunction> {
   struct SavedTensors : LayerNormSaved {
-    at::Tensor gelu_input;  ///< FC1's output, padded rows zeroed
+    at::Tensor fc1_out;  ///< FC1's output (the activation's input), padded rows zeroed
     at::Tensor fc1_weight_fp8, fc1_weight_scale_inv, fc2_weight_fp8, fc2_weight_scale_inv;
     static constexpr auto fields() {
       using S = SavedTensors;
       return std::array<at::Tensor S::*, 13>{
           &S::x2d,        &S::mean,           &S::rstd,
           &S::weight,     &S::bias,           &S::out_fp8,
-          &S::out_scale_inv, &S::out_fp8_t,   &S::gelu_input,
+          &S::out_scale_inv, &S::out_fp8_t,   &S::fc1_out,
           &S::fc1_weight_fp8, &S::fc1_weight_scale_inv, &S::fc2_weight_fp8,
           &S::fc2_weight_scale_inv};
     }
@@ -278,18 +278,18 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     Fp8GemmOptions gemm1;
     gemm1.use_fast_accum = true;
     if (fc1_has_bias) gemm1.bias = fc1_bias;
-    auto gelu_input = fp8_gemm(ln.x_q, fc1_call.weight_q.data, fc1_call.out_dtype, gemm1);
+    auto fc1_out = fp8_gemm(ln.x_q, fc1_call.weight_q.data, fc1_call.out_dtype, gemm1);
     // The padding rows read FC1's bias; zeroed, they stay zero through the activation
     // (gelu(0) = swiglu(0, 0) = 0) and add nothing to FC2's input amax.
-    if (rows_padded != rows) gelu_input.narrow(0, rows, rows_padded - rows).zero_();
+    if (rows_padded != rows) fc1_out.narrow(0, rows, rows_padded - rows).zero_();
     // GELU inside the cast. SwiGLU by its own kernel, then the plain cast: on an H200 that pair
     // measured faster than cast_transpose_swiglu with 128-column tiles (llama3_8b_4layer FP8
     // 124.1k against 122.2k tokens/s, bench/results/llama_swiglu_cast/); its 64-column variant
     // is timed against the pair by cast_transpose_bench and replaces it here once faster.
     auto h_q = swiglu
-                   ? detail::quantize_for(amp8::swiglu(gelu_input), fc2_call.recipe,
+                   ? detail::quantize_for(amp8::swiglu(fc1_out), fc2_call.recipe,
                                           *fc2_call.meta, Fp8Slot::kInput)
-                   : detail::quantize_for(gelu_input, fc2_call.recipe, *fc2_call.meta,
+                   : detail::quantize_for(fc1_out, fc2_call.recipe, *fc2_call.meta,
                                           Fp8Slot::kInput, {}, {detail::QuantizeActivation::kGelu});
     Fp8GemmOptions gemm2;
     gemm2.use_fast_accum = true;
@@ -299,7 +299,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
 
     SavedTensors tensors;
     static_cast<LayerNormSaved&>(tensors) = LayerNormSaved(x2d, ln, ln_weight, ln_bias);
-    tensors.gelu_input = gelu_input;
+    tensors.fc1_out = fc1_out;
     const auto w1 = detail::dgrad_weight_of(fc1_call.weight_q);
     const auto w2 = detail::dgrad_weight_of(fc2_call.weight_q);
     tensors.fc1_weight_fp8 = w1.weight.data;
@@ -310,7 +310,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     detail::save_input_transpose(ctx, h_q.transposed, "fc2.x_t");
     const auto fc1_saved = detail::Fp8LinearSaved::of(fc1_call, rows, fc1_has_bias, x2d,
                                                       fc1_weight, fc1_bias, input.sizes().vec());
-    const auto fc2_saved = detail::Fp8LinearSaved::of(fc2_call, rows, fc2_has_bias, gelu_input,
+    const auto fc2_saved = detail::Fp8LinearSaved::of(fc2_call, rows, fc2_has_bias, fc1_out,
                                                       fc2_weight, fc2_bias,
                                                       {rows, fc2_weight.size(1)});
     fc1_saved.save(ctx, "fc1");
@@ -324,33 +324,27 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     const auto fc2_saved = detail::Fp8LinearSaved::load(ctx, "fc2");
     const auto tensors = detail::load_tensors<SavedTensors>(ctx);
     const auto format = fc1_saved.recipe.forward_format;
-    // FC2: its gradients, and dgrad into GELU's output gradient.
+    // FC2: its gradients, and dgrad into the activation's output gradient.
     const auto& grad_output = grad_outputs[0];
     auto fc2_grads = detail::fp8_linear_backward(
         fc2_saved, grad_output.reshape({-1, grad_output.size(-1)}),
         detail::take_input_transpose(ctx, format, "fc2.x_t"),
         fc2_saved.dgrad_weight(tensors.fc2_weight_fp8, tensors.fc2_weight_scale_inv),
         /*need_input=*/true, ctx->needs_input_grad(5), ctx->needs_input_grad(6));
-    // FC1, whose output gradient is GELU's backward, computed inside its cast, or SwiGLU's,
-    // computed by its kernel first.
+    // FC1, whose output gradient is GELU's or SwiGLU's backward, computed inside its cast.
     const bool need_ln = needs_layer_norm_grads(ctx);
     const bool need_fc1_weight = ctx->needs_input_grad(3) || fc1_saved.meta->fp8_params();
     Fp8Tensor x_t;
     if (need_fc1_weight) x_t = tensors.output_transpose(format);
     const bool swiglu =
         static_cast<MlpActivation>(ctx->saved_data.at("activation").toInt()) == MlpActivation::kSwiGlu;
-    at::Tensor fc1_grad_output = fc2_grads.input;
-    if (swiglu) {
-      const int64_t grad_rows = fc1_grad_output.size(0);
-      fc1_grad_output = swiglu_backward(fc1_grad_output.contiguous(),
-                                        tensors.gelu_input.narrow(0, 0, grad_rows));
-    }
+    const detail::QuantizeActivation activation_backward = {
+        swiglu ? detail::QuantizeActivation::kDSwiGlu : detail::QuantizeActivation::kDGelu,
+        tensors.fc1_out};
     auto fc1_grads = detail::fp8_linear_backward(
-        fc1_saved, fc1_grad_output, std::move(x_t),
+        fc1_saved, fc2_grads.input, std::move(x_t),
         fc1_saved.dgrad_weight(tensors.fc1_weight_fp8, tensors.fc1_weight_scale_inv), need_ln,
-        ctx->needs_input_grad(3), ctx->needs_input_grad(4),
-        /*gelu_input=*/swiglu ? at::Tensor() : tensors.gelu_input);
-    fc1_grad_output = at::Tensor();
+        ctx->needs_input_grad(3), ctx->needs_input_grad(4), activation_backward);
     fc2_grads.input = at::Tensor();
     std::array<torch::Tensor, 3> ln;
     if (need_ln) ln = tensors.grads(ctx, fc1_saved, fc1_grads.input);

@@ -13,6 +13,7 @@
 #include "ops/fp8_gemm.h"
 #include "ops/layer_norm.h"
 #include "ops/quantize.h"
+#include "ops/swiglu.h"
 #include "plugin/fp8/detail/fp8_state.h"
 #include "plugin/compat/torch_internals.h"
 
@@ -48,19 +49,33 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
         TORCH_INTERNAL_ASSERT(!dbias_out.defined(), "quantize_for: GELU's cast has no dbias");
         return cast_transpose_gelu(x, scale, format, amax_slot, /*accumulate_amax=*/true);
       case QuantizeActivation::kDGelu:
-        return cast_transpose_dgelu(x, activation.gelu_input, scale, format, amax_slot,
+        return cast_transpose_dgelu(x, activation.input, scale, format, amax_slot,
                                     /*accumulate_amax=*/true, dbias_out);
+      case QuantizeActivation::kDSwiGlu:
+        return cast_transpose_dswiglu(x, activation.input, scale, format, amax_slot,
+                                      /*accumulate_amax=*/true, dbias_out);
       case QuantizeActivation::kNone:
         break;
     }
     return cast_transpose(x, scale, format, amax_slot, /*accumulate_amax=*/true, dbias_out);
   }
   // Current scaling needs the values' amax before their scale: the activation is computed
-  // first, by LibTorch, then measured and quantized.
+  // first (GELU's by LibTorch, SwiGLU's backward by amp8's kernel in float32, as the fused cast
+  // computes it), then measured and quantized.
   at::Tensor values = x;
-  if (activation.kind == QuantizeActivation::kGelu) values = at::gelu(x, "tanh");
-  if (activation.kind == QuantizeActivation::kDGelu)
-    values = at::gelu_backward(x, activation.gelu_input, "tanh");
+  switch (activation.kind) {
+    case QuantizeActivation::kGelu:
+      values = at::gelu(x, "tanh");
+      break;
+    case QuantizeActivation::kDGelu:
+      values = at::gelu_backward(x, activation.input, "tanh");
+      break;
+    case QuantizeActivation::kDSwiGlu:
+      values = swiglu_backward(x.to(at::kFloat).contiguous(), activation.input.to(at::kFloat));
+      break;
+    case QuantizeActivation::kNone:
+      break;
+  }
   auto amax = compute_amax(values);
   amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
   return cast_transpose(values, compute_current_scale(amax, format, recipe.margin), format, {},
@@ -181,7 +196,7 @@ Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias,
-                                   const at::Tensor& gelu_input) {
+                                   const QuantizeActivation& activation_backward) {
   auto& meta = *saved.meta;
   const auto& recipe = saved.recipe;
   const int64_t rows = saved.rows;
@@ -203,11 +218,13 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
   if (need_bias && saved.has_bias) {
     const auto b = saved.bias_dtype;
     const bool direct = b == at::kFloat || b == at::kBFloat16 || b == at::kHalf;
-    dbias = at::empty({g.size(1)}, g.options().dtype(direct ? b : at::kFloat));
+    // The layer's output features: twice the gradient's columns where SwiGLU's backward (d gate,
+    // d up) happens in the cast.
+    const int64_t features =
+        activation_backward.kind == QuantizeActivation::kDSwiGlu ? 2 * g.size(1) : g.size(1);
+    dbias = at::empty({features}, g.options().dtype(direct ? b : at::kFloat));
   }
-  QuantizeActivation activation;
-  if (gelu_input.defined()) activation = {QuantizeActivation::kDGelu, gelu_input};
-  auto g_q = quantize_for(g, recipe, meta, Fp8Slot::kGradOutput, dbias, activation);
+  auto g_q = quantize_for(g, recipe, meta, Fp8Slot::kGradOutput, dbias, activation_backward);
   g = at::Tensor();
   if (dbias.defined()) {
     grads.bias = dbias.scalar_type() == saved.bias_dtype ? dbias : dbias.to(saved.bias_dtype);

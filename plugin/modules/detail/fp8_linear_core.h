@@ -23,18 +23,20 @@ at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows);
 /// The dtype GEMM outputs take: the autocast dtype where autocast is on, else the input's.
 at::ScalarType compute_dtype(const at::Tensor& input);
 
-/// What quantize_for quantizes: x, gelu(x) (an MLP's hidden activation, tanh GELU), or
-/// x · gelu'(gelu_input) (the gradient of the GEMM output that GELU read).
+/// What quantize_for quantizes: x, gelu(x) (an MLP's hidden activation, tanh GELU),
+/// x · gelu'(input) (the gradient of the GEMM output that GELU read), or swiglu_backward(x, input)
+/// (the gradient [rows, 2·cols] of the GEMM output that SwiGLU read, from x [rows, cols]).
 struct QuantizeActivation {
-  enum Kind { kNone, kGelu, kDGelu };
+  enum Kind { kNone, kGelu, kDGelu, kDSwiGlu };
   Kind kind = kNone;
-  at::Tensor gelu_input;  ///< kDGelu only: GELU's input, x's shape and dtype
+  /// kDGelu: GELU's input (x's shape and dtype); kDSwiGlu: SwiGLU's gate/up input [rows, 2·cols]
+  at::Tensor input;
 };
 
 /// Quantizes x (or its activation) as `meta`'s `slot`, in the recipe's format for the slot
 /// (the backward format for kGradOutput, else the forward one): delayed scaling uses the slot's
 /// scale and max-merges the values' amax into the slot's amax, fused into one kernel with the
-/// activation (cast_transpose_gelu / cast_transpose_dgelu); tensorwise scaling derives the scale
+/// activation (cast_transpose_gelu / _dgelu / _dswiglu); tensorwise scaling derives the scale
 /// from the values themselves (and records their amax in the slot). `dbias_out` ([cols];
 /// float32, bfloat16 or float16: the bias's dtype), when defined, receives their column sums
 /// from the same read (not with kGelu).
@@ -127,13 +129,15 @@ Saved load_tensors(torch::autograd::AutogradContext* ctx) {
 /// main_grad. The bias gradient comes from the gradient's cast_transpose (its dbias), not from a
 /// separate reduction. x_t is dropped before dgrad: pass it by std::move, holding no
 /// other reference, to free it there. need_bias is ignored for a layer without bias.
-/// With `gelu_input` (the layer's output as GELU read it, padded like the rows here) the
-/// gradient quantized is grad_output2d · gelu'(gelu_input): grad_output2d is then GELU's output
-/// gradient, and GELU's backward happens inside the gradient's cast (an MLP's first layer).
+/// With an `activation_backward` (kDGelu or kDSwiGlu, its input the layer's output as the
+/// activation read it, padded like the rows here) grad_output2d is the activation's output
+/// gradient, and the activation's backward happens inside the gradient's cast (an MLP's first
+/// layer): the gradient quantized is grad_output2d · gelu'(input) or
+/// swiglu_backward(grad_output2d, input).
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias,
-                                   const at::Tensor& gelu_input = {});
+                                   const QuantizeActivation& activation_backward = {});
 
 // ---- the blockwise recipe (TE's Float8BlockScaling): activations and gradients in 1×128
 // tiles, weights in 128×128 blocks, each GEMM block-scaled (ops/blockwise.h) ----
