@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <functional>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <iostream>
 #include <limits>
@@ -956,6 +957,68 @@ TEST(DistributedEnvironmentTest, RendezvousTimesOutNamingTheMissingRank) {
   ASSERT_EQ(errors[1], "");
   stores[1]->set("hello", std::vector<uint8_t>{4, 2});
   EXPECT_EQ(stores[0]->get("hello"), (std::vector<uint8_t>{4, 2}));
+}
+
+// Two "nodes" on one machine: two torchrun agents (--nnodes=2, one process each) meeting
+// through the c10d rendezvous, as on a cluster (docs/guide.md, "Several nodes"). Each agent runs
+// this binary's UnderTwoTorchrunAgentsEachRankMeetsTheOther. What a multi-node launch gives a
+// process and a single-node one does not: its LOCAL_RANK (0 on both nodes) differs from its
+// RANK, which the rendezvous hands out in the order the agents arrive (--node-rank is not
+// used by the c10d backend), and the store is the agents' (TORCHELASTIC_USE_AGENT_STORE).
+TEST(DistributedEnvironmentTest, TwoTorchrunAgentsMeetLikeTwoNodes) {
+  if (std::system("command -v torchrun >/dev/null 2>&1") != 0) GTEST_SKIP() << "torchrun is not on PATH";
+  const auto dir = testing::scratch_path("DistributedEnvironmentTest", "two_nodes");
+  std::filesystem::create_directories(dir);
+  const auto self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const int port = unused_port();
+  // The children run one test each, whole: no sharding, no XML report of their own.
+  std::ostringstream command;
+  command << "cd '" << dir.string() << "' && for node in 0 1; do "
+          << "env -u GTEST_SHARD_INDEX -u GTEST_TOTAL_SHARDS -u TEST_SHARD_INDEX -u TEST_TOTAL_SHARDS "
+          << "-u GTEST_SHARD_STATUS_FILE -u XML_OUTPUT_FILE -u GTEST_OUTPUT AMP8_TWO_NODE_DIR='" << dir.string()
+          << "' timeout 180 torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:"
+          << port << " --rdzv-id=amp8_two_nodes --node-rank=$node --no-python '" << self
+          << "' --gtest_filter=DistributedEnvironmentTest.UnderTwoTorchrunAgentsEachRankMeetsTheOther"
+          << " > agent$node.log 2>&1 & agents=\"$agents $!\"; done; s=0; for agent in $agents; do wait $agent || s=1; done; exit $s";
+  const int status = std::system(command.str().c_str());
+  auto text_of = [&](const std::string& name) {
+    std::ifstream in(dir / name);
+    std::stringstream contents;
+    contents << in.rdbuf();
+    return contents.str();
+  };
+  EXPECT_EQ(status, 0) << "agent 0:\n" << text_of("agent0.log") << "\nagent 1:\n" << text_of("agent1.log");
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(text_of("rank" + std::to_string(rank) + ".txt"),
+              "rank " + std::to_string(rank) + " of 2, local_rank 0, agent store, met rank " +
+                  std::to_string(1 - rank) + " (local_rank 0)\n")
+        << text_of("agent0.log") << text_of("agent1.log");
+  }
+  testing::remove_tree(dir.parent_path().string());
+}
+
+// One rank of TwoTorchrunAgentsMeetLikeTwoNodes: reads torchrun's variables, meets the other
+// rank in the store and writes what it saw to AMP8_TWO_NODE_DIR/rank<r>.txt. Skips elsewhere.
+TEST(DistributedEnvironmentTest, UnderTwoTorchrunAgentsEachRankMeetsTheOther) {
+  const char* out = std::getenv("AMP8_TWO_NODE_DIR");
+  if (out == nullptr) GTEST_SKIP() << "run by TwoTorchrunAgentsMeetLikeTwoNodes";
+  const auto env = DistributedEnvironment::from_env();
+  ASSERT_TRUE(env.has_value()) << "WORLD_SIZE is not set";
+  ASSERT_EQ(env->world_size, 2);
+  auto store = rendezvous(*env, std::chrono::seconds(60));
+  const std::string mine = "local_rank_of_" + std::to_string(env->rank);
+  const std::string theirs = "local_rank_of_" + std::to_string(1 - env->rank);
+  store->set(mine, std::vector<uint8_t>{static_cast<uint8_t>(env->local_rank)});
+  store->wait({theirs}, std::chrono::seconds(60));
+  const auto other_local_rank = store->get(theirs);
+  ASSERT_EQ(other_local_rank.size(), 1u);
+  std::ofstream(std::filesystem::path(out) / ("rank" + std::to_string(env->rank) + ".txt"))
+      << "rank " << env->rank << " of " << env->world_size << ", local_rank " << env->local_rank << ", "
+      << (env->use_agent_store ? "agent store" : "own store") << ", met rank " << 1 - env->rank
+      << " (local_rank " << int{other_local_rank[0]} << ")\n";
+  // Neither rank leaves (and its agent closes the store) before both have read.
+  store->set("done_" + std::to_string(env->rank), std::vector<uint8_t>{1});
+  store->wait({"done_0", "done_1"}, std::chrono::seconds(60));
 }
 
 TEST(DistributedEnvironmentTest, AbsentWithoutTorchrunAndAMissingVariableIsNamed) {
