@@ -284,8 +284,9 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     if (rows_padded != rows) fc1_out.narrow(0, rows, rows_padded - rows).zero_();
     // GELU inside the cast. SwiGLU by its own kernel, then the plain cast: on an H200 that pair
     // measured faster than cast_transpose_swiglu with 128-column tiles (llama3_8b_4layer FP8
-    // 124.1k against 122.2k tokens/s, bench/results/llama_swiglu_cast/); its 64-column variant
-    // is timed against the pair by cast_transpose_bench and replaces it here once faster.
+    // 124.1k against 122.2k tokens/s, bench/results/llama_swiglu_cast/); the 64-column variant
+    // is 1.03x the pair at 8192-16384 rows and 0.99x at 4096 (llama_dswiglu_cast/): too little
+    // to show in a step.
     auto h_q = swiglu
                    ? detail::quantize_for(amp8::swiglu(fc1_out), fc2_call.recipe,
                                           *fc2_call.meta, Fp8Slot::kInput)
