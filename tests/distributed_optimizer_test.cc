@@ -467,7 +467,7 @@ TEST(DistributedOptimizerTest, AnFp8LayerUsedTwicePerForwardPassIsReducedWhenCom
   EXPECT_LT(max_rel_loss_diff(global, reference), 1e-2);
 }
 
-TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndRejectsAnotherWorldSize) {
+TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndARenamedShardIsNamed) {
   const auto options = recipes::fp16_mixed().fp16_initial_loss_scale(1 << 24);
   const auto dir = testing::scratch_path("DistributedOptimizerTest", "sharded");
   data();
@@ -511,19 +511,132 @@ TEST(DistributedOptimizerTest, ShardedCheckpointResumesExactlyAndRejectsAnotherW
     EXPECT_EQ(max_abs_diff(resumed_params[rank], straight_params[rank]), 0.0) << "rank " << rank;
   }
 
-  // One rank cannot load rank 0 of 2's shard.
+  // A shard under a name of its own cannot be loaded into another world size: the other ranks'
+  // files are found by the Trainer's names.
+  std::filesystem::copy_file(dir / "step_00000004-rank0-of-2.ckpt", dir / "mine.ckpt");
   auto model = initial_model(options);
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
   const auto errors = testing::run_ranks(1, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> group) {
     auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
     plugin->set_process_group(group);
     Trainer trainer(TrainerOptions().max_steps(8).log_every_n_steps(0), plugin);
-    trainer.load_checkpoint((dir / "step_00000004-rank0-of-2.ckpt").string(), *model, optimizer);
+    trainer.load_checkpoint((dir / "mine.ckpt").string(), *model, optimizer);
   });
-  EXPECT_NE(errors[0].find("dp_world_size: the checkpoint was written by 2 data-parallel rank(s), this run has 1"),
+  EXPECT_NE(errors[0].find("was written by 2 data-parallel rank(s), this run has 1; its other ranks' files are "
+                           "found by the names the Trainer gives them (step_00000004-rank0-of-2.ckpt"),
             std::string::npos)
       << errors[0];
   testing::remove_tree(dir);
+}
+
+// Elastic world sizes: N ranks write a checkpoint, M ranks load it.
+struct WorldRun {
+  std::vector<double> losses;         // the steps this run trained (the global loss)
+  std::vector<torch::Tensor> params;  // rank 0's model after training, as float32
+};
+
+// `world` ranks train to step `steps` from `resume` ("" none; a folder or a file), AdamW with two
+// param groups (weights with decay, biases without), saving every rank's file every
+// `save_every` steps into `save_dir`. With `reshard_to`, they only load `resume` and write it
+// again, as their own files at its step, into `reshard_to`.
+WorldRun fit_world(const MixedPrecisionOptions& options, int world, int steps, const std::string& resume,
+                   const std::string& save_dir = "", int save_every = 0, const std::string& reshard_to = "") {
+  data();
+  std::vector<torch::nn::Sequential> models;
+  for (int r = 0; r < world; ++r) models.push_back(initial_model(options));
+  std::vector<WorldRun> runs(world);
+  const auto errors = testing::run_ranks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    auto& model = models[rank];
+    std::vector<torch::Tensor> weights, biases;
+    for (const auto& item : model->named_parameters()) {
+      (item.key().find("bias") == std::string::npos ? weights : biases).push_back(item.value());
+    }
+    torch::optim::AdamW optimizer(
+        {torch::optim::OptimizerParamGroup(weights, std::make_unique<torch::optim::AdamWOptions>(
+                                                        torch::optim::AdamWOptions(3e-3).weight_decay(0.01))),
+         torch::optim::OptimizerParamGroup(biases, std::make_unique<torch::optim::AdamWOptions>(
+                                                       torch::optim::AdamWOptions(3e-3).weight_decay(0.0)))},
+        torch::optim::AdamWOptions(3e-3));
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+    plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+    Trainer trainer(TrainerOptions().max_steps(steps).log_every_n_steps(0).checkpoint_dir(save_dir)
+                        .every_n_train_steps(save_every).save_last(false),
+                    plugin);
+    if (!reshard_to.empty()) {
+      trainer.load_checkpoint(resume, *model, optimizer);
+      trainer.save_checkpoint(
+          (std::filesystem::path(reshard_to) / Trainer::checkpoint_name(trainer.global_step(), rank, world)).string(),
+          *model, optimizer);
+      return;
+    }
+    const int64_t rows = kGlobalRows / world;
+    trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+      auto [x, y] = data().batch(in.step);
+      x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
+      return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+    }, resume);
+    for (const auto& m : trainer.history()) runs[rank].losses.push_back(m.loss);
+    for (const auto& p : model->parameters()) runs[rank].params.push_back(p.detach().to(at::kFloat).clone());
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  for (int r = 1; r < world; ++r) EXPECT_EQ(runs[r].losses, runs[0].losses) << "rank " << r;
+  return runs[0];
+}
+
+// A checkpoint of N ranks loads into M (1 -> 3, 4 -> 2, 2 -> 1), in fp32, bf16 and FP8 with
+// fp8_params: the masters and AdamW's moments are put together from the N files and cut again.
+// Exact: N ranks resuming from the M ranks' re-save of it (N -> M -> N) train on bit for bit as
+// if it had never been resharded. Within rounding: M ranks resuming from it match the N ranks'
+// own continuation within the bounds of different rank counts on one global batch
+// (fp32_bf16_fp8_cases).
+TEST(DistributedOptimizerTest, ACheckpointOfNRanksLoadsIntoMRanks) {
+  for (const auto& c : fp32_bf16_fp8_cases()) {
+    for (const auto& [n, m] : std::vector<std::pair<int, int>>{{1, 3}, {4, 2}, {2, 1}}) {
+      SCOPED_TRACE(std::string(c.name) + ", " + std::to_string(n) + " -> " + std::to_string(m) + " ranks");
+      const auto written = testing::scratch_path("DistributedOptimizerTest", "written");
+      const auto resharded = testing::scratch_path("DistributedOptimizerTest", "resharded");
+      std::filesystem::create_directories(resharded);
+      const auto straight = fit_world(c.options, n, 8, "", written.string(), 4);
+      ASSERT_EQ(straight.losses.size(), 8u);
+      const std::vector<double> tail(straight.losses.begin() + 4, straight.losses.end());
+      const auto checkpoint = (written / Trainer::checkpoint_name(4, 0, n)).string();
+
+      const auto on_m = fit_world(c.options, m, 8, checkpoint);
+      EXPECT_LT(max_rel_loss_diff(on_m.losses, tail), c.loss_bound);
+
+      fit_world(c.options, m, 4, checkpoint, "", 0, resharded.string());
+      for (int r = 0; r < m; ++r) EXPECT_TRUE(std::filesystem::exists(resharded / Trainer::checkpoint_name(4, r, m)));
+      const auto back = fit_world(c.options, n, 8, resharded.string());  // the folder: latest_checkpoint finds it
+      EXPECT_EQ(back.losses, tail);
+      EXPECT_EQ(max_abs_diff(back.params, straight.params), 0.0);
+      testing::remove_tree(written.string());
+      testing::remove_tree(resharded.string());
+    }
+  }
+}
+
+// A checkpoint missing one rank's file cannot be resharded: latest_checkpoint skips its step,
+// load_checkpoint names the file.
+TEST(DistributedOptimizerTest, ACheckpointThatCannotBeReshardedIsNamed) {
+  const auto options = recipes::bf16_mixed();
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "reshard_missing");
+  fit_world(options, 2, 4, "", dir.string(), 2);
+  std::filesystem::remove(dir / Trainer::checkpoint_name(4, 1, 2));
+  std::vector<std::string> skipped;
+  EXPECT_EQ(Trainer::latest_checkpoint(dir.string(), 0, 3, &skipped), (dir / Trainer::checkpoint_name(2, 0, 2)).string());
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].find(Trainer::checkpoint_name(4, 1, 2) + " is missing"), std::string::npos) << skipped[0];
+
+  auto model = initial_model(options);
+  const auto missing = testing::run_ranks(1, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+    plugin->set_process_group(group);
+    Trainer trainer(TrainerOptions().max_steps(8).log_every_n_steps(0), plugin);
+    trainer.load_checkpoint((dir / Trainer::checkpoint_name(4, 0, 2)).string(), *model, optimizer);
+  })[0];
+  EXPECT_NE(missing.find(Trainer::checkpoint_name(4, 1, 2)), std::string::npos) << missing;
+  testing::remove_tree(dir.string());
 }
 
 // A stop asked of one rank only (its SIGTERM) stops every rank after the same step, each saving

@@ -83,6 +83,7 @@ void DistributedOptimizer::make_masters(const std::vector<ParamSpec>& specs) {
       const auto& seed = spec.seed.defined() ? spec.seed : spec.model;
       Piece piece;
       piece.param = shard.param;
+      piece.offset = shard.param_offset;
       piece.master = seed.detach()
                          .reshape(-1)
                          .narrow(0, shard.param_offset, shard.numel)
@@ -129,7 +130,10 @@ void DistributedOptimizer::point_optimizer_at_masters(torch::optim::Optimizer& o
     optimizer_group.insert(optimizer_group.end(), optimizer.param_groups()[g].params().size(), g);
   }
   std::vector<std::vector<torch::Tensor>> group_params(optimizer.param_groups().size());
-  for (const auto& piece : pieces_) group_params[optimizer_group[piece.param]].push_back(piece.master);
+  for (auto& piece : pieces_) {
+    piece.group = static_cast<int64_t>(optimizer_group[piece.param]);
+    group_params[piece.group].push_back(piece.master);
+  }
   for (size_t g = 0; g < group_params.size(); ++g) optimizer.param_groups()[g].params() = group_params[g];
 }
 

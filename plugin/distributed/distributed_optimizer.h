@@ -18,10 +18,18 @@
 //                      with a scale from their amax (all-reduced over the ranks), then, with
 //                      several ranks, all-gathers the parameter buffer.
 // found_inf, the gradient norm and the FP8 amaxes are all-reduced over the group.
+//
+// Checkpoints: each rank saves its masters and its optimizer's state with the layout of its
+// pieces (save_layout). A checkpoint written by N ranks loads into M ranks (load_resharded):
+// every rank reads all N files, puts each parameter's master and per-element optimizer state
+// (AdamW's exp_avg, SGD's momentum_buffer, ...) back together from the pieces, and takes its own
+// range of them; scalar state (step) is carried over as it is.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <cstdint>
 #include <memory>
@@ -90,6 +98,24 @@ class DistributedOptimizer {
   /// pass ran since the last zero_gradients, on one rank).
   bool has_model_gradients() const;
 
+  /// One rank's file of a checkpoint, for load_resharded.
+  struct CheckpointShard {
+    torch::serialize::InputArchive plugin;     ///< MixedPrecisionPlugin's archive: masters, layout
+    torch::serialize::InputArchive optimizer;  ///< the torch::optim optimizer's archive
+  };
+  /// Writes the layout of this rank's masters ("layout.pieces": per master, in master_shards()
+  /// order, its parameter, the range [offset, offset + numel) of that parameter's flattened
+  /// elements it holds, and its optimizer param group; "layout.param_numels"): what
+  /// load_resharded needs to cut the state again for another world size.
+  void save_layout(torch::serialize::OutputArchive& archive) const;
+  /// Loads the masters and `optimizer`'s state from the files of a checkpoint written by
+  /// shards.size() ranks (shards[j]: rank j's), for this rank of this world size. The model must
+  /// already hold the checkpoint's parameters (a float32 parameter that was its own master has
+  /// no copy in the plugin archive). Optimizer state must be per element or scalar (every
+  /// torch::optim optimizer but LBFGS); anything else is an error that names it. Reads and
+  /// checks everything before it changes anything.
+  void load_resharded(std::vector<CheckpointShard>& shards, torch::optim::Optimizer& optimizer);
+
   /// The optimizer's tensors: this rank's FP32 masters, in the optimizer's order.
   const std::vector<torch::Tensor>& master_shards() const { return master_shards_; }
   /// Whether master i is the model's own (float32) parameter, on one rank.
@@ -111,6 +137,8 @@ class DistributedOptimizer {
   // updated value go.
   struct Piece {
     size_t param = 0;
+    int64_t offset = 0;    // of master's first element in the parameter's flattened elements
+    int64_t group = 0;     // the optimizer param group that steps it
     torch::Tensor master;  // float32, what the optimizer steps
     torch::Tensor grad;    // several ranks: its shard of the gradient buffer
     torch::Tensor target;  // where the updated value goes (the model's parameter or its shard)

@@ -362,9 +362,11 @@ void MixedPrecisionPlugin::save(torch::serialize::OutputArchive& archive) const 
   archive.write("skipped_steps", torch::tensor({skipped_steps_}, at::kLong));
   const auto masters = master_params();
   archive.write("num_masters", torch::tensor({static_cast<int64_t>(masters.size())}, at::kLong));
-  // Sharded (distributed optimizer): this rank's shards; loading needs the same world size.
+  // Sharded (distributed optimizer): this rank's shards, and where they sit (load_resharded
+  // loads them into another world size).
   archive.write("dp_world_size", torch::tensor({int64_t{data_parallel_size()}}, at::kLong));
   archive.write("dp_rank", torch::tensor({int64_t{data_parallel_rank()}}, at::kLong));
+  if (optimizer_) optimizer_->save_layout(archive);
   for (size_t i = 0; i < masters.size(); ++i) {
     // A float32 parameter is its own master: the model's archive already holds it.
     if (optimizer_->master_is_model(i)) continue;
@@ -391,8 +393,8 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
     TORCH_CHECK(dp_world_size.item<int64_t>() == data_parallel_size(),
                 "MixedPrecisionPlugin::load: dp_world_size: the checkpoint was written by ",
                 dp_world_size.item<int64_t>(), " data-parallel rank(s), this run has ",
-                data_parallel_size(), " (resharding is not supported: resume with ",
-                dp_world_size.item<int64_t>(), ")");
+                data_parallel_size(), " (the Trainer's load_checkpoint loads it into another world size "
+                "from every rank's file)");
     TORCH_CHECK(dp_rank.item<int64_t>() == data_parallel_rank(),
                 "MixedPrecisionPlugin::load: dp_rank: the checkpoint holds rank ", dp_rank.item<int64_t>(),
                 "'s shard, this process is rank ", data_parallel_rank());
@@ -424,6 +426,49 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
   for (size_t i = 0; i < masters.size(); ++i) {
     if (values[i].defined()) masters[i].copy_(values[i]);
   }
+  scaler_ = scaler;
+  skipped_steps_ = skipped.item<int64_t>();
+  clear_gradients();
+}
+
+int MixedPrecisionPlugin::checkpoint_world_size(torch::serialize::InputArchive& archive) const {
+  torch::Tensor dp_world_size;
+  return archive.try_read("dp_world_size", dp_world_size) ? static_cast<int>(dp_world_size.item<int64_t>()) : 1;
+}
+
+void MixedPrecisionPlugin::load_resharded(std::vector<torch::serialize::InputArchive>& archives,
+                                          std::vector<torch::serialize::InputArchive>& optimizer_archives,
+                                          torch::optim::Optimizer& optimizer) {
+  TORCH_CHECK(optimizer_, "MixedPrecisionPlugin::load_resharded: connect the plugin first");
+  TORCH_CHECK(!archives.empty() && archives.size() == optimizer_archives.size(),
+              "MixedPrecisionPlugin::load_resharded: got ", archives.size(), " plugin and ",
+              optimizer_archives.size(), " optimizer archives");
+  for (size_t j = 0; j < archives.size(); ++j) {
+    c10::IValue precision;
+    torch::Tensor dp_world_size, dp_rank;
+    TORCH_CHECK(archives[j].try_read("precision", precision) && precision.isString() &&
+                    precision.toStringRef() == name(),
+                "MixedPrecisionPlugin::load_resharded: rank ", j, "'s file was not written with precision \"",
+                name(), "\"");
+    TORCH_CHECK(archives[j].try_read("dp_world_size", dp_world_size) && archives[j].try_read("dp_rank", dp_rank) &&
+                    dp_world_size.item<int64_t>() == static_cast<int64_t>(archives.size()) &&
+                    dp_rank.item<int64_t>() == static_cast<int64_t>(j),
+                "MixedPrecisionPlugin::load_resharded: file ", j, " of ", archives.size(),
+                " is not rank ", j, " of a checkpoint of ", archives.size(), " ranks");
+  }
+  torch::Tensor skipped;
+  TORCH_CHECK(archives[0].try_read("skipped_steps", skipped),
+              "MixedPrecisionPlugin::load_resharded: the checkpoint lacks skipped_steps");
+  std::optional<LossScaler> scaler = scaler_;
+  if (scaler) {
+    torch::serialize::InputArchive scaler_archive;
+    TORCH_CHECK(archives[0].try_read("loss_scaler", scaler_archive),
+                "MixedPrecisionPlugin::load_resharded: the checkpoint holds no loss-scaler state");
+    scaler->load(scaler_archive);
+  }
+  std::vector<DistributedOptimizer::CheckpointShard> shards;
+  for (size_t j = 0; j < archives.size(); ++j) shards.push_back({std::move(archives[j]), std::move(optimizer_archives[j])});
+  optimizer_->load_resharded(shards, optimizer);
   scaler_ = scaler;
   skipped_steps_ = skipped.item<int64_t>();
   clear_gradients();

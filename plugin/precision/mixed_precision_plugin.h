@@ -148,6 +148,12 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   int64_t skipped_steps() const override { return skipped_steps_; }
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+  int checkpoint_world_size(torch::serialize::InputArchive& archive) const override;
+  /// A checkpoint of N ranks into this run's M (DistributedOptimizer::load_resharded): the masters
+  /// and the optimizer state cut again; the loss scaler and the skipped-step count of rank 0.
+  void load_resharded(std::vector<torch::serialize::InputArchive>& archives,
+                      std::vector<torch::serialize::InputArchive>& optimizer_archives,
+                      torch::optim::Optimizer& optimizer) override;
 
   /// Data-parallel training over `group` (before connect): the FP32 master params and the
   /// optimizer state are sharded over the ranks (DistributedOptimizer, ZeRO-1: gradients

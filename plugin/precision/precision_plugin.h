@@ -148,6 +148,17 @@ class PrecisionPlugin {
   /// Everything of the plugin that changes during training.
   virtual void save(torch::serialize::OutputArchive& archive) const {}
   virtual void load(torch::serialize::InputArchive& archive) {}
+  /// The number of data-parallel ranks whose files make up the checkpoint `archive` (a save()
+  /// of this plugin) belongs to: 1 unless the state is sharded.
+  virtual int checkpoint_world_size(torch::serialize::InputArchive& archive) const { return 1; }
+  /// Loads the state of a checkpoint written by another number of ranks: `archives[j]` and
+  /// `optimizer_archives[j]` are rank j's plugin and optimizer archives; loads `optimizer` too.
+  virtual void load_resharded(std::vector<torch::serialize::InputArchive>& archives,
+                              std::vector<torch::serialize::InputArchive>& optimizer_archives,
+                              torch::optim::Optimizer& optimizer) {
+    TORCH_CHECK(false, "PrecisionPlugin \"", name(), "\" keeps no sharded state to load from ", archives.size(),
+                " ranks' files");
+  }
 };
 
 }  // namespace amp8

@@ -157,12 +157,18 @@ class Trainer {
   /// trainer (step, RNG states), and a format version.
   torch::serialize::OutputArchive checkpoint_archive(torch::nn::Module& model,
                                                      torch::optim::Optimizer& optimizer);
-  /// Restores the state saved by save_checkpoint; connects the plugin first when needed.
+  /// Restores the state saved by save_checkpoint; connects the plugin first when needed. A
+  /// checkpoint written by another number of data-parallel ranks (`path` one of its files, named
+  /// by checkpoint_name) is read from all of its ranks' files and cut again for this world size:
+  /// the FP32 masters and the optimizer state (PrecisionPlugin::load_resharded); the random state
+  /// is that of rank (this rank mod N).
   void load_checkpoint(const std::string& path, torch::nn::Module& model,
                        torch::optim::Optimizer& optimizer);
-  /// The newest complete step_<N>.ckpt in `folder` (see checkpoint_file_problem), or "" when
-  /// there is none. Newer ones that are incomplete or corrupt are skipped; `skipped`, when given,
-  /// receives a line for each ("<path>: <what is wrong>").
+  /// The newest complete checkpoint in `folder` (see checkpoint_file_problem) for `rank` of
+  /// `world_size`, or "" when there is none: this rank's file of one written by this world
+  /// size, else rank 0's file of one written by another whose every file is intact (at one step,
+  /// this world size's first). Newer ones that are incomplete or corrupt are skipped; `skipped`,
+  /// when given, receives a line for each ("<path>: <what is wrong>").
   static std::string latest_checkpoint(const std::string& folder, int rank = 0, int world_size = 1,
                                        std::vector<std::string>* skipped = nullptr);
   /// step_<N>.ckpt; data-parallel (sharded optimizer state): step_<N>-rank<r>-of-<W>.ckpt.

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <regex>
 #include <sstream>
@@ -212,14 +213,49 @@ void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
               differences, "; an exact resume needs the same ones (to resume anyway, allow them by "
               "name: ", changeable_settings_hint, ")");
   check_module_archive(model, model_archive, path, "");
+  // Written by another number of data-parallel ranks: every rank's file of that step.
+  const int written_by = plugins->checkpoint_world_size(plugin_archive);
+  const int rank = plugins->data_parallel_rank(), world_size = plugins->data_parallel_size();
+  std::vector<torch::serialize::InputArchive> shard_plugins, shard_optimizers;
+  torch::serialize::InputArchive rng_archive;
+  if (written_by != world_size) {
+    const auto folder = std::filesystem::path(path).parent_path();
+    const auto name = std::filesystem::path(path).filename().string();
+    bool named = false;
+    for (int j = 0; j < written_by && !named; ++j) named = name == checkpoint_name(step.item<int64_t>(), j, written_by);
+    TORCH_CHECK(named, "checkpoint ", path, " was written by ", written_by, " data-parallel rank(s), this run has ",
+                world_size, "; its other ranks' files are found by the names the Trainer gives them (",
+                checkpoint_name(step.item<int64_t>(), 0, written_by), ", ...), and this file is named otherwise");
+    for (int j = 0; j < written_by; ++j) {
+      const auto shard_path = (folder / checkpoint_name(step.item<int64_t>(), j, written_by)).string();
+      torch::serialize::InputArchive shard, shard_plugin, shard_optimizer, shard_trainer;
+      load_archive(shard, shard_path);
+      torch::Tensor shard_step;
+      TORCH_CHECK(shard.try_read("plugin", shard_plugin) && shard.try_read("optimizer", shard_optimizer) &&
+                      shard.try_read("trainer", shard_trainer) && shard_trainer.try_read("global_step", shard_step) &&
+                      shard_step.item<int64_t>() == step.item<int64_t>(),
+                  "checkpoint ", shard_path, " is not a file of the same checkpoint as ", path);
+      shard_plugins.push_back(std::move(shard_plugin));
+      shard_optimizers.push_back(std::move(shard_optimizer));
+      // The random state of rank (this rank mod N): data order and dropout continue as one of
+      // the old ranks' would (an exact resume needs the same world size).
+      if (j == rank % written_by) rng_archive = std::move(shard_trainer);
+    }
+  }
   // Everything or nothing: the state before the load is kept (in memory) until the load is
   // through, and put back if any part of it throws.
   Snapshot snapshot(model, optimizer, *plugins);
   try {
-    plugins->load(plugin_archive);  // checks the precision and the masters first
-    model.load(model_archive);
-    optimizer.load(optimizer_archive);
-    load_rng_states(trainer_archive);
+    if (written_by == world_size) {
+      plugins->load(plugin_archive);  // checks the precision and the masters first
+      model.load(model_archive);
+      optimizer.load(optimizer_archive);
+      load_rng_states(trainer_archive);
+    } else {
+      model.load(model_archive);  // first: a float32 parameter may have been its own master
+      plugins->load_resharded(shard_plugins, shard_optimizers, optimizer);
+      load_rng_states(rng_archive);
+    }
   } catch (const c10::Error& e) {
     snapshot.restore(model, optimizer, *plugins);
     TORCH_CHECK(false, "checkpoint ", path, " could not be loaded, nothing was changed: ",
@@ -244,22 +280,47 @@ std::string Trainer::checkpoint_name(int64_t step, int rank, int world_size) {
 
 std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size,
                                        std::vector<std::string>* skipped) {
-  const std::regex pattern(world_size <= 1 ? std::string(R"(step_(\d+)\.ckpt)")
-                                           : R"(step_(\d+)-rank)" + std::to_string(rank) + "-of-" +
-                                                 std::to_string(world_size) + R"(\.ckpt)");
-  std::vector<std::pair<long long, std::string>> candidates;
+  // Every checkpoint in the folder: (step, world size that wrote it) -> the ranks' files.
+  const std::regex pattern(R"(step_(\d+)(?:-rank(\d+)-of-(\d+))?\.ckpt)");
+  std::map<std::pair<long long, int>, std::map<int, std::string>> checkpoints;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
     std::smatch match;
     const auto name = entry.path().filename().string();
-    if (entry.is_regular_file(error) && std::regex_match(name, match, pattern)) {
-      candidates.emplace_back(std::stoll(match[1].str()), entry.path().string());
-    }
+    if (!entry.is_regular_file(error) || !std::regex_match(name, match, pattern)) continue;
+    const int writers = match[3].matched ? std::stoi(match[3].str()) : 1;
+    const int writer = match[2].matched ? std::stoi(match[2].str()) : 0;
+    if (writers < 1 || writer >= writers || (match[3].matched && writers == 1)) continue;
+    checkpoints[{std::stoll(match[1].str()), writers}][writer] = entry.path().string();
   }
-  std::sort(candidates.begin(), candidates.end(), std::greater<>());
-  for (const auto& [step, path] : candidates) {
-    const auto problem = checkpoint_file_problem(path);
-    if (problem.empty()) return path;
+  // Newest step first; at one step, one written by this world size first.
+  std::vector<std::pair<long long, int>> order;
+  for (const auto& [key, files] : checkpoints) order.push_back(key);
+  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+    if (a.first != b.first) return a.first > b.first;
+    return (a.second == std::max(world_size, 1)) > (b.second == std::max(world_size, 1));
+  });
+  for (const auto& key : order) {
+    const auto& files = checkpoints[key];
+    const int writers = key.second;
+    if (writers == std::max(world_size, 1)) {
+      // Same world size: this rank's own file.
+      const auto own = files.find(writers == 1 ? 0 : rank);
+      if (own == files.end()) continue;
+      const auto problem = checkpoint_file_problem(own->second);
+      if (problem.empty()) return own->second;
+      if (skipped != nullptr) skipped->push_back(problem);
+      continue;
+    }
+    // Another world size: every rank's file, intact (load_checkpoint reads them all).
+    std::string problem;
+    for (int j = 0; j < writers && problem.empty(); ++j) {
+      const auto file = files.find(j);
+      problem = file == files.end()
+                    ? (std::filesystem::path(folder) / checkpoint_name(key.first, j, writers)).string() + " is missing"
+                    : checkpoint_file_problem(file->second);
+    }
+    if (problem.empty()) return files.at(0);
     if (skipped != nullptr) skipped->push_back(problem);
   }
   return "";
