@@ -156,6 +156,50 @@ Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
   return Fp8Tensor(out, scale_inv, format);
 }
 
+void quantize_many(const std::vector<at::Tensor>& xs, const at::Tensor& scales,
+                   const std::vector<int64_t>& scale_index, Fp8Format format,
+                   const std::vector<at::Tensor>& outs) {
+  TORCH_CHECK(outs.size() == xs.size() && scale_index.size() == xs.size(), "quantize_many: xs, outs and "
+              "scale_index must have one entry per tensor, got ", xs.size(), ", ", outs.size(), " and ",
+              scale_index.size());
+  if (xs.empty()) return;
+  TORCH_CHECK(scales.defined() && scales.scalar_type() == at::kFloat && scales.dim() == 1 &&
+                  scales.is_contiguous() && scales.device() == xs.front().device(),
+              "quantize_many: scales must be a contiguous 1-D float32 tensor on ", xs.front().device(), ", got ",
+              scales.defined() ? c10::str(scales.scalar_type(), " ", scales.sizes(), " on ", scales.device())
+                               : std::string("an undefined tensor"));
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const auto name = "xs[" + std::to_string(i) + "]";
+    detail::check_high_precision_input(xs[i], "quantize_many", name);
+    TORCH_CHECK(xs[i].scalar_type() == xs.front().scalar_type() && xs[i].device() == xs.front().device(),
+                "quantize_many: ", name,
+                " is ", xs[i].scalar_type(), " on ", xs[i].device(), ", xs[0] ", xs.front().scalar_type(), " on ",
+                xs.front().device(), ": all must have one dtype and device");
+    TORCH_CHECK(scale_index[i] >= 0 && scale_index[i] < scales.numel(), "quantize_many: scale_index[", i, "] is ",
+                scale_index[i], ", scales has ", scales.numel(), " elements");
+    const auto& out = outs[i];
+    TORCH_CHECK(out.defined() && out.scalar_type() == fp8_dtype(format) && out.is_contiguous() &&
+                    out.numel() == xs[i].numel() && out.device() == xs[i].device(),
+                "quantize_many: outs[", i, "] must be a contiguous ", fp8_dtype(format), " tensor of ",
+                xs[i].numel(), " elements on ", xs[i].device(), ", got ",
+                out.defined() ? c10::str(out.scalar_type(), " ", out.sizes(), out.is_contiguous() ? "" : " (not contiguous)",
+                                         " on ", out.device())
+                              : std::string("an undefined tensor"));
+  }
+  if (xs.front().is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::quantize_many_cuda(xs, scales, scale_index, format, outs);
+#else
+    detail::no_cuda("quantize_many");
+#endif
+    return;
+  }
+  const auto scale_values = scales.accessor<float, 1>();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    quantize_cpu(xs[i], scale_values[scale_index[i]], format, outs[i].view(xs[i].sizes()));
+  }
+}
+
 Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                                 const at::Tensor& amax_out, bool accumulate_amax,
                                 const at::Tensor& dbias_out) {

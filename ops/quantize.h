@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "ops/fp8_tensor.h"
 
 namespace amp8 {
@@ -29,6 +31,16 @@ namespace amp8 {
 Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                    const at::Tensor& amax_out = {}, bool accumulate_amax = false,
                    const at::Tensor& out = {});
+
+/// quantize() of many tensors at once, each with its own scale, without amax or scale_inv:
+/// outs[i] receives the codes quantize(xs[i], scales[scale_index[i]], format, {}, false, outs[i])
+/// writes. xs: one dtype (float32, bfloat16 or float16), contiguous, non-empty, on one device;
+/// outs[i]: contiguous, the format's dtype, xs[i]'s number of elements, on that device;
+/// scales: 1-D float32 there. On CUDA one launch per 128 tensors (Apex's multi_tensor_apply)
+/// instead of one per tensor: e.g. every FP8 weight written from its FP32 master after a step.
+void quantize_many(const std::vector<at::Tensor>& xs, const at::Tensor& scales,
+                   const std::vector<int64_t>& scale_index, Fp8Format format,
+                   const std::vector<at::Tensor>& outs);
 
 /// A 2-D tensor quantized row-major and transposed, from one read of the input.
 /// `data` is [rows, cols] and `transposed.data` is [cols, rows]; they share scale_inv.

@@ -207,6 +207,52 @@ TEST_F(QuantizeTest, IntoAViewOfABuffer) {
       "quantize: out must be a contiguous Float8_e4m3fn tensor of 91 elements");
 }
 
+// Many tensors, each with the scale its index picks (shared by some), written into views of one
+// buffer as the distributed optimizer writes its FP8 weight shards: the bytes quantize() writes
+// for each, and nothing between the views touched.
+TEST_F(QuantizeTest, QuantizeManyIsQuantizeOfEachWithItsScale) {
+  const std::vector<int64_t> sizes = {1, 13, 4097, 300, 29};
+  const std::vector<int64_t> scale_index = {2, 0, 2, 1, 3};
+  auto scales = at::tensor({0.5f, 3.0f, 40.0f, 1e-3f});
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    std::vector<at::Tensor> xs, outs;
+    auto buffer = at::full({5000}, 0.5f).to(at::kFloat8_e5m2);
+    int64_t offset = 3;
+    for (auto n : sizes) {
+      xs.push_back(testing::random_wide({n}, dtype));
+      outs.push_back(buffer.narrow(0, offset, n));
+      offset += n + 2;
+    }
+    quantize_many(xs, scales, scale_index, Fp8Format::kE5M2, outs);
+    offset = 3;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      auto expected = quantize(xs[i], scales.narrow(0, scale_index[i], 1), Fp8Format::kE5M2);
+      EXPECT_TRUE(BytesEqual(outs[i], expected.data)) << "tensor " << i;
+      EXPECT_TRUE(BytesEqual(buffer.narrow(0, offset - (i == 0 ? 3 : 2), i == 0 ? 3 : 2),
+                             at::full({i == 0 ? 3 : 2}, 0.5f).to(at::kFloat8_e5m2)))
+          << "before tensor " << i;
+      offset += sizes[i] + 2;
+    }
+  }
+  auto x = at::ones({4}), out = at::empty({4}, at::kFloat8_e4m3fn);
+  quantize_many({}, scales, {}, Fp8Format::kE4M3, {});  // nothing to do
+  testing::ExpectErrorContaining([&] { quantize_many({x, x}, scales, {0}, Fp8Format::kE4M3, {out, out}); },
+                                 "quantize_many: xs, outs and scale_index must have one entry per tensor, got 2, 2 "
+                                 "and 1");
+  testing::ExpectErrorContaining([&] { quantize_many({x}, scales, {4}, Fp8Format::kE4M3, {out}); },
+                                 "quantize_many: scale_index[0] is 4, scales has 4 elements");
+  testing::ExpectErrorContaining(
+      [&] { quantize_many({x, x.to(at::kHalf)}, scales, {0, 1}, Fp8Format::kE4M3, {out, out}); },
+      "quantize_many: xs[1] is Half on cpu, xs[0] Float on cpu: all must have one dtype and device");
+  testing::ExpectErrorContaining([&] { quantize_many({x}, scales, {0}, Fp8Format::kE5M2, {out}); },
+                                 "quantize_many: outs[0] must be a contiguous Float8_e5m2 tensor of 4 elements on "
+                                 "cpu, got Float8_e4m3fn [4] on cpu");
+  testing::ExpectErrorContaining([&] { quantize_many({x}, scales.to(at::kDouble), {0}, Fp8Format::kE4M3, {out}); },
+                                 "quantize_many: scales must be a contiguous 1-D float32 tensor on cpu, got Double");
+  testing::ExpectErrorContaining([&] { quantize_many({at::ones({2, 3}).t()}, scales, {0}, Fp8Format::kE4M3, {out}); },
+                                 "quantize_many: xs[0] must be contiguous");
+}
+
 // One scale per amax, as the distributed optimizer computes them for all FP8 weights at once:
 // each is (fp8_max / amax) / 2^margin, 1 for 0, NaN or an infinity, FLT_MAX when it overflows.
 TEST_F(QuantizeTest, CurrentScaleOfManyAmaxes) {
@@ -657,6 +703,40 @@ TEST_P(QuantizeGpuTest, CurrentScalingMatchesCpu_CUDA) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeGpuTest, ::testing::ValuesIn(gpu_cases()), case_name);
+
+// quantize_many on the GPU against its CPU reference: 300 tensors (three launches of 128), of
+// sizes around the kernel's 4096-element chunks, written at odd offsets of one buffer (no
+// alignment), with scales that saturate some and send others into subnormals.
+TEST(QuantizeManyTest, MatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  at::manual_seed(11);
+  const std::vector<int64_t> sizes = {1, 7, 4095, 4096, 4097, 12289, 333, 100003};
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + fp8_format_name(format));
+      std::vector<at::Tensor> xs_cpu, xs_gpu, outs_cpu, outs_gpu;
+      std::vector<int64_t> scale_index;
+      int64_t total = 0;
+      for (int i = 0; i < 300; ++i) total += sizes[i % sizes.size()] + 1;
+      auto buffer_cpu = at::zeros({total}, at::kByte).view(fp8_dtype(format));
+      auto buffer_gpu = buffer_cpu.cuda();
+      auto scales = at::rand({37}) * fp8_max(format) / 16.0f + 1e-4f;
+      int64_t offset = 1;
+      for (int i = 0; i < 300; ++i) {
+        const auto n = sizes[i % sizes.size()];
+        xs_cpu.push_back(testing::random_wide({n}, dtype));
+        xs_gpu.push_back(xs_cpu.back().cuda());
+        outs_cpu.push_back(buffer_cpu.narrow(0, offset, n));
+        outs_gpu.push_back(buffer_gpu.narrow(0, offset, n));
+        scale_index.push_back((i * 7) % 37);
+        offset += n + 1;
+      }
+      quantize_many(xs_cpu, scales, scale_index, format, outs_cpu);
+      quantize_many(xs_gpu, scales.cuda(), scale_index, format, outs_gpu);
+      EXPECT_TRUE(BytesEqual(buffer_gpu, buffer_cpu));
+    }
+  }
+}
 
 TEST(QuantizeSpecialValuesTest, EveryRoundingBoundaryMatchesCpu_CUDA) {
   AMP8_REQUIRE_CUDA();

@@ -68,6 +68,21 @@ void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
                             amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream()));
 }
 
+void quantize_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& scales,
+                        const std::vector<int64_t>& scale_index, Fp8Format format,
+                        const std::vector<at::Tensor>& outs) {
+  if (xs.empty()) return;
+  const c10::cuda::CUDAGuard guard(xs.front().device());
+  std::vector<cuda::QuantizeManyTensor> tensors(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    tensors[i] = {xs[i].const_data_ptr(), static_cast<uint8_t*>(outs[i].mutable_data_ptr()),
+                  scales.const_data_ptr<float>() + scale_index[i], xs[i].numel()};
+  }
+  AMP8_CUDA_CHECK(cuda::launch_quantize_many(tensors.data(), static_cast<int>(tensors.size()),
+                                             input_type(xs.front()), {format == Fp8Format::kE5M2},
+                                             current_stream()));
+}
+
 void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
                              const at::Tensor& out, const at::Tensor& scale_inv,
                              const at::Tensor& out_t, const at::Tensor& scale_inv_t) {

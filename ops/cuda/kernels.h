@@ -168,6 +168,21 @@ enum class CopyType { kNone, kBFloat16, kHalf };
 int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, InputType grad_type,
                       CopyType copy_type, const AdamScalars& scalars, Stream stream);
 
+// ---- Many tensors quantized in one launch (quantize_kernels.cu, over multi_tensor_apply) ----
+struct QuantizeManyTensor {
+  const void* x;       // the launch's input type
+  uint8_t* out;        // its FP8 codes, numel bytes
+  const float* scale;  // its scale (one float32 on the device)
+  int64_t numel;
+};
+struct QuantizeManyScalars {
+  bool e5m2;
+};
+// Each tensor's bytes as launch_quantize writes them (no amax, no scale_inv); one launch per
+// 128 tensors.
+int launch_quantize_many(const QuantizeManyTensor* tensors, int num_tensors, InputType type,
+                         const QuantizeManyScalars& scalars, Stream stream);
+
 // ---- Fused SGD with FP32 master weights (fused_sgd_kernels.cu) ----
 struct SgdTensorPointers {
   float* param;            // FP32 master, updated in place

@@ -9,6 +9,7 @@
 #include "ops/cuda/fp8_convert.cuh"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/launch_util.cuh"
+#include "ops/cuda/multi_tensor_apply.cuh"
 #include "ops/detail/elementwise_formulas.h"
 #include "ops/detail/gelu_formula.h"
 #include "ops/detail/scale_formula.h"
@@ -68,6 +69,23 @@ __global__ void __launch_bounds__(kThreads)
     if (kWriteOutput) out[i] = saturating_cast<kE5M2>(v, scale);
   }
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
+}
+
+// quantize_kernel's bytes for many tensors, each with its own scale: one block per chunk of a
+// tensor (multi_tensor_apply), the byte stores coalesced across the block.
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(multi_tensor::kThreads)
+    quantize_many_kernel(const __grid_constant__ multi_tensor::Table<QuantizeManyTensor> table,
+                         const QuantizeManyScalars) {
+  const auto [tensor, begin, end] = multi_tensor::chunk_of(table);
+  const T* x = static_cast<const T*>(tensor.x);
+  const float scale = *tensor.scale;
+#pragma unroll
+  for (int k = 0; k < multi_tensor::kItemsPerThread; ++k) {
+    const int64_t i = multi_tensor::item(begin, k);
+    if (i >= end) break;
+    tensor.out[i] = saturating_cast<kE5M2>(to_float(x[i]), scale);
+  }
 }
 
 // Fast cast+transpose: kTileRows x kTileCols tiles, 256 threads. Each thread loads 16-byte
@@ -352,6 +370,15 @@ int launch_quantize(const void* x, InputType type, void* out, int64_t n, const f
           <<<grid, kThreads, 0, stream>>>(in, o, n, n_packs, scale, scale_inv, amax);
     }
     return static_cast<int>(cudaGetLastError());
+  });
+}
+
+int launch_quantize_many(const QuantizeManyTensor* tensors, int num_tensors, InputType type,
+                         const QuantizeManyScalars& scalars, Stream stream) {
+  return dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    return scalars.e5m2 ? multi_tensor::apply(quantize_many_kernel<T, true>, tensors, num_tensors, scalars, stream)
+                        : multi_tensor::apply(quantize_many_kernel<T, false>, tensors, num_tensors, scalars, stream);
   });
 }
 

@@ -22,6 +22,11 @@ namespace amp8::detail {
 void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                    const at::Tensor& out, const at::Tensor& scale_inv_out, float* amax,
                    bool accumulate_amax);
+// quantize_cuda's codes for each xs[i] (one dtype) into outs[i], scaled by scales[scale_index[i]];
+// no amax, no scale_inv. Checked by the caller (ops/quantize.cc).
+void quantize_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& scales,
+                        const std::vector<int64_t>& scale_index, Fp8Format format,
+                        const std::vector<at::Tensor>& outs);
 // The same plus out_t = outᵀ for a 2-D x, from one read of x.
 // With dbias_out ([cols]; float32, bfloat16 or float16) also dbias_out = Σ_rows x (summed in
 // float32), from the same read where the fused
