@@ -3,9 +3,13 @@
 // amax, scale+cast and transpose as separate ops; with the fused bias gradient (dbias) against
 // cast_transpose + LibTorch's column sum; with GELU / GELU's backward inside the cast against
 // LibTorch's GELU kernels before it. Also the plain quantize kernel, and the blockwise
-// quantization (1×128 and 128×128 tiles, with transposes).
+// quantization (1×128 and 128×128 tiles, with transposes), and every FP8 weight of a GPT
+// quantized in one quantize_many launch against one quantize per weight.
 
 #include <ATen/ATen.h>
+
+#include <tuple>
+#include <vector>
 
 #include "bench/bench_util.h"
 #include "ops/blockwise.h"
@@ -192,6 +196,37 @@ int main(int argc, char** argv) {
         .set("gbps", quant_gbps)
         .set("copy_gbps", copy_gbps)
         .set("fraction_of_copy", quant_gbps / copy_gbps)
+        .print();
+  }
+
+  // Every FP8 weight of a GPT written from its float32 master after a step (fp8_params): one
+  // quantize_many launch against one quantize per weight, as DistributedOptimizer::publish_params
+  // did. Host launch time counts: the events enclose the whole sequence.
+  for (auto [config, hidden, layers] : {std::tuple<const char*, int64_t, int64_t>{"350m", 1024, 24}, {"1b", 2048, 24}}) {
+    std::vector<at::Tensor> masters, weights;
+    std::vector<int64_t> slots;
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      for (auto [out, in] : {std::pair<int64_t, int64_t>{3 * hidden, hidden}, {hidden, hidden}, {4 * hidden, hidden},
+                             {hidden, 4 * hidden}}) {
+        masters.push_back(at::randn({out, in}, cuda.dtype(at::kFloat)));
+        weights.push_back(at::empty({out, in}, cuda.dtype(at::kFloat8_e4m3fn)));
+        slots.push_back(static_cast<int64_t>(slots.size()));
+      }
+    }
+    auto scales = at::full({static_cast<int64_t>(slots.size())}, 64.0f, cuda.dtype(at::kFloat));
+    double elements = 0;
+    for (const auto& m : masters) elements += m.numel();
+    const double many_ms = bench::median_ms([&] { quantize_many(masters, scales, slots, Fp8Format::kE4M3, weights); });
+    const double each_ms = bench::median_ms([&] {
+      for (size_t i = 0; i < masters.size(); ++i) {
+        quantize(masters[i], scales.narrow(0, slots[i], 1), Fp8Format::kE4M3, {}, false, weights[i]);
+      }
+    });
+    bench::Record("quantize_many", std::string(config) + ": " + std::to_string(masters.size()) +
+                                       " FP8 weights from float32 masters", cmd)
+        .timing(many_ms, "one amp8 quantize per weight", each_ms)
+        .set("tensors", static_cast<double>(masters.size()))
+        .set("gbps", 5.0 * elements / many_ms / 1e6)  // read 4 bytes, write 1 per element
         .print();
   }
   return 0;

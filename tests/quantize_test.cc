@@ -705,37 +705,40 @@ TEST_P(QuantizeGpuTest, CurrentScalingMatchesCpu_CUDA) {
 INSTANTIATE_TEST_SUITE_P(Shapes, QuantizeGpuTest, ::testing::ValuesIn(gpu_cases()), case_name);
 
 // quantize_many on the GPU against its CPU reference: 300 tensors (three launches of 128), of
-// sizes around the kernel's 4096-element chunks, written at odd offsets of one buffer (no
-// alignment), with scales that saturate some and send others into subnormals.
+// sizes around the kernel's 4096-element chunks and its 4-element loads, written into one buffer
+// at odd offsets (the kernel's byte path) or at 16-byte boundaries (its packed path), with scales
+// that saturate some and send others into subnormals.
 TEST(QuantizeManyTest, MatchesCpu_CUDA) {
   AMP8_REQUIRE_CUDA();
   at::manual_seed(11);
   const std::vector<int64_t> sizes = {1, 7, 4095, 4096, 4097, 12289, 333, 100003};
-  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-      SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + fp8_format_name(format));
-      std::vector<at::Tensor> xs_cpu, xs_gpu, outs_cpu, outs_gpu;
-      std::vector<int64_t> scale_index;
-      int64_t total = 0;
-      for (int i = 0; i < 300; ++i) total += sizes[i % sizes.size()] + 1;
-      auto buffer_cpu = at::zeros({total}, at::kByte).view(fp8_dtype(format));
-      auto buffer_gpu = buffer_cpu.cuda();
-      auto scales = at::rand({37}) * fp8_max(format) / 16.0f + 1e-4f;
-      int64_t offset = 1;
-      for (int i = 0; i < 300; ++i) {
-        const auto n = sizes[i % sizes.size()];
-        xs_cpu.push_back(testing::random_wide({n}, dtype));
-        xs_gpu.push_back(xs_cpu.back().cuda());
-        outs_cpu.push_back(buffer_cpu.narrow(0, offset, n));
-        outs_gpu.push_back(buffer_gpu.narrow(0, offset, n));
-        scale_index.push_back((i * 7) % 37);
-        offset += n + 1;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2})
+      for (int64_t alignment : {1, 16}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + " " + fp8_format_name(format) + ", outputs at " +
+                     (alignment == 1 ? "odd offsets" : "16-byte boundaries"));
+        auto next_offset = [&](int64_t end) { return alignment == 1 ? end + 1 : (end + 16) / 16 * 16; };
+        std::vector<at::Tensor> xs_cpu, xs_gpu, outs_cpu, outs_gpu;
+        std::vector<int64_t> scale_index;
+        int64_t total = next_offset(0);
+        for (int i = 0; i < 300; ++i) total = next_offset(total + sizes[i % sizes.size()]);
+        auto buffer_cpu = at::zeros({total}, at::kByte).view(fp8_dtype(format));
+        auto buffer_gpu = buffer_cpu.cuda();
+        auto scales = at::rand({37}) * fp8_max(format) / 16.0f + 1e-4f;
+        int64_t offset = next_offset(0);
+        for (int i = 0; i < 300; ++i) {
+          const auto n = sizes[i % sizes.size()];
+          xs_cpu.push_back(testing::random_wide({n}, dtype));
+          xs_gpu.push_back(xs_cpu.back().cuda());
+          outs_cpu.push_back(buffer_cpu.narrow(0, offset, n));
+          outs_gpu.push_back(buffer_gpu.narrow(0, offset, n));
+          scale_index.push_back((i * 7) % 37);
+          offset = next_offset(offset + n);
+        }
+        quantize_many(xs_cpu, scales, scale_index, format, outs_cpu);
+        quantize_many(xs_gpu, scales.cuda(), scale_index, format, outs_gpu);
+        EXPECT_TRUE(BytesEqual(buffer_gpu, buffer_cpu));
       }
-      quantize_many(xs_cpu, scales, scale_index, format, outs_cpu);
-      quantize_many(xs_gpu, scales.cuda(), scale_index, format, outs_gpu);
-      EXPECT_TRUE(BytesEqual(buffer_gpu, buffer_cpu));
-    }
-  }
 }
 
 TEST(QuantizeSpecialValuesTest, EveryRoundingBoundaryMatchesCpu_CUDA) {

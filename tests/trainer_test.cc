@@ -608,6 +608,9 @@ TEST(StepProfilerTest, CategorizesKernelsByName) {
       {"void amp8::cuda::(anonymous namespace)::fused_adam_kernel<__nv_bfloat16, "
        "__nv_bfloat16>(amp8::cuda::(anonymous namespace)::FusedAdamChunk)",
        KernelCategory::kOptimizer},
+      {"void amp8::cuda::(anonymous namespace)::quantize_many_kernel<float, false>(amp8::cuda::"
+       "multi_tensor::Table<amp8::cuda::QuantizeManyTensor>, amp8::cuda::QuantizeManyScalars)",
+       KernelCategory::kQuantize},
       {"void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
        "(anonymous namespace)::TensorListMetadata<1>, at::native::(anonymous namespace)::"
        "LpNormFunctor<float, (at::native::(anonymous namespace)::NormType)1, float, float>, "

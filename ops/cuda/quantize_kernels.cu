@@ -72,7 +72,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // quantize_kernel's bytes for many tensors, each with its own scale: one block per chunk of a
-// tensor (multi_tensor_apply), the byte stores coalesced across the block.
+// tensor (multi_tensor_apply). Where the tensor's input and output allow, each thread reads
+// four elements in one load and writes their four codes in one 32-bit store, coalesced across
+// the block (measured: one byte per thread and store ran 18% slower than a launch per tensor).
+template <typename T>
+struct alignas(4 * sizeof(T)) Pack4 {
+  T v[4];
+};
+
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(multi_tensor::kThreads)
     quantize_many_kernel(const __grid_constant__ multi_tensor::Table<QuantizeManyTensor> table,
@@ -80,11 +87,30 @@ __global__ void __launch_bounds__(multi_tensor::kThreads)
   const auto [tensor, begin, end] = multi_tensor::chunk_of(table);
   const T* x = static_cast<const T*>(tensor.x);
   const float scale = *tensor.scale;
+  const bool packed = reinterpret_cast<uintptr_t>(x) % sizeof(Pack4<T>) == 0 &&
+                      reinterpret_cast<uintptr_t>(tensor.out) % 4 == 0;  // begin: a multiple of 4096
+  if (!packed) {
 #pragma unroll
-  for (int k = 0; k < multi_tensor::kItemsPerThread; ++k) {
-    const int64_t i = multi_tensor::item(begin, k);
+    for (int k = 0; k < multi_tensor::kItemsPerThread; ++k) {
+      const int64_t i = multi_tensor::item(begin, k);
+      if (i >= end) break;
+      tensor.out[i] = saturating_cast<kE5M2>(to_float(x[i]), scale);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < multi_tensor::kItemsPerThread / 4; ++k) {
+    const int64_t i = begin + (int64_t{k} * multi_tensor::kThreads + threadIdx.x) * 4;
     if (i >= end) break;
-    tensor.out[i] = saturating_cast<kE5M2>(to_float(x[i]), scale);
+    if (i + 4 <= end) {
+      const Pack4<T> a = *reinterpret_cast<const Pack4<T>*>(x + i);
+      uint32_t codes = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) codes |= uint32_t{saturating_cast<kE5M2>(to_float(a.v[j]), scale)} << (8 * j);
+      *reinterpret_cast<uint32_t*>(tensor.out + i) = codes;
+    } else {
+      for (int64_t j = i; j < end; ++j) tensor.out[j] = saturating_cast<kE5M2>(to_float(x[j]), scale);
+    }
   }
 }
 

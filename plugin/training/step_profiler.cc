@@ -86,6 +86,8 @@ KernelCategory categorize_kernel(std::string_view name) {
   if (contains_any(lower, {"layer_norm", "layernorm", "rms_norm", "rmsnorm"})) {
     return KernelCategory::kNorm;
   }
+  // Before the optimizer's names: quantize_many_kernel runs over multi_tensor_apply's tables.
+  if (contains_any(lower, {"quantize"})) return KernelCategory::kQuantize;
   if (contains_any(lower, {"adam", "sgd", "multi_tensor", "foreach", "lpnorm", "norm_kernel"})) {
     return KernelCategory::kOptimizer;
   }
