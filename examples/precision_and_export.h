@@ -6,9 +6,7 @@
 #include <cstdio>
 #include <string>
 
-#include "plugin/precision/mixed_precision_plugin.h"
-#include "plugin/training/export.h"
-#include "recipes/precision.h"
+#include "amp8/amp8.h"  // the installed package's <amp8/amp8.h>; this repository's root here
 
 namespace example {
 

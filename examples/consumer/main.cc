@@ -2,7 +2,7 @@
 
 #include <cstdio>
 
-#include "ops/quantize.h"
+#include <amp8/ops/quantize.h>  // include/amp8/ops/quantize.h of the installed package
 
 int main() {
   auto x = at::tensor({1.0f, -300.0f, 1000.0f});
