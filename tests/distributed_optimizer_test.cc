@@ -540,13 +540,15 @@ struct WorldRun {
 // `save_every` steps into `save_dir`. With `reshard_to`, they only load `resume` and write it
 // again, as their own files at its step, into `reshard_to`.
 WorldRun fit_world(const MixedPrecisionOptions& options, int world, int steps, const std::string& resume,
-                   const std::string& save_dir = "", int save_every = 0, const std::string& reshard_to = "") {
+                   const std::string& save_dir = "", int save_every = 0, const std::string& reshard_to = "",
+                   torch::Device device = torch::kCPU) {
   data();
   std::vector<torch::nn::Sequential> models;
   for (int r = 0; r < world; ++r) models.push_back(initial_model(options));
   std::vector<WorldRun> runs(world);
   const auto errors = testing::run_ranks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
     auto& model = models[rank];
+    model->to(device);
     std::vector<torch::Tensor> weights, biases;
     for (const auto& item : model->named_parameters()) {
       (item.key().find("bias") == std::string::npos ? weights : biases).push_back(item.value());
@@ -558,7 +560,8 @@ WorldRun fit_world(const MixedPrecisionOptions& options, int world, int steps, c
                                                        torch::optim::AdamWOptions(3e-3).weight_decay(0.0)))},
         torch::optim::AdamWOptions(3e-3));
     auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
-    plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+    plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000).overlap_grad_reduce(
+                                         !device.is_cuda()));  // the in-process group has no CUDA streams
     Trainer trainer(TrainerOptions().max_steps(steps).log_every_n_steps(0).checkpoint_dir(save_dir)
                         .every_n_train_steps(save_every).save_last(false),
                     plugin);
@@ -572,11 +575,11 @@ WorldRun fit_world(const MixedPrecisionOptions& options, int world, int steps, c
     const int64_t rows = kGlobalRows / world;
     trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
       auto [x, y] = data().batch(in.step);
-      x = x.narrow(0, rank * rows, rows), y = y.narrow(0, rank * rows, rows);
+      x = x.narrow(0, rank * rows, rows).to(device), y = y.narrow(0, rank * rows, rows).to(device);
       return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
     }, resume);
     for (const auto& m : trainer.history()) runs[rank].losses.push_back(m.loss);
-    for (const auto& p : model->parameters()) runs[rank].params.push_back(p.detach().to(at::kFloat).clone());
+    for (const auto& p : model->parameters()) runs[rank].params.push_back(p.detach().to(torch::kCPU, at::kFloat).clone());
   });
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   for (int r = 1; r < world; ++r) EXPECT_EQ(runs[r].losses, runs[0].losses) << "rank " << r;
@@ -612,6 +615,32 @@ TEST(DistributedOptimizerTest, ACheckpointOfNRanksLoadsIntoMRanks) {
       testing::remove_tree(written.string());
       testing::remove_tree(resharded.string());
     }
+  }
+}
+
+// The same on the GPU, where the plugin steps with the fused multi-tensor kernels that read the
+// optimizer state the load rebuilt (on the masters' device): bf16, 2 -> 1 and 1 -> 2 ranks.
+TEST(DistributedOptimizerTest, ACheckpointOfNRanksLoadsIntoMRanksOnTheGpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const torch::Device cuda(torch::kCUDA);
+  for (const auto& [n, m] : std::vector<std::pair<int, int>>{{2, 1}, {1, 2}}) {
+    SCOPED_TRACE(std::to_string(n) + " -> " + std::to_string(m) + " ranks");
+    const auto written = testing::scratch_path("DistributedOptimizerTest", "written_cuda");
+    const auto resharded = testing::scratch_path("DistributedOptimizerTest", "resharded_cuda");
+    std::filesystem::create_directories(resharded);
+    const auto options = recipes::bf16_mixed();
+    const auto straight = fit_world(options, n, 8, "", written.string(), 4, "", cuda);
+    ASSERT_EQ(straight.losses.size(), 8u);
+    const std::vector<double> tail(straight.losses.begin() + 4, straight.losses.end());
+    const auto checkpoint = (written / Trainer::checkpoint_name(4, 0, n)).string();
+    const auto on_m = fit_world(options, m, 8, checkpoint, "", 0, "", cuda);
+    EXPECT_LT(max_rel_loss_diff(on_m.losses, tail), 2e-3);  // fp32_bf16_fp8_cases' bf16 bound
+    fit_world(options, m, 4, checkpoint, "", 0, resharded.string(), cuda);
+    const auto back = fit_world(options, n, 8, resharded.string(), "", 0, "", cuda);
+    EXPECT_EQ(back.losses, tail);
+    EXPECT_EQ(max_abs_diff(back.params, straight.params), 0.0);
+    testing::remove_tree(written.string());
+    testing::remove_tree(resharded.string());
   }
 }
 
