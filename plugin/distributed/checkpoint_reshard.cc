@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <sstream>
 #include <string>
-#include <unordered_map>
 #include <utility>
 
 namespace amp8 {
