@@ -644,13 +644,18 @@ TEST(DistributedOptimizerTest, ACheckpointOfNRanksLoadsIntoMRanksOnTheGpu_CUDA) 
   }
 }
 
-// A checkpoint missing one rank's file cannot be resharded: latest_checkpoint skips its step,
-// load_checkpoint names the file.
+// A checkpoint missing one rank's file cannot be resharded: latest_checkpoint skips its step
+// (and passes over names the Trainer never writes), load_checkpoint names the missing file.
 TEST(DistributedOptimizerTest, ACheckpointThatCannotBeReshardedIsNamed) {
   const auto options = recipes::bf16_mixed();
   const auto dir = testing::scratch_path("DistributedOptimizerTest", "reshard_missing");
   fit_world(options, 2, 4, "", dir.string(), 2);
   std::filesystem::remove(dir / Trainer::checkpoint_name(4, 1, 2));
+  // Names no Trainer writes, with numbers past int64 / int: passed over.
+  for (const char* name : {"step_99999999999999999999.ckpt", "step_00000009-rank99999999999-of-2.ckpt",
+                           "step_00000009-rank0-of-1.ckpt"}) {
+    std::ofstream(dir / name) << "not a checkpoint";
+  }
   std::vector<std::string> skipped;
   EXPECT_EQ(Trainer::latest_checkpoint(dir.string(), 0, 3, &skipped), (dir / Trainer::checkpoint_name(2, 0, 2)).string());
   ASSERT_EQ(skipped.size(), 1u);

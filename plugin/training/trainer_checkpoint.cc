@@ -280,8 +280,9 @@ std::string Trainer::checkpoint_name(int64_t step, int rank, int world_size) {
 
 std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size,
                                        std::vector<std::string>* skipped) {
-  // Every checkpoint in the folder: (step, world size that wrote it) -> the ranks' files.
-  const std::regex pattern(R"(step_(\d+)(?:-rank(\d+)-of-(\d+))?\.ckpt)");
+  // Every checkpoint in the folder: (step, world size that wrote it) -> the ranks' files. (The
+  // digit counts keep std::stoll / std::stoi in range for any name a folder may hold.)
+  const std::regex pattern(R"(step_(\d{1,18})(?:-rank(\d{1,9})-of-(\d{1,9}))?\.ckpt)");
   std::map<std::pair<long long, int>, std::map<int, std::string>> checkpoints;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
