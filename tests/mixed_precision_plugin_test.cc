@@ -684,7 +684,13 @@ TEST_F(LossScalingTest, ClippingTheScaledGradientsIsNamed) {
   auto loss_of = [&] { return run.loss(); };
   const std::string slip = "MixedPrecisionPlugin (16-mixed): the gradients changed between plugin.backward(loss) "
                            "and this step";
-  for (int micro_batch = 0; micro_batch < 2; ++micro_batch) plugin.backward(loss_of());
+  auto two_micro_batches = [&] {
+    plugin.set_gradient_sync(false);
+    plugin.backward(loss_of());
+    plugin.set_gradient_sync(true);
+    plugin.backward(loss_of());
+  };
+  two_micro_batches();
   torch::nn::utils::clip_grad_norm_(model->parameters(), 1e-3);
   ExpectErrorContaining([&] { plugin.optimizer_step(optimizer); }, slip);
   plugin.discard_gradients(optimizer);
@@ -693,9 +699,74 @@ TEST_F(LossScalingTest, ClippingTheScaledGradientsIsNamed) {
   ExpectErrorContaining([&] { plugin.clip_gradients(optimizer, 1.0); }, "loss scale (1024)");
   plugin.discard_gradients(optimizer);
   // The remedy: two micro-batches, plugin.clip_gradients, a step.
-  for (int micro_batch = 0; micro_batch < 2; ++micro_batch) plugin.backward(loss_of());
+  two_micro_batches();
   plugin.clip_gradients(optimizer, 1e-3);
   EXPECT_TRUE(plugin.optimizer_step(optimizer));
+}
+
+TEST(TrainingLoopSlipTest, OptimizerStepInsteadOfThePluginsIsNamed) {
+  // optimizer.step() instead of plugin.optimizer_step(optimizer): under bf16-mixed it steps the
+  // FP32 masters, which have no gradients, so the model would not train; in "32" the params are
+  // their own masters and step, but their gradients are never cleared and pile up. Either way
+  // the next plugin.backward(loss) is an error naming both remedies.
+  const std::string slip = "plugin.backward(loss) ran again with no plugin.optimizer_step(optimizer) since a "
+                           "backward with gradient sync on";
+  for (const auto& options : {recipes::bf16_mixed(), MixedPrecisionOptions("32")}) {
+    SCOPED_TRACE(options.canonical_precision());
+    auto model = testing::make_mlp();
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    MixedPrecisionPlugin plugin = options;
+    plugin.connect(*model, optimizer);
+    const MlpData data(3);
+    auto [x, y] = data.batch(0, 0, 16);
+    forward_backward(plugin, model, x, y);
+    optimizer.step();
+    optimizer.zero_grad();  // clears the optimizer's params' gradients: the masters', not the model's
+    ExpectErrorContaining([&] { forward_backward(plugin, model, x, y); }, slip);
+    ExpectErrorContaining([&] { forward_backward(plugin, model, x, y); }, "call plugin.optimizer_step(optimizer) instead");
+    // The error changed nothing: the step that follows takes the first backward's gradients.
+    EXPECT_TRUE(plugin.optimizer_step(optimizer));
+    // After discard_gradients a backward is fine again, and so is accumulation that says so.
+    forward_backward(plugin, model, x, y);
+    plugin.discard_gradients(optimizer);
+    forward_backward(plugin, model, x, y);
+    EXPECT_TRUE(plugin.optimizer_step(optimizer));
+    plugin.set_gradient_sync(false);
+    forward_backward(plugin, model, x, y);
+    forward_backward(plugin, model, x, y);
+    plugin.set_gradient_sync(true);
+    forward_backward(plugin, model, x, y);
+    ExpectErrorContaining([&] { forward_backward(plugin, model, x, y); },
+                          "call plugin.set_gradient_sync(false) before every micro-batch's backward but the last");
+    EXPECT_TRUE(plugin.optimizer_step(optimizer));
+  }
+}
+
+TEST(TrainingLoopSlipTest, AccumulatedMicroBatchesStepAsOneBatch) {
+  // The accumulation the check allows sums the micro-batches' gradients: two half batches with
+  // set_gradient_sync(false) before the first step "32" exactly like one whole batch (the MSE
+  // losses halved, as a trainer divides by the number of micro-batches).
+  auto whole = testing::make_mlp();
+  auto halves = testing::make_mlp();
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < whole->parameters().size(); ++i) halves->parameters()[i].copy_(whole->parameters()[i]);
+  }
+  torch::optim::SGD whole_optimizer(whole->parameters(), 0.1), halves_optimizer(halves->parameters(), 0.1);
+  MixedPrecisionPlugin whole_plugin = MixedPrecisionOptions("32"), halves_plugin = MixedPrecisionOptions("32");
+  whole_plugin.connect(*whole, whole_optimizer);
+  halves_plugin.connect(*halves, halves_optimizer);
+  auto [x, y] = MlpData(5).batch(0, 0, 16);
+  whole_plugin.backward(torch::mse_loss(whole->forward(x), y));
+  whole_plugin.optimizer_step(whole_optimizer);
+  for (int half = 0; half < 2; ++half) {
+    halves_plugin.set_gradient_sync(half == 1);
+    halves_plugin.backward(torch::mse_loss(halves->forward(x.narrow(0, 8 * half, 8)), y.narrow(0, 8 * half, 8)) / 2);
+  }
+  halves_plugin.optimizer_step(halves_optimizer);
+  for (size_t i = 0; i < whole->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::allclose(whole->parameters()[i], halves->parameters()[i], 1e-6, 1e-7)) << "param " << i;
+  }
 }
 
 // ---- autocast ----

@@ -20,6 +20,16 @@ struct Fp8Traits<true> {
   static constexpr __nv_fp8_interpretation_t kInterpretation = __NV_E5M2;
 };
 
+// The scale a launch quantizes with; its inverse (what the GEMM reads) is written once, by the
+// first thread of the first block, where the caller wants it.
+__device__ __forceinline__ float load_scale(const float* __restrict__ scale_ptr, float* __restrict__ scale_inv) {
+  const float scale = *scale_ptr;
+  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    *scale_inv = 1.0f / scale;
+  }
+  return scale;
+}
+
 template <bool kE5M2>
 __device__ __forceinline__ uint8_t saturating_cast(float v, float scale) {
   // NaN keeps its sign, as LibTorch's conversion does on the CPU; both formats encode it 0x7F.

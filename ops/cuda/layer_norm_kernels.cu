@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
   // one reduction per row: its rows alternate between the two sets.
   __shared__ float2 smem[2 * kReduceSlots];
   int rms_slots = 0;
-  const float scale = kFp8 ? *scale_ptr : 1.0f;
-  if (kFp8 && blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  const float scale = kFp8 ? load_scale(scale_ptr, scale_inv) : 1.0f;
   const int nvec = hidden / kVec;
   const float inv_hidden = 1.0f / static_cast<float>(hidden);
 

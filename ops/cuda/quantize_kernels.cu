@@ -32,10 +32,7 @@ __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ out, int64_t n, int64_t n_packs,
                     const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
                     float* __restrict__ amax) {
-  const float scale = kWriteOutput ? *scale_ptr : 1.0f;
-  if (kWriteOutput && scale_inv != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-    *scale_inv = 1.0f / scale;
-  }
+  const float scale = kWriteOutput ? load_scale(scale_ptr, scale_inv) : 1.0f;
   uint32_t max_bits = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -194,10 +191,7 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
   constexpr int kLoadPasses = kTileRows / kRowsPerPass;
   __shared__ alignas(16) uint8_t tile_t[kTileCols * kTileRows];  // [col][row], swizzled
 
-  const float scale = *scale_ptr;
-  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    *scale_inv = 1.0f / scale;
-  }
+  const float scale = load_scale(scale_ptr, scale_inv);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   uint32_t max_bits = 0;
@@ -280,10 +274,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ alignas(16) uint8_t gate_t[kTileCols * kTileRows];  // d gate, [col][row], swizzled
   __shared__ alignas(16) uint8_t up_t[kTileCols * kTileRows];    // d up, the same
 
-  const float scale = *scale_ptr;
-  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    *scale_inv = 1.0f / scale;
-  }
+  const float scale = load_scale(scale_ptr, scale_inv);
   const int64_t cols = 2 * ffn;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
@@ -340,11 +331,7 @@ __global__ void __launch_bounds__(kThreads)
                                   const float* __restrict__ scale_ptr,
                                   float* __restrict__ scale_inv, float* __restrict__ amax) {
   __shared__ uint8_t tile[32][33];
-  const float scale = *scale_ptr;
-  if (scale_inv != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 &&
-      threadIdx.y == 0) {
-    *scale_inv = 1.0f / scale;
-  }
+  const float scale = load_scale(scale_ptr, scale_inv);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 32;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * 32;
   uint32_t max_bits = 0;

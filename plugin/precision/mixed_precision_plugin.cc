@@ -155,6 +155,7 @@ void MixedPrecisionPlugin::set_process_group(c10::intrusive_ptr<c10d::ProcessGro
 }
 
 void MixedPrecisionPlugin::set_gradient_sync(bool enabled) {
+  gradient_sync_ = enabled;
   if (optimizer_) optimizer_->set_gradient_sync(enabled);
 }
 
@@ -200,6 +201,17 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1,
               "MixedPrecisionPlugin::backward: loss must be a tensor with one element, got ",
               loss.defined() ? loss.sizes() : at::IntArrayRef{});
+  // A backward with gradient sync on ends the step's gradients: another one before the step
+  // means the loop steps some other way (optimizer.step() never sees them) or accumulates
+  // without saying so.
+  TORCH_CHECK(!synced_backward_since_step_, "MixedPrecisionPlugin (", name(), "): plugin.backward(loss) "
+              "ran again with no plugin.optimizer_step(optimizer) since a backward with gradient sync on. If the loop steps with "
+              "optimizer.step(): the optimizer steps FP32 master copies, which get their gradients "
+              "only from plugin.optimizer_step(), so the model does not train (and where params are "
+              "their own masters, as in \"32\", their gradients are never cleared and pile up): call "
+              "plugin.optimizer_step(optimizer) instead. If it accumulates gradients over "
+              "micro-batches: call plugin.set_gradient_sync(false) before every micro-batch's backward "
+              "but the last (as the Trainer does, and as data-parallel training needs)");
   if (scaler_) {
     loss.to(at::kFloat).mul(scaler_->scale()).backward();
     scaled_backward_since_step_ = true;
@@ -207,6 +219,7 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
   } else {
     loss.backward();
   }
+  synced_backward_since_step_ = gradient_sync_;
 }
 
 void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer) {
@@ -288,6 +301,7 @@ void MixedPrecisionPlugin::clear_gradients() {
   gradients_ready_ = false;
   found_inf_ = false;
   scaled_backward_since_step_ = false;
+  synced_backward_since_step_ = false;
 }
 
 bool MixedPrecisionPlugin::checks_scaled_gradients() const {
@@ -366,7 +380,7 @@ void MixedPrecisionPlugin::save(torch::serialize::OutputArchive& archive) const 
   // loads them into another world size).
   archive.write("dp_world_size", torch::tensor({int64_t{data_parallel_size()}}, at::kLong));
   archive.write("dp_rank", torch::tensor({int64_t{data_parallel_rank()}}, at::kLong));
-  if (optimizer_) optimizer_->save_layout(archive);
+  if (optimizer_) optimizer_->save_layout(archive);  // unconnected: no masters, no layout
   for (size_t i = 0; i < masters.size(); ++i) {
     // A float32 parameter is its own master: the model's archive already holds it.
     if (optimizer_->master_is_model(i)) continue;
@@ -379,16 +393,31 @@ void MixedPrecisionPlugin::save(torch::serialize::OutputArchive& archive) const 
   }
 }
 
-void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
+MixedPrecisionPlugin::CommonState MixedPrecisionPlugin::read_common_state(torch::serialize::InputArchive& archive,
+                                                                        const std::string& caller,
+                                                                        const std::string& file) const {
   c10::IValue precision;
   TORCH_CHECK(archive.try_read("precision", precision) && precision.isString(),
-              "MixedPrecisionPlugin::load: the checkpoint holds no precision-plugin state");
-  TORCH_CHECK(precision.toStringRef() == name(),
-              "MixedPrecisionPlugin::load: the checkpoint was written with precision \"",
-              precision.toStringRef(), "\", this plugin is \"", name(), "\"");
-  torch::Tensor skipped, num_masters, dp_world_size, dp_rank;
-  TORCH_CHECK(archive.try_read("skipped_steps", skipped) && archive.try_read("num_masters", num_masters),
-              "MixedPrecisionPlugin::load: the checkpoint lacks skipped_steps / num_masters");
+              "MixedPrecisionPlugin::", caller, ": ", file, " holds no precision-plugin state");
+  TORCH_CHECK(precision.toStringRef() == name(), "MixedPrecisionPlugin::", caller, ": ", file,
+              " was written with precision \"", precision.toStringRef(), "\", this plugin is \"", name(), "\"");
+  torch::Tensor skipped;
+  TORCH_CHECK(archive.try_read("skipped_steps", skipped), "MixedPrecisionPlugin::", caller, ": ", file,
+              " lacks skipped_steps");
+  CommonState state{skipped.item<int64_t>(), scaler_};
+  if (state.scaler) {
+    torch::serialize::InputArchive scaler_archive;
+    TORCH_CHECK(archive.try_read("loss_scaler", scaler_archive), "MixedPrecisionPlugin::", caller, ": ", file,
+                " holds no loss-scaler state");
+    state.scaler->load(scaler_archive);
+  }
+  return state;
+}
+
+void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
+  auto common = read_common_state(archive, "load", "the checkpoint");
+  torch::Tensor num_masters, dp_world_size, dp_rank;
+  TORCH_CHECK(archive.try_read("num_masters", num_masters), "MixedPrecisionPlugin::load: the checkpoint lacks num_masters");
   if (archive.try_read("dp_world_size", dp_world_size) && archive.try_read("dp_rank", dp_rank)) {
     TORCH_CHECK(dp_world_size.item<int64_t>() == data_parallel_size(),
                 "MixedPrecisionPlugin::load: dp_world_size: the checkpoint was written by ",
@@ -415,19 +444,12 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
                 "MixedPrecisionPlugin::load: ", name, " must be float32 of shape ", master.sizes(),
                 ", got ", c10::toString(values[i].scalar_type()), " of shape ", values[i].sizes());
   }
-  std::optional<LossScaler> scaler = scaler_;
-  if (scaler) {
-    torch::serialize::InputArchive scaler_archive;
-    TORCH_CHECK(archive.try_read("loss_scaler", scaler_archive),
-                "MixedPrecisionPlugin::load: the checkpoint holds no loss-scaler state");
-    scaler->load(scaler_archive);
-  }
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < masters.size(); ++i) {
     if (values[i].defined()) masters[i].copy_(values[i]);
   }
-  scaler_ = scaler;
-  skipped_steps_ = skipped.item<int64_t>();
+  scaler_ = std::move(common.scaler);
+  skipped_steps_ = common.skipped_steps;
   clear_gradients();
 }
 
@@ -443,34 +465,23 @@ void MixedPrecisionPlugin::load_resharded(std::vector<torch::serialize::InputArc
   TORCH_CHECK(!archives.empty() && archives.size() == optimizer_archives.size(),
               "MixedPrecisionPlugin::load_resharded: got ", archives.size(), " plugin and ",
               optimizer_archives.size(), " optimizer archives");
+  // The loss scaler and the skipped steps are rank 0's (every rank holds the same).
+  std::optional<CommonState> common;
   for (size_t j = 0; j < archives.size(); ++j) {
-    c10::IValue precision;
+    auto state = read_common_state(archives[j], "load_resharded", "rank " + std::to_string(j) + "'s file");
+    if (j == 0) common = std::move(state);
     torch::Tensor dp_world_size, dp_rank;
-    TORCH_CHECK(archives[j].try_read("precision", precision) && precision.isString() &&
-                    precision.toStringRef() == name(),
-                "MixedPrecisionPlugin::load_resharded: rank ", j, "'s file was not written with precision \"",
-                name(), "\"");
     TORCH_CHECK(archives[j].try_read("dp_world_size", dp_world_size) && archives[j].try_read("dp_rank", dp_rank) &&
                     dp_world_size.item<int64_t>() == static_cast<int64_t>(archives.size()) &&
                     dp_rank.item<int64_t>() == static_cast<int64_t>(j),
                 "MixedPrecisionPlugin::load_resharded: file ", j, " of ", archives.size(),
                 " is not rank ", j, " of a checkpoint of ", archives.size(), " ranks");
   }
-  torch::Tensor skipped;
-  TORCH_CHECK(archives[0].try_read("skipped_steps", skipped),
-              "MixedPrecisionPlugin::load_resharded: the checkpoint lacks skipped_steps");
-  std::optional<LossScaler> scaler = scaler_;
-  if (scaler) {
-    torch::serialize::InputArchive scaler_archive;
-    TORCH_CHECK(archives[0].try_read("loss_scaler", scaler_archive),
-                "MixedPrecisionPlugin::load_resharded: the checkpoint holds no loss-scaler state");
-    scaler->load(scaler_archive);
-  }
   std::vector<DistributedOptimizer::CheckpointShard> shards;
   for (size_t j = 0; j < archives.size(); ++j) shards.push_back({std::move(archives[j]), std::move(optimizer_archives[j])});
   optimizer_->load_resharded(shards, optimizer);
-  scaler_ = scaler;
-  skipped_steps_ = skipped.item<int64_t>();
+  scaler_ = std::move(common->scaler);
+  skipped_steps_ = common->skipped_steps;
   clear_gradients();
 }
 

@@ -127,6 +127,12 @@ struct MixedPrecisionOptions {
 /// optimizer_step(), checked until one step has compared finite gradients, on a world of one
 /// (the gradients' norm after each backward() against the norm when the step begins: one more
 /// read of the gradients per micro-batch, on the first step only).
+///
+/// A backward() with gradient sync on (the default) ends a step's gradients: another backward()
+/// before optimizer_step() or discard_gradients() is an error. It catches a loop that steps with
+/// optimizer.step() (which steps the masters without gradients: the model would not train) and
+/// accumulation that does not call set_gradient_sync(false) before every micro-batch's backward
+/// but the last, which data parallelism needs anyway.
 class MixedPrecisionPlugin : public PrecisionPlugin {
  public:
   /* implicit */ MixedPrecisionPlugin(const MixedPrecisionOptions& options = {});
@@ -185,6 +191,14 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
 
  private:
   void clear_gradients();
+  // What every rank's checkpoint file holds alike, read and checked (the precision must be this
+  // plugin's) without changing anything: the steps skipped so far and the loss scaler, if any.
+  struct CommonState {
+    int64_t skipped_steps = 0;
+    std::optional<LossScaler> scaler;
+  };
+  CommonState read_common_state(torch::serialize::InputArchive& archive, const std::string& caller,
+                                const std::string& file) const;
   void check_swapped_modules_ran();
   // The check of loss-scaled gradients changed between backward() and the step (see the class
   // comment): whether it still runs, the norm it compares, and the comparison.
@@ -211,6 +225,9 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   bool gradients_ready_ = false;
   bool found_inf_ = false;
   bool scaled_backward_since_step_ = false;  // plugin.backward() ran under loss scaling since the last step
+  // set_gradient_sync's flag, and whether a backward with it on ran since the last step.
+  bool gradient_sync_ = true;
+  bool synced_backward_since_step_ = false;
   bool swapped_modules_checked_ = false;
   // The loss-scaled gradients' norm after the last backward() (NaN before one), until
   // unscale_gradients has compared it once with finite gradients (scaled_gradients_checked_).

@@ -127,7 +127,9 @@ class PrecisionPlugin {
   /// scaler does); the Trainer handles such gradients otherwise.
   virtual bool skips_nonfinite_gradients() const { return false; }
   /// Data parallelism: false before every micro-batch's backward but the last of a step, so
-  /// gradients are only summed locally until then (DDP's no_sync). The Trainer calls it.
+  /// gradients are only summed locally until then (DDP's no_sync). The Trainer calls it; a loop
+  /// of one's own that accumulates must too (MixedPrecisionPlugin refuses a second backward
+  /// after one with sync on, before the step).
   virtual void set_gradient_sync(bool enabled) {}
   /// The element-wise mean of `value` (any shape; float32, or float64 when it is float64) over
   /// the data-parallel ranks; `value` itself without data parallelism. The Trainer reports the
