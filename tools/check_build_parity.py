@@ -97,6 +97,9 @@ def cmake_compiles(build):
     compiles = {}
     for entry in json.loads((build / "compile_commands.json").read_text()):
         args = entry.get("arguments") or shlex.split(entry["command"])
+        # What CMake generates in its build folder (AMP8_PRECOMPILE_TORCH's host source) is not amp8's.
+        if (pathlib.Path(entry["directory"]) / entry["file"]).resolve().is_relative_to(build):
+            continue
         src = source_of([entry["file"]], entry["directory"])
         if src and src.endswith(".cc") and not src.startswith(CMAKE_ONLY_PREFIXES):
             compiles[src] = (cmake_target(args), macros(args))

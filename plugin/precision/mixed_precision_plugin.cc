@@ -141,6 +141,7 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
   conversion_.replaced_params.clear();
   optimizer_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_, options_.grad_reduce_in_fp32());
   optimizer_->connect(optimizer, std::move(specs));
+  optimizer_->set_gradient_sync(gradient_sync_);  // as set before connect
 }
 
 void MixedPrecisionPlugin::set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
@@ -206,10 +207,11 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
   // without saying so.
   TORCH_CHECK(!synced_backward_since_step_, "MixedPrecisionPlugin (", name(), "): plugin.backward(loss) "
               "ran again with no plugin.optimizer_step(optimizer) since a backward with gradient sync on. If the loop steps with "
-              "optimizer.step(): the optimizer steps FP32 master copies, which get their gradients "
-              "only from plugin.optimizer_step(), so the model does not train (and where params are "
-              "their own masters, as in \"32\", their gradients are never cleared and pile up): call "
-              "plugin.optimizer_step(optimizer) instead. If it accumulates gradients over "
+              "optimizer.step(): where the optimizer steps FP32 master copies, they get their gradients only "
+              "from plugin.optimizer_step(), so the model does not train; where params are their own "
+              "masters (as in \"32\") it bypasses the plugin's step (gradients pile up unless zeroed, "
+              "data-parallel gradients never reach the optimizer): call plugin.optimizer_step(optimizer) "
+              "instead, in every precision. If it accumulates gradients over "
               "micro-batches: call plugin.set_gradient_sync(false) before every micro-batch's backward "
               "but the last (as the Trainer does, and as data-parallel training needs)");
   if (scaler_) {
@@ -465,7 +467,8 @@ void MixedPrecisionPlugin::load_resharded(std::vector<torch::serialize::InputArc
   TORCH_CHECK(!archives.empty() && archives.size() == optimizer_archives.size(),
               "MixedPrecisionPlugin::load_resharded: got ", archives.size(), " plugin and ",
               optimizer_archives.size(), " optimizer archives");
-  // The loss scaler and the skipped steps are rank 0's (every rank holds the same).
+  // Every rank's file is checked; the loss scaler and the skipped steps are taken from rank 0's
+  // (every rank saves the same values).
   std::optional<CommonState> common;
   for (size_t j = 0; j < archives.size(); ++j) {
     auto state = read_common_state(archives[j], "load_resharded", "rank " + std::to_string(j) + "'s file");

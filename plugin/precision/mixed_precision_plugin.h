@@ -130,7 +130,8 @@ struct MixedPrecisionOptions {
 ///
 /// A backward() with gradient sync on (the default) ends a step's gradients: another backward()
 /// before optimizer_step() or discard_gradients() is an error. It catches a loop that steps with
-/// optimizer.step() (which steps the masters without gradients: the model would not train) and
+/// optimizer.step() (which steps the masters without gradients, so the model would not train; in
+/// "32", where params are their own masters, it would bypass the plugin's step) and
 /// accumulation that does not call set_gradient_sync(false) before every micro-batch's backward
 /// but the last, which data parallelism needs anyway.
 class MixedPrecisionPlugin : public PrecisionPlugin {
