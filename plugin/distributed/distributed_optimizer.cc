@@ -25,7 +25,14 @@ DistributedOptimizer::DistributedOptimizer(c10::intrusive_ptr<c10d::ProcessGroup
   }
 }
 
-DistributedOptimizer::~DistributedOptimizer() = default;
+DistributedOptimizer::~DistributedOptimizer() {
+  // The layers outlive this optimizer: their main_grad must not stay bound to its buffers.
+  for (auto& param : params_) {
+    if (static_gradients_on_ && param.fp8_meta && param.fp8_meta->main_grad().is_bound()) {
+      param.fp8_meta->main_grad().bind({}, param.model.device());
+    }
+  }
+}
 
 void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vector<ParamSpec> specs) {
   TORCH_CHECK(!connected_, "DistributedOptimizer::connect was already called");
@@ -284,6 +291,64 @@ void DistributedOptimizer::zero_gradients() {
   }
   for (auto& piece : pieces_) piece.master.mutable_grad().reset();
   grads_.clear();
+  if (static_gradients_on_) {
+    torch::NoGradGuard no_grad;
+    for (auto& buffer : static_grad_buffers_) buffer.zero_();
+    // After the resets above (a float32 parameter is its own master): the views again.
+    for (size_t n = 0; n < params_.size(); ++n) {
+      if (static_grads_[n].defined()) params_[n].model.mutable_grad() = static_grads_[n];
+    }
+  }
+}
+
+void DistributedOptimizer::use_static_gradients() {
+  TORCH_CHECK(connected_, "DistributedOptimizer: connect before use_static_gradients");
+  TORCH_CHECK(!buffer_, "DistributedOptimizer::use_static_gradients: one rank only (", world_size_,
+              " ranks keep their gradients in the ParamAndGradBuffer)");
+  if (static_gradients_on_) return;
+  // Each parameter's place in the flat buffer of its gradient's dtype (an FP8 weight's main_grad
+  // accumulates in float32).
+  struct Slot {
+    size_t param;
+    int64_t offset;
+  };
+  std::vector<std::pair<at::TensorOptions, std::vector<Slot>>> layouts;
+  std::vector<int64_t> sizes;
+  for (size_t n = 0; n < params_.size(); ++n) {
+    const auto& param = params_[n];
+    if (!param.model.defined()) continue;
+    TORCH_CHECK(!param.fp8_meta || !param.fp8_meta->main_grad().is_bound(),
+                "DistributedOptimizer::use_static_gradients: FP8 weight ", n,
+                "'s main_grad is already bound to a buffer");
+    const auto options = param.model.options().dtype(param.fp8_meta ? at::kFloat : param.model.scalar_type());
+    size_t k = 0;
+    while (k < layouts.size() && !(layouts[k].first.dtype() == options.dtype() &&
+                                   layouts[k].first.device() == options.device())) {
+      ++k;
+    }
+    if (k == layouts.size()) {
+      layouts.emplace_back(options, std::vector<Slot>{});
+      sizes.push_back(0);
+    }
+    layouts[k].second.push_back({n, sizes[k]});
+    sizes[k] += param.model.numel();
+  }
+  torch::NoGradGuard no_grad;
+  static_grads_.assign(params_.size(), torch::Tensor());
+  for (size_t k = 0; k < layouts.size(); ++k) {
+    static_grad_buffers_.push_back(torch::zeros({sizes[k]}, layouts[k].first));
+    for (const auto& slot : layouts[k].second) {
+      auto& param = params_[slot.param];
+      auto view = static_grad_buffers_.back().narrow(0, slot.offset, param.model.numel()).view(param.model.sizes());
+      if (param.fp8_meta) {
+        param.fp8_meta->main_grad().bind(view, param.model.device());
+      } else {
+        static_grads_[slot.param] = view;
+      }
+    }
+  }
+  static_gradients_on_ = true;
+  zero_gradients();
 }
 
 bool DistributedOptimizer::has_model_gradients() const {

@@ -92,8 +92,18 @@ class DistributedOptimizer {
   /// gradients set_master_gradients set.
   void step(torch::optim::Optimizer& optimizer, std::optional<double> fused_multiplier);
   /// Zeroes every gradient (the buffer, the model's, main_grad, the masters'), ready for the
-  /// next step.
+  /// next step. With static gradients: fills them with zeros, where they are.
   void zero_gradients();
+  /// From now on every gradient the backward pass writes stays at one address (what a CUDA
+  /// graph replay needs: it writes where the capture wrote): each parameter's .grad is a view of
+  /// a flat buffer of its dtype, zeroed (one fill per dtype) instead of released after each step,
+  /// and each FP8 weight's main_grad is bound to a float32 one. The backward pass then always
+  /// accumulates (0 + g on a step's first micro-batch: the same values). A parameter that gets no
+  /// gradient now has a zero one (torch::optim's step would decay it; the fused step and
+  /// every parameter a model uses see no difference). One rank only: several keep their
+  /// gradients in the ParamAndGradBuffer already.
+  void use_static_gradients();
+  bool static_gradients() const { return static_gradients_on_; }
   /// Whether a model parameter holds an autograd gradient that no hook has taken (a backward
   /// pass ran since the last zero_gradients, on one rank).
   bool has_model_gradients() const;
@@ -171,6 +181,11 @@ class DistributedOptimizer {
   std::vector<torch::Tensor> grads_;                      // this step's, per piece
   std::unordered_map<const void*, size_t> piece_index_;  // master's TensorImpl → pieces_ index
   std::vector<size_t> fp8_params_;  // indices of the FP8 weights (fp8_params), in slot order
+  // use_static_gradients: one flat buffer per gradient dtype, and each parameter's view of its
+  // buffer (undefined for FP8 weights, whose main_grad is bound to theirs).
+  std::vector<torch::Tensor> static_grad_buffers_;
+  std::vector<torch::Tensor> static_grads_;  // per params_ entry
+  bool static_gradients_on_ = false;
   torch::Tensor fp8_piece_slots_;   // int64, on the masters' device: each local FP8 piece's slot
 };
 

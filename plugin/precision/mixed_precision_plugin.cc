@@ -202,6 +202,18 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
   TORCH_CHECK(loss.defined() && loss.numel() == 1,
               "MixedPrecisionPlugin::backward: loss must be a tensor with one element, got ",
               loss.defined() ? loss.sizes() : at::IntArrayRef{});
+  check_backward_allowed();
+  if (scaler_) {
+    loss.to(at::kFloat).mul(scaler_->scale()).backward();
+    scaled_backward_since_step_ = true;
+    if (checks_scaled_gradients()) scaled_grad_norm_after_backward_ = model_gradient_norm();
+  } else {
+    loss.backward();
+  }
+  note_backward_done();
+}
+
+void MixedPrecisionPlugin::check_backward_allowed() const {
   // A backward with gradient sync on ends the step's gradients: another one before the step
   // means the loop steps some other way (optimizer.step() never sees them) or accumulates
   // without saying so.
@@ -214,14 +226,34 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
               "instead, in every precision. If it accumulates gradients over "
               "micro-batches: call plugin.set_gradient_sync(false) before every micro-batch's backward "
               "but the last (as the Trainer does, and as data-parallel training needs)");
-  if (scaler_) {
-    loss.to(at::kFloat).mul(scaler_->scale()).backward();
-    scaled_backward_since_step_ = true;
-    if (checks_scaled_gradients()) scaled_grad_norm_after_backward_ = model_gradient_norm();
-  } else {
-    loss.backward();
+}
+
+void MixedPrecisionPlugin::note_backward_done() { synced_backward_since_step_ = gradient_sync_; }
+
+std::string MixedPrecisionPlugin::cuda_graph_problem() const {
+  if (group_ && group_->getSize() > 1) {
+    return "data-parallel training (" + std::to_string(group_->getSize()) +
+           " ranks) reduces gradients from host hooks that a replay does not run; CUDA graphs need one rank";
   }
-  synced_backward_since_step_ = gradient_sync_;
+  if (scaler_) {
+    return "precision " + options_.canonical_precision() + " scales the loss by a factor the capture would "
+           "fix while the loss scaler changes it; use bf16-mixed (or \"32\")";
+  }
+  if (!optimizer_) return "the plugin is not connected to a model and an optimizer yet";
+  return "";
+}
+
+void MixedPrecisionPlugin::use_static_gradients() {
+  const auto problem = cuda_graph_problem();
+  TORCH_CHECK(problem.empty(), "MixedPrecisionPlugin::use_static_gradients: ", problem);
+  optimizer_->use_static_gradients();
+}
+
+void MixedPrecisionPlugin::backward_replayed() {
+  TORCH_CHECK(optimizer_ && optimizer_->static_gradients(),
+              "MixedPrecisionPlugin::backward_replayed: call use_static_gradients() before the capture");
+  check_backward_allowed();
+  note_backward_done();
 }
 
 void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer) {

@@ -150,6 +150,13 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   bool optimizer_step(torch::optim::Optimizer& optimizer) override;
   /// Clears every gradient (model, masters, FP8 main_grad) and counts the step as skipped.
   void discard_gradients(torch::optim::Optimizer& optimizer) override;
+  /// "" where a CUDA graph can capture and replay the forward and backward pass: one rank
+  /// (several: the gradient buffer's reduce-scatter hooks run on the host), no loss scaling
+  /// (16-mixed: the captured loss scale would stay fixed while the scaler changes it).
+  std::string cuda_graph_problem() const override;
+  /// DistributedOptimizer::use_static_gradients.
+  void use_static_gradients() override;
+  void backward_replayed() override;
   double loss_scale() const override;
   bool skips_nonfinite_gradients() const override { return scaler_.has_value(); }
   int64_t skipped_steps() const override { return skipped_steps_; }
@@ -201,6 +208,10 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   CommonState read_common_state(torch::serialize::InputArchive& archive, const std::string& caller,
                                 const std::string& file) const;
   void check_swapped_modules_ran();
+  // backward()'s check that no backward with gradient sync on ran since the last step, and its
+  // bookkeeping after one (also for backward_replayed).
+  void check_backward_allowed() const;
+  void note_backward_done();
   // The check of loss-scaled gradients changed between backward() and the step (see the class
   // comment): whether it still runs, the norm it compares, and the comparison.
   bool checks_scaled_gradients() const;

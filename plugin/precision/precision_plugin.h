@@ -121,6 +121,21 @@ class PrecisionPlugin {
     optimizer.zero_grad(/*set_to_none=*/true);
   }
 
+  // ---- CUDA graphs (TrainerOptions::cuda_graph): a graph of one micro-batch's forward and
+  // backward pass, captured through backward(loss) and replayed for later micro-batches ----
+  /// Why this plugin cannot take part, or "" when it can. Asked before the capture (after the
+  /// eager warm-up steps, so the plugin is connected). Default: it cannot.
+  virtual std::string cuda_graph_problem() const {
+    return "the precision plugin \"" + name() + "\" keeps no gradients at fixed addresses; use a "
+           "MixedPrecisionPlugin (any precision, \"32\" included)";
+  }
+  /// Makes every gradient the backward pass writes stay at one address from now on (a replay
+  /// writes where the capture wrote). Called once, before the capture.
+  virtual void use_static_gradients() { TORCH_CHECK(false, cuda_graph_problem()); }
+  /// A replay did the work of backward(loss) (the captured one): the same checks and
+  /// bookkeeping, without the work.
+  virtual void backward_replayed() { TORCH_CHECK(false, cuda_graph_problem()); }
+
   /// The loss scale in use (1 when the precision does not scale).
   virtual double loss_scale() const { return 1.0; }
   /// Whether optimizer_step itself skips a step whose gradients are not finite (a dynamic loss

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "plugin/training/checkpoint.h"
+#include "plugin/training/cuda_graph.h"
 
 namespace amp8 {
 namespace {
@@ -50,8 +51,85 @@ void Trainer::connect(torch::nn::Module& model, torch::optim::Optimizer& optimiz
   connected_model_ = &model;
 }
 
+namespace {
+
+// One micro-batch's backward pass from its loss (divided over the step's micro-batches); the
+// loss, detached, for the step's mean.
+torch::Tensor backward_micro_batch(PrecisionPlugin& precision, const torch::Tensor& loss,
+                                   int64_t micro_batches) {
+  TORCH_CHECK(loss.defined() && loss.numel() == 1,
+              "Trainer: the training step must return a loss with one element, got ",
+              loss.defined() ? loss.sizes() : at::IntArrayRef{});
+  precision.backward(micro_batches > 1 ? loss / static_cast<double>(micro_batches) : loss);
+  return loss.detach().to(at::kFloat).reshape({});
+}
+
+}  // namespace
+
 void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                   const TrainingStep& training_step, const std::string& ckpt_path) {
+  TORCH_CHECK(static_cast<bool>(training_step), "Trainer::fit: training_step must be callable");
+  TORCH_CHECK(!options.cuda_graph(), "Trainer: cuda_graph needs the training step split into its host "
+              "part (the micro-batch's tensors) and its device part (the loss from them): call fit "
+              "with a GraphableStep");
+  const int64_t micro_batches = options.accumulate_grad_batches();
+  fit_loop(model, optimizer, [&](const TrainStepInput& in) {
+    torch::Tensor loss;
+    {
+      auto context = in.precision.forward_context();
+      loss = training_step(in);
+      context.close();  // the FP8 scale update's errors surface here, not in a destructor
+    }
+    return backward_micro_batch(in.precision, loss, micro_batches);
+  }, ckpt_path);
+}
+
+void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const GraphableStep& step,
+                  const std::string& ckpt_path) {
+  TORCH_CHECK(static_cast<bool>(step.batch) && static_cast<bool>(step.loss),
+              "Trainer::fit: the GraphableStep's batch and loss must both be callable");
+  TORCH_CHECK(options.cuda_graph_warmup_steps() >= 1, "cuda_graph_warmup_steps must be >= 1, got ",
+              options.cuda_graph_warmup_steps());
+  const int64_t micro_batches = options.accumulate_grad_batches();
+  auto& precision = *plugins;
+  const auto forward_backward = [&](const std::vector<torch::Tensor>& inputs) {
+    torch::Tensor loss;
+    {
+      auto context = precision.forward_context();
+      loss = step.loss(inputs, precision);
+      context.close();
+    }
+    return backward_micro_batch(precision, loss, micro_batches);
+  };
+  if (!options.cuda_graph()) {
+    fit_loop(model, optimizer, [&](const TrainStepInput& in) { return forward_backward(step.batch(in)); },
+             ckpt_path);
+    return;
+  }
+  std::unique_ptr<CudaGraphedMicroBatch> graphed;
+  int64_t first_step = -1;
+  fit_loop(model, optimizer, [&](const TrainStepInput& in) {
+    if (!graphed) {
+      // Here, not before fit_loop: the plugin is connected (and a checkpoint loaded) by now.
+      const auto problem = precision.cuda_graph_problem();
+      TORCH_CHECK(problem.empty(), "Trainer: cuda_graph: ", problem);
+      graphed = std::make_unique<CudaGraphedMicroBatch>(model);
+      first_step = in.step;
+    }
+    const auto inputs = step.batch(in);
+    if (in.step - first_step < options.cuda_graph_warmup_steps()) return graphed->run_eager(inputs, forward_backward);
+    if (!graphed->captured()) {
+      precision.use_static_gradients();
+      return graphed->capture_and_run(inputs, forward_backward);
+    }
+    auto loss = graphed->replay(inputs);
+    precision.backward_replayed();
+    return loss;
+  }, ckpt_path);
+}
+
+void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                       const MicroBatch& micro_batch, const std::string& ckpt_path) {
   TORCH_CHECK(options.max_steps() >= 0, "max_steps must be >= 0, got ", options.max_steps());
   TORCH_CHECK(options.accumulate_grad_batches() >= 1, "accumulate_grad_batches must be >= 1, got ",
               options.accumulate_grad_batches());
@@ -75,7 +153,6 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
            << options.checkpoint_dir() << std::endl;
     }
   }
-  TORCH_CHECK(static_cast<bool>(training_step), "Trainer::fit: training_step must be callable");
   TORCH_CHECK(options.nonfinite_loss() == "error" || options.nonfinite_loss() == "skip",
               "nonfinite_loss must be \"error\" or \"skip\", got \"", options.nonfinite_loss(), "\"");
 
@@ -129,19 +206,9 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     for (auto& callback : callbacks) callback->on_train_batch_start(*this, step);
     torch::Tensor loss_sum;
     for (int64_t micro = 0; micro < micro_batches; ++micro) {
-      torch::Tensor loss;
-      {
-        auto context = precision.forward_context();
-        loss = training_step(TrainStepInput{step, micro, precision});
-        context.close();  // the FP8 scale update's errors surface here, not in a destructor
-      }
-      TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                  "Trainer: the training step must return a loss with one element, got ",
-                  loss.defined() ? loss.sizes() : at::IntArrayRef{});
       precision.set_gradient_sync(micro == micro_batches - 1);
-      precision.backward(micro_batches > 1 ? loss / static_cast<double>(micro_batches) : loss);
-      auto detached = loss.detach().to(at::kFloat).reshape({});
-      loss_sum = loss_sum.defined() ? loss_sum + detached : detached;
+      auto loss = micro_batch(TrainStepInput{step, micro, precision});
+      loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
     }
     StepMetrics metrics;
     metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();

@@ -58,6 +58,21 @@ struct TrainerOptions {
   /// precision plugin skips such steps itself (fp16's loss scaler). With gradient clipping the
   /// norm is computed anyway; without, this costs one pass over the gradients. Default: true.
   TORCH_ARG(bool, check_for_nan_in_grad) = true;
+  /// Capture one micro-batch's forward pass, loss and backward pass in a CUDA graph after
+  /// cuda_graph_warmup_steps eager steps, and replay it for every micro-batch after that: one
+  /// launch instead of thousands, for models small enough that the host's launches, not the GPU,
+  /// set the pace (PyTorch's whole-network capture; TE's make_graphed_callables). The FP8 scale
+  /// updates are part of the graph; the optimizer step, the clipping and the learning rate stay
+  /// outside it. Needs a training step split into a host part and a device part (fit with a
+  /// GraphableStep), a MixedPrecisionPlugin on one GPU without loss scaling (bf16-mixed or
+  /// "32", with or without FP8; see PrecisionPlugin::cuda_graph_problem), and inputs of one
+  /// shape. Default: false.
+  TORCH_ARG(bool, cuda_graph) = false;
+  /// Steps run eagerly before the capture (their micro-batches on the graph's stream, so the
+  /// per-stream state cuBLAS makes on first use exists before it): also what settles the FP8
+  /// scales' first updates. Counted from where fit starts (a resumed run warms up too).
+  /// Default: 3 (as make_graphed_callables' num_warmup_iters).
+  TORCH_ARG(int64_t, cuda_graph_warmup_steps) = 3;
 };
 
 /// What one optimizer step did.
@@ -117,6 +132,18 @@ struct TrainStepInput {
   PrecisionPlugin& precision;
 };
 
+/// A training step split where a CUDA graph needs it (TrainerOptions::cuda_graph): `batch` runs
+/// on the host for every micro-batch and returns its tensors on the GPU (the same shapes and
+/// dtypes every time); `loss` computes the micro-batch's loss from them with device work only
+/// (no reads on the host, no shapes that depend on values), so that one capture of it, with
+/// the plugin's backward pass, can be replayed for every later micro-batch. It must not depend
+/// on anything but `inputs` and the model: a replay repeats the captured kernels on the
+/// addresses the capture used. Without cuda_graph, fit runs loss(batch(in), precision) eagerly.
+struct GraphableStep {
+  std::function<std::vector<torch::Tensor>(const TrainStepInput&)> batch;
+  std::function<torch::Tensor(const std::vector<torch::Tensor>& inputs, PrecisionPlugin& precision)> loss;
+};
+
 /// The small training loop the recipes use (NeMo's nl.Trainer with a precision plugin):
 ///
 ///   amp8::Trainer trainer(amp8::TrainerOptions().max_steps(300).log_every_n_steps(50));
@@ -149,6 +176,9 @@ class Trainer {
 
   void fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
            const TrainingStep& training_step, const std::string& ckpt_path = "");
+  /// fit with the step split into its host and device parts: what options.cuda_graph needs.
+  void fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const GraphableStep& step,
+           const std::string& ckpt_path = "");
 
   /// Writes a checkpoint of the current state to `path` (atomically) and returns it.
   std::string save_checkpoint(const std::string& path, torch::nn::Module& model,
@@ -203,6 +233,11 @@ class Trainer {
 
  private:
   void connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  // What fit runs for one micro-batch: its forward pass, loss and backward pass (with the
+  // gradient sync for it set); returns the loss, detached, float32, one element.
+  using MicroBatch = std::function<torch::Tensor(const TrainStepInput&)>;
+  void fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                const MicroBatch& micro_batch, const std::string& ckpt_path);
   void print_progress(const StepMetrics& metrics, double interval_s, int64_t interval_steps);
 
   bool saves_last() const;

@@ -335,19 +335,23 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   const AttentionBackendGuard attention_backend(recipe.attention_backend);
   const auto vocab = vocab_size(model_config);
   const auto start = std::chrono::steady_clock::now();
-  trainer.fit(model.module(), optimizer,
-              [&](const TrainStepInput& in) {
-                // Rank r draws micro-batches r·A … r·A + A−1 of the step's global batch.
-                const int64_t micro = rank * trainer_options.accumulate_grad_batches() + in.micro_batch;
-                auto [inputs, targets] =
-                    megatron ? megatron->batch((in.step * trainer_options.accumulate_grad_batches() + in.micro_batch) * world + rank,
-                                               recipe.micro_batch, device)
-                             : data.batch(recipe.seed, in.step, micro, recipe.micro_batch, recipe.seq, device);
-                auto logits = in.precision.convert_output(model.forward(in.precision.convert_input(inputs)));
-                return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}),
-                                                            targets.reshape({-1}));
-              },
-              resume);
+  // The host part (the micro-batch's tokens, on the device) and the device part (the loss):
+  // split so that --cuda-graph can capture the second once and replay it.
+  GraphableStep step;
+  step.batch = [&](const TrainStepInput& in) {
+    // Rank r draws micro-batches r·A … r·A + A−1 of the step's global batch.
+    const int64_t micro = rank * trainer_options.accumulate_grad_batches() + in.micro_batch;
+    auto [inputs, targets] =
+        megatron ? megatron->batch((in.step * trainer_options.accumulate_grad_batches() + in.micro_batch) * world + rank,
+                                   recipe.micro_batch, device)
+                 : data.batch(recipe.seed, in.step, micro, recipe.micro_batch, recipe.seq, device);
+    return std::vector<torch::Tensor>{inputs, targets};
+  };
+  step.loss = [&](const std::vector<torch::Tensor>& batch, PrecisionPlugin& precision) {
+    auto logits = precision.convert_output(model.forward(precision.convert_input(batch[0])));
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), batch[1].reshape({-1}));
+  };
+  trainer.fit(model.module(), optimizer, step, resume);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   PretrainResult result;
