@@ -553,7 +553,7 @@ TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
   ExpectErrorContaining([&] { fp16.load_checkpoint((dir / "bf16.ckpt").string(), *other, other_optimizer); },
                         "the checkpoint was written with precision \"bf16-mixed\", this plugin is "
                         "\"16-mixed\"");
-  ExpectErrorContaining([&] { fp16.fit(*other, other_optimizer, {}, (dir / "nothing").string()); },
+  ExpectErrorContaining([&] { fp16.fit(*other, other_optimizer, Trainer::TrainingStep{}, (dir / "nothing").string()); },
                         "training_step must be callable");
   Trainer no_dir(TrainerOptions().every_n_train_steps(5));
   ExpectErrorContaining([&] {
