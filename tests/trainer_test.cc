@@ -13,6 +13,7 @@
 #include <limits>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "plugin/optim/grad_clip.h"
 #include "plugin/training/checkpoint.h"
@@ -220,6 +221,35 @@ TEST_F(TrainerTest, NonFiniteLossNeverReachesTheWeights) {
       for (const auto& p : model->parameters()) EXPECT_TRUE(torch::isfinite(p).all().item<bool>());
     }
   }
+}
+
+// A step that fails after the last backward pass (a collective timing out in the optimizer
+// step, a module swap that never ran) drops that step's gradients: the same Trainer's next fit
+// starts clean instead of failing at its first backward pass as if a step had been skipped over.
+TEST_F(TrainerTest, AStepThatThrowsDropsItsGradients) {
+  struct FailsOnce : MixedPrecisionPlugin {
+    using MixedPrecisionPlugin::MixedPrecisionPlugin;
+    bool fail = true;
+    bool optimizer_step(torch::optim::Optimizer& optimizer) override {
+      if (std::exchange(fail, false)) TORCH_CHECK(false, "the all-gather timed out");
+      return MixedPrecisionPlugin::optimizer_step(optimizer);
+    }
+  };
+  testing::MlpData data(6);
+  torch::manual_seed(8);
+  auto model = testing::make_mlp();
+  torch::optim::Adam optimizer(model->parameters(), 1e-3);
+  auto plugin = std::make_shared<FailsOnce>(recipes::bf16_mixed());
+  Trainer trainer(TrainerOptions().max_steps(3).log_every_n_steps(0).gradient_clip_val(1.0), plugin);
+  auto step_fn = [&](const TrainStepInput& in) {
+    auto [x, y] = data.batch(in.step, in.micro_batch);
+    return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+  };
+  ExpectErrorContaining([&] { trainer.fit(*model, optimizer, step_fn); }, "the all-gather timed out");
+  EXPECT_EQ(trainer.global_step(), 0);
+  trainer.fit(*model, optimizer, step_fn);  // would fail: "plugin.backward(loss) ran again ..."
+  EXPECT_EQ(trainer.global_step(), 3);
+  EXPECT_TRUE(trainer.history().back().stepped);
 }
 
 TEST_F(TrainerTest, AccumulationAveragesMicroBatches) {

@@ -237,11 +237,26 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
       precision.discard_gradients(optimizer);
       metrics.stepped = false;
     } else {
+      // A clip or a step that throws (a collective timing out, a swapped module that never ran)
+      // drops the step's gradients first, so that the plugin does not count this step's backward
+      // passes into the next fit's.
+      const auto or_discard = [&](auto&& work) {
+        try {
+          return work();
+        } catch (...) {
+          try {
+            precision.discard_gradients(optimizer);
+          } catch (...) {  // the first error is the one to report
+          }
+          throw;
+        }
+      };
       if (options.gradient_clip_val() > 0) {
-        metrics.grad_norm = precision.clip_gradients(optimizer, options.gradient_clip_val());
+        metrics.grad_norm = or_discard([&] { return precision.clip_gradients(optimizer, options.gradient_clip_val()); });
       } else if (options.check_for_nan_in_grad()) {
         // The global norm without clipping (an infinite max_norm scales nothing).
-        metrics.grad_norm = precision.clip_gradients(optimizer, std::numeric_limits<double>::infinity());
+        metrics.grad_norm = or_discard(
+            [&] { return precision.clip_gradients(optimizer, std::numeric_limits<double>::infinity()); });
       }
       const bool checked = options.gradient_clip_val() > 0 || options.check_for_nan_in_grad();
       if (checked && !std::isfinite(metrics.grad_norm) && !precision.skips_nonfinite_gradients()) {
@@ -256,7 +271,7 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
         precision.discard_gradients(optimizer);
         metrics.stepped = false;
       } else {
-        metrics.stepped = precision.optimizer_step(optimizer);
+        metrics.stepped = or_discard([&] { return precision.optimizer_step(optimizer); });
       }
     }
     ++global_step_;
