@@ -230,6 +230,8 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--profile", (dir / "p").string(), "--profile-first-step", "2"}, "profile-first-step must be in [0, steps) = [0, 2), got 2"},
       {{"--profile", (dir / "p").string(), "--profile-steps", "0"}, "--profile-steps"},
       {{"--attention-backend", "fa9"}, "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"fa9\""},
+      {{"--cuda-graph", "true"}, "--cuda-graph needs a CUDA GPU; the run is on --device cpu"},
+      {{"--cuda-graph", "maybe"}, "--cuda-graph"},
   };
   for (const auto& c : cases) {
     auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);

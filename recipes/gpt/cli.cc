@@ -323,6 +323,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.profile_steps = profile_steps;
     // Only "auto" precision looks at the device: bf16-mixed on a GPU, 32 on the CPU.
     const bool on_cuda = device == "auto" ? torch::cuda::is_available() : device.rfind("cuda", 0) == 0;
+    TORCH_CHECK(!cuda_graph || on_cuda, "--cuda-graph needs a CUDA GPU; the run is on ",
+                device == "auto" ? "the CPU (no GPU found)" : "--device " + device);
     const torch::Device precision_device = on_cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
 
     auto precision_for = [&](const std::string& name, const std::string& fp8_format, const std::string& recipe_name) {
