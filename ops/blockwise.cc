@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
@@ -241,6 +242,166 @@ at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTen
   if (gemm.accumulate) y = y + gemm.out.to(at::kFloat);
   gemm.out.copy_(y);
   return gemm.out;
+}
+
+namespace {
+
+// The checks both shard functions share; `fn` names the caller.
+void check_shards(const char* fn, const std::vector<Fp8WeightShard>& shards,
+                  const std::vector<at::Tensor>& amaxes) {
+  TORCH_CHECK(amaxes.size() == shards.size(), fn, ": ", shards.size(), " shards but ",
+              amaxes.size(), " amaxes");
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    TORCH_CHECK(s.rows > 0 && s.cols > 0, fn, ": shards[", i, "]: rows and cols must be positive, got ",
+                s.rows, " x ", s.cols);
+    TORCH_CHECK(s.values.defined() && s.values.dim() == 1 && s.values.is_contiguous(), fn,
+                ": shards[", i, "].values must be a contiguous 1-D tensor");
+    TORCH_CHECK(s.values.scalar_type() == at::kFloat || s.values.scalar_type() == at::kBFloat16 ||
+                    s.values.scalar_type() == at::kHalf,
+                fn, ": shards[", i, "].values must be float32, bfloat16 or float16, got ",
+                s.values.scalar_type());
+    TORCH_CHECK(s.offset >= 0 && s.offset + s.values.numel() <= s.rows * s.cols, fn, ": shards[", i,
+                "]: elements [", s.offset, ", ", s.offset + s.values.numel(),
+                ") run past its weight's ", s.rows * s.cols);
+    const std::vector<int64_t> grid{ceil_div(s.rows, kFp8BlockLen), ceil_div(s.cols, kFp8BlockLen)};
+    TORCH_CHECK(amaxes[i].defined() && amaxes[i].scalar_type() == at::kFloat &&
+                    amaxes[i].sizes() == at::IntArrayRef(grid) && amaxes[i].is_contiguous() &&
+                    amaxes[i].device() == s.values.device(),
+                fn, ": amaxes[", i, "] must be contiguous float32 ", at::IntArrayRef(grid),
+                " on ", s.values.device(), ", got ",
+                amaxes[i].defined() ? amaxes[i].sizes() : at::IntArrayRef{});
+  }
+}
+
+// Calls f(i, block) for each element i of the shard with the index of its 128×128 block in a
+// [ceil(rows/128), ceil(cols/128)] grid.
+template <typename F>
+void for_each_block_element(const Fp8WeightShard& s, F&& f) {
+  const int64_t grid_cols = ceil_div(s.cols, kFp8BlockLen);
+  const int64_t n = s.values.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t flat = s.offset + i, r = flat / s.cols, c = flat % s.cols;
+    f(i, (r / kFp8BlockLen) * grid_cols + c / kFp8BlockLen);
+  }
+}
+
+}  // namespace
+
+void blockwise_shard_amax(const std::vector<Fp8WeightShard>& shards,
+                          const std::vector<at::Tensor>& amaxes) {
+  check_shards("blockwise_shard_amax", shards, amaxes);
+  if (shards.empty()) return;
+  if (shards.front().values.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::blockwise_shard_amax_cuda(shards, amaxes);
+    return;
+#else
+    detail::no_cuda("blockwise_shard_amax");
+#endif
+  }
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const auto values = shards[k].values.to(at::kFloat);
+    const float* v = values.const_data_ptr<float>();
+    float* amax = amaxes[k].mutable_data_ptr<float>();
+    for_each_block_element(shards[k], [&](int64_t i, int64_t block) {
+      amax[block] = std::fmax(amax[block], std::fabs(v[i]));
+    });
+  }
+}
+
+void quantize_shards_blockwise(const std::vector<Fp8WeightShard>& shards,
+                               const std::vector<at::Tensor>& amaxes,
+                               const BlockwiseQuantizeOptions& options,
+                               const std::vector<at::Tensor>& outs,
+                               const std::vector<at::Tensor>& scale_invs) {
+  const char* fn = "quantize_shards_blockwise";
+  check_shards(fn, shards, amaxes);
+  TORCH_CHECK(options.block == Fp8BlockShape::k128x128, fn,
+              ": options.block must be 128x128 (a weight's blocks), got 1x128");
+  TORCH_CHECK(outs.size() == shards.size() && scale_invs.size() == shards.size(), fn, ": ",
+              shards.size(), " shards but ", outs.size(), " outs and ", scale_invs.size(),
+              " scale_invs");
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    TORCH_CHECK(outs[i].defined() && outs[i].is_contiguous() &&
+                    outs[i].numel() == s.values.numel() &&
+                    outs[i].scalar_type() == fp8_dtype(options.format) &&
+                    outs[i].device() == s.values.device(),
+                fn, ": outs[", i, "] must be contiguous ", fp8_dtype(options.format), " with ",
+                s.values.numel(), " elements on ", s.values.device());
+    const auto shape = blockwise_scale_shape(s.rows, s.cols, Fp8BlockShape::k128x128);
+    TORCH_CHECK(scale_invs[i].defined() && scale_invs[i].scalar_type() == at::kFloat &&
+                    scale_invs[i].sizes() == at::IntArrayRef(shape) &&
+                    scale_invs[i].is_contiguous() && scale_invs[i].device() == s.values.device(),
+                fn, ": scale_invs[", i, "] must be contiguous float32 ", at::IntArrayRef(shape),
+                " on ", s.values.device());
+  }
+  if (shards.empty()) return;
+  if (shards.front().values.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::quantize_shards_blockwise_cuda(shards, amaxes, options, outs, scale_invs);
+    return;
+#else
+    detail::no_cuda("quantize_shards_blockwise");
+#endif
+  }
+  const float max = fp8_max(options.format);
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const auto amax = amaxes[k].contiguous();
+    const float* a = amax.const_data_ptr<float>();
+    std::vector<float> scales(static_cast<size_t>(amax.numel()));
+    const int64_t grid_rows = amax.size(0), grid_cols = amax.size(1);
+    float* scale_inv = scale_invs[k].mutable_data_ptr<float>();
+    const int64_t ld = scale_invs[k].size(1);
+    for (int64_t r = 0; r < grid_rows; ++r) {
+      for (int64_t c = 0; c < grid_cols; ++c) {
+        const float scale = blockwise_scale(a[r * grid_cols + c], options);
+        scales[static_cast<size_t>(r * grid_cols + c)] = scale;
+        scale_inv[r * ld + c] = 1.0f / scale;
+      }
+    }
+    const auto values = shards[k].values.to(at::kFloat);
+    const float* v = values.const_data_ptr<float>();
+    const auto write = [&](auto* out) {
+      using Fp8T = std::remove_pointer_t<decltype(out)>;
+      for_each_block_element(shards[k], [&](int64_t i, int64_t block) {
+        out[i] = detail::saturating_cast_cpu<Fp8T>(v[i], scales[static_cast<size_t>(block)], max);
+      });
+    };
+    if (options.format == Fp8Format::kE4M3) {
+      write(outs[k].mutable_data_ptr<c10::Float8_e4m3fn>());
+    } else {
+      write(outs[k].mutable_data_ptr<c10::Float8_e5m2>());
+    }
+  }
+}
+
+Fp8BlockwiseTensor transpose_blocks(const Fp8BlockwiseTensor& w) {
+  TORCH_CHECK(w.defined() && w.data.dim() == 2 && w.block == Fp8BlockShape::k128x128,
+              "transpose_blocks: w must be a 2-D FP8 tensor in 128x128 blocks");
+  const int64_t rows = w.data.size(0), cols = w.data.size(1);
+  const auto shape = blockwise_scale_shape(rows, cols, Fp8BlockShape::k128x128);
+  TORCH_CHECK(w.scale_inv.defined() && w.scale_inv.sizes() == at::IntArrayRef(shape),
+              "transpose_blocks: w.scale_inv must be ", at::IntArrayRef(shape), " for ",
+              w.data.sizes(), ", got ", w.scale_inv.defined() ? w.scale_inv.sizes() : at::IntArrayRef{});
+  Fp8BlockwiseTensor t;
+  t.format = w.format;
+  t.block = w.block;
+  const auto data = w.data.contiguous();
+  if (data.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    t.data = at::empty({cols, rows}, data.options());
+    detail::byte_transpose_cuda(data, t.data);
+#else
+    detail::no_cuda("transpose_blocks");
+#endif
+  } else {
+    t.data = data.t().contiguous();
+  }
+  t.scale_inv = at::zeros(blockwise_scale_shape(cols, rows, Fp8BlockShape::k128x128), w.scale_inv.options());
+  t.scale_inv.narrow(1, 0, shape[0]).copy_(w.scale_inv.narrow(1, 0, ceil_div(cols, kFp8BlockLen)).t());
+  return t;
 }
 
 }  // namespace amp8

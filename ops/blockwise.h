@@ -47,6 +47,15 @@ struct Fp8BlockwiseTensor {
   at::Tensor dequantize(at::ScalarType dtype = at::kFloat) const;
 };
 
+/// How the blockwise recipe quantizes a weight (TE's Float8BlockScaling): 128×128 blocks in
+/// `format` (E4M3, the forward format of "hybrid" and "e4m3"), power-of-two scales.
+inline BlockwiseQuantizeOptions weight_block_options(Fp8Format format = Fp8Format::kE4M3) {
+  BlockwiseQuantizeOptions options;
+  options.block = Fp8BlockShape::k128x128;
+  options.format = format;
+  return options;
+}
+
 /// scale_inv's shape for a [rows, cols] tensor in `block` tiles.
 std::vector<int64_t> blockwise_scale_shape(int64_t rows, int64_t cols, Fp8BlockShape block);
 
@@ -72,6 +81,40 @@ struct Fp8BlockwiseCastTranspose {
 Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
                                              const BlockwiseQuantizeOptions& options,
                                              bool transposed = false);
+
+/// A part of a 2-D weight [rows, cols]: its row-major elements [offset, offset + numel), e.g.
+/// the shard of it one data-parallel rank holds (Megatron's distributed optimizer cuts the
+/// flattened weights anywhere); all of it is offset 0 and rows · cols elements.
+struct Fp8WeightShard {
+  at::Tensor values;  ///< 1-D, contiguous; float32, bfloat16 or float16
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t offset = 0;
+};
+
+/// For each shard, max|x| over its elements in every 128×128 block of its weight, maxed into
+/// amaxes[i] (float32 [ceil(rows/128), ceil(cols/128)], contiguous, on the shard's device;
+/// blocks it does not reach keep what they hold; a NaN does not count, as in
+/// quantize_blockwise). Zeros, this on every rank and an all-reduce MAX give each block's amax
+/// over the whole weight. CUDA: one launch per 64 shards.
+void blockwise_shard_amax(const std::vector<Fp8WeightShard>& shards,
+                          const std::vector<at::Tensor>& amaxes);
+
+/// The shards quantized in 128×128 blocks, each block scaled by blockwise_scale(amaxes[i] of
+/// the block, options) (options.block must be 128×128): outs[i] (1-D, the shard's numel,
+/// options.format's dtype) receives the bytes quantize_blockwise(weight, options) writes at the
+/// shard's positions when amaxes[i] are the whole weight's block amaxes, and scale_invs[i] (the
+/// weight's 128×128 scale_inv, blockwise_scale_shape(rows, cols)) every block's 1/scale (its
+/// padding columns are not written). CUDA and CPU give the same bytes.
+void quantize_shards_blockwise(const std::vector<Fp8WeightShard>& shards,
+                               const std::vector<at::Tensor>& amaxes,
+                               const BlockwiseQuantizeOptions& options,
+                               const std::vector<at::Tensor>& outs,
+                               const std::vector<at::Tensor>& scale_invs);
+
+/// A weight in 128×128 blocks, transposed: the bytes (a byte transpose) and the scale grid, so
+/// Wᵀ [cols, rows] has exactly W's blocks (what dgrad reads of a weight stored in blocks).
+Fp8BlockwiseTensor transpose_blocks(const Fp8BlockwiseTensor& w);
 
 /// y [M, N] = a [M, K] · b [N, K]ᵀ with each operand's tile scales (the TN GEMM of
 /// fp8_gemm): a in 1×128 tiles, b in 1×128 or 128×128 tiles (two 128×128 operands are not a

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "tests/test_util.h"
@@ -269,6 +271,170 @@ TEST_F(BlockwiseTest, CudaGemmMatchesCpu_CUDA) {
     EXPECT_LE(
         relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, at::kBFloat16, with_bias_gpu), expected),
         4e-3);
+  }
+}
+
+// ---- a weight's 128×128 blocks from shards of it (blockwise fp8_params) ----
+
+// `weight` [rows, cols] cut at `cuts` (flat offsets, increasing) into shards, as data-parallel
+// ranks hold it; each "rank" takes its block amaxes alone, the max over ranks stands in for the
+// all-reduce, and each quantizes its shard. Returns the bytes put back together and the
+// scale_inv grid (rank 0's; every rank writes the whole grid, checked equal).
+std::pair<at::Tensor, at::Tensor> quantize_in_shards(const at::Tensor& weight,
+                                                     const std::vector<int64_t>& cuts,
+                                                     const BlockwiseQuantizeOptions& options) {
+  const int64_t rows = weight.size(0), cols = weight.size(1), n = weight.numel();
+  const auto flat = weight.contiguous().view(-1);
+  std::vector<int64_t> bounds{0};
+  bounds.insert(bounds.end(), cuts.begin(), cuts.end());
+  bounds.push_back(n);
+  const std::vector<int64_t> grid{(rows + 127) / 128, (cols + 127) / 128};
+  const auto float_options = weight.options().dtype(at::kFloat);
+  std::vector<Fp8WeightShard> shards;
+  std::vector<at::Tensor> rank_amaxes;
+  for (size_t r = 0; r + 1 < bounds.size(); ++r) {
+    shards.push_back({flat.narrow(0, bounds[r], bounds[r + 1] - bounds[r]), rows, cols, bounds[r]});
+    rank_amaxes.push_back(at::zeros(grid, float_options));
+    blockwise_shard_amax({shards.back()}, {rank_amaxes.back()});
+  }
+  const auto amax = at::stack(rank_amaxes).amax(0);
+  auto bytes = at::empty({n}, weight.options().dtype(fp8_dtype(options.format)));
+  at::Tensor scale_inv;
+  for (size_t r = 0; r < shards.size(); ++r) {
+    auto rank_scale_inv = at::zeros(blockwise_scale_shape(rows, cols, Fp8BlockShape::k128x128), float_options);
+    quantize_shards_blockwise({shards[r]}, {amax.clone()}, options,
+                              {bytes.narrow(0, shards[r].offset, shards[r].values.numel())},
+                              {rank_scale_inv});
+    if (r == 0) {
+      scale_inv = rank_scale_inv;
+    } else {
+      EXPECT_TRUE(BytesEqual(rank_scale_inv, scale_inv)) << "rank " << r << "'s scale_inv";
+    }
+  }
+  return {bytes.view({rows, cols}), scale_inv};
+}
+
+// However a weight is cut (inside a row, inside a block, on a block edge, one element), the
+// shards' blocks give the bytes and scales of quantizing the whole weight at once; a block with a
+// NaN ignores it (the NaN stays NaN), an outlier scales only its block, an all-zero block has
+// scale 1.
+TEST_F(BlockwiseTest, ShardsOfAWeightQuantizeAsTheWholeWeight) {
+  const std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>> cases = {
+      {200, 176, {1}},                       // a shard of one element
+      {200, 176, {176 * 128, 176 * 128 + 5}},  // on a block row's edge, then inside a row
+      {257, 385, {1000, 50000, 50001, 98000}},
+      {128, 128, {64 * 128 + 64}},
+      {7, 130, {500}},
+  };
+  for (const auto& [rows, cols, cuts] : cases) {
+    SCOPED_TRACE(testing::shape_name(rows, cols) + " in " + std::to_string(cuts.size() + 1) + " shards");
+    auto weight = testing::random_wide({rows, cols}, at::kFloat);
+    weight[0][1] = 1e5f;  // an outlier in block (0, 0): random_wide stays below ~2^11
+    if (rows > 128 && cols > 128) {
+      weight.narrow(0, 128, std::min<int64_t>(128, rows - 128)).narrow(1, 128, std::min<int64_t>(128, cols - 128)).zero_();
+    }
+    weight[rows - 1][cols - 1] = kNaN;
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+      const auto x = weight.to(dtype);
+      const auto options = weight_block_options();
+      const auto whole = quantize_blockwise(x, options).data;
+      const auto [bytes, scale_inv] = quantize_in_shards(x, cuts, options);
+      EXPECT_TRUE(BytesEqual(bytes, whole.data)) << c10::toString(dtype);
+      EXPECT_TRUE(BytesEqual(scale_inv, whole.scale_inv)) << c10::toString(dtype);
+    }
+    // The outlier's block is scaled for it: 448/1e5 = 0.00448 → 2^-8, scale_inv 256.
+    const auto [bytes, scale_inv] = quantize_in_shards(weight, cuts, weight_block_options());
+    EXPECT_EQ(at2(scale_inv, 0, 0), 256.0f);
+    if (rows > 128 && cols > 128) EXPECT_EQ(at2(scale_inv, 1, 1), 1.0f) << "an all-zero block (and a NaN)";
+    EXPECT_TRUE(std::isnan(bytes[rows - 1][cols - 1].to(at::kFloat).item<float>()));
+  }
+}
+
+// A weight in blocks transposed is the transpose quantize_blockwise makes from the values.
+TEST_F(BlockwiseTest, TransposedBlocksAreTheTransposeOfTheValues) {
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{200, 176}, {130, 7}, {128, 384}}) {
+    const auto x = testing::random_wide({rows, cols}, at::kFloat);
+    const auto q = quantize_blockwise(x, weight_block_options(), /*transposed=*/true);
+    const auto t = transpose_blocks(q.data);
+    EXPECT_TRUE(BytesEqual(t.data, q.transposed.data)) << testing::shape_name(rows, cols);
+    EXPECT_TRUE(BytesEqual(t.scale_inv, q.transposed.scale_inv)) << testing::shape_name(rows, cols);
+  }
+}
+
+TEST_F(BlockwiseTest, BadShardsAreNamed) {
+  const auto values = at::randn({100});
+  const auto grid = at::zeros({1, 1});
+  testing::ExpectErrorContaining([&] { blockwise_shard_amax({{values, 10, 10, 1}}, {grid}); },
+                                 "blockwise_shard_amax: shards[0]: elements [1, 101) run past its weight's 100");
+  testing::ExpectErrorContaining([&] { blockwise_shard_amax({{values, 10, 10, 0}}, {at::zeros({2, 1})}); },
+                                 "amaxes[0] must be contiguous float32 [1, 1]");
+  testing::ExpectErrorContaining(
+      [&] { blockwise_shard_amax({{values.to(at::kInt), 10, 10, 0}}, {grid}); },
+      "shards[0].values must be float32, bfloat16 or float16");
+  testing::ExpectErrorContaining(
+      [&] {
+        quantize_shards_blockwise({{values, 10, 10, 0}}, {grid}, tiles(Fp8BlockShape::k1x128),
+                                  {at::empty({100}, at::kFloat8_e4m3fn)}, {at::zeros({1, 4})});
+      },
+      "options.block must be 128x128");
+  testing::ExpectErrorContaining(
+      [&] {
+        quantize_shards_blockwise({{values, 10, 10, 0}}, {grid}, weight_block_options(),
+                                  {at::empty({99}, at::kFloat8_e4m3fn)}, {at::zeros({1, 4})});
+      },
+      "outs[0] must be contiguous Float8_e4m3fn with 100 elements");
+  testing::ExpectErrorContaining(
+      [&] {
+        quantize_shards_blockwise({{values, 10, 10, 0}}, {grid}, weight_block_options(),
+                                  {at::empty({100}, at::kFloat8_e4m3fn)}, {at::zeros({1, 1})});
+      },
+      "scale_invs[0] must be contiguous float32 [1, 4]");
+}
+
+// The kernels against the CPU reference: many shards of several weights in one call (more than
+// one launch's 64), every input dtype, both formats, amaxes max-merged into non-zero grids.
+TEST_F(BlockwiseTest, ShardKernelsMatchCpuByteForByte_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{257, 385}, {200, 176}, {16, 1000}, {130, 130}};
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (format == Fp8Format::kE4M3 ? " e4m3" : " e5m2"));
+      std::vector<at::Tensor> weights;
+      std::vector<Fp8WeightShard> shards;
+      std::vector<at::Tensor> amaxes_cpu;
+      for (int k = 0; k < 80; ++k) {
+        const auto [rows, cols] = shapes[static_cast<size_t>(k) % shapes.size()];
+        weights.push_back(testing::random_wide({rows, cols}, at::kFloat).to(dtype).view(-1));
+        const int64_t n = rows * cols, begin = (k * 7919) % (n - 1), end = std::min(n, begin + 1 + (k * 104729) % n);
+        shards.push_back({weights.back().narrow(0, begin, end - begin), rows, cols, begin});
+        // A grid that already holds values (another shard's): the max is kept.
+        amaxes_cpu.push_back(at::rand({(rows + 127) / 128, (cols + 127) / 128}) * (k % 3 == 0 ? 8.0 : 0.0));
+      }
+      std::vector<Fp8WeightShard> gpu_shards = shards;
+      std::vector<at::Tensor> amaxes_gpu;
+      for (size_t k = 0; k < shards.size(); ++k) {
+        gpu_shards[k].values = shards[k].values.cuda();
+        amaxes_gpu.push_back(amaxes_cpu[k].cuda());
+      }
+      blockwise_shard_amax(shards, amaxes_cpu);
+      blockwise_shard_amax(gpu_shards, amaxes_gpu);
+      auto options = weight_block_options(format);
+      std::vector<at::Tensor> outs_cpu, outs_gpu, scale_cpu, scale_gpu;
+      for (size_t k = 0; k < shards.size(); ++k) {
+        EXPECT_TRUE(BytesEqual(amaxes_gpu[k].cpu(), amaxes_cpu[k])) << "amaxes of shard " << k;
+        outs_cpu.push_back(at::empty({shards[k].values.numel()}, at::TensorOptions().dtype(fp8_dtype(format))));
+        outs_gpu.push_back(outs_cpu.back().cuda());
+        const auto shape = blockwise_scale_shape(shards[k].rows, shards[k].cols, Fp8BlockShape::k128x128);
+        scale_cpu.push_back(at::zeros(shape));
+        scale_gpu.push_back(at::zeros(shape).cuda());
+      }
+      quantize_shards_blockwise(shards, amaxes_cpu, options, outs_cpu, scale_cpu);
+      quantize_shards_blockwise(gpu_shards, amaxes_gpu, options, outs_gpu, scale_gpu);
+      for (size_t k = 0; k < shards.size(); ++k) {
+        EXPECT_TRUE(BytesEqual(outs_gpu[k].cpu(), outs_cpu[k])) << "bytes of shard " << k;
+        EXPECT_TRUE(BytesEqual(scale_gpu[k].cpu(), scale_cpu[k])) << "scale_inv of shard " << k;
+      }
+    }
   }
 }
 

@@ -208,6 +208,9 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
       {"16-mixed", recipes::fp16_mixed().fp16_initial_loss_scale(1 << 20), 1.5e-3},
       {"bf16 + fp8 hybrid", recipes::bf16_mixed().fp8("hybrid").fp8_min_gemm_size(0), 1e-2},
       {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 1e-2},
+      // Weights in 128×128 blocks: a shard boundary cuts blocks, whose amaxes are all-reduced.
+      {"bf16 + fp8 blockwise, fp8_params",
+       recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise").fp8_min_gemm_size(0), 1e-2},
       {"fp16 + fp8 e4m3", recipes::fp16_mixed().fp16_initial_loss_scale(1 << 20).fp8("e4m3").fp8_min_gemm_size(0), 1e-2},
   };
   for (const auto& c : cases) {

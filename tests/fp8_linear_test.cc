@@ -119,18 +119,61 @@ TEST_F(Fp8LinearTest, BlockwiseForwardBackwardMatchFp64WithinFp8Bounds_CUDA) {
   forward_backward_case(torch::kCUDA, "e4m3", "blockwise");
 }
 
-// Weights kept in FP8 (fp8_params) have one scale; the blockwise recipe would need them in
-// 128×128 blocks, which amp8 does not store yet: an error naming the layer, not a silent
-// re-quantization of FP8 bytes.
-TEST_F(Fp8LinearTest, BlockwiseRefusesFp8ParamsWeights) {
-  Fp8Linear layer = [] {
+// Under the blockwise recipe an fp8_params weight is read in 128×128 blocks. Stored with one
+// scale, that is an error naming what writes it in blocks; written in blocks from some values,
+// the layer computes exactly as a layer holding those values in float32 (whose blocks are
+// quantized from the same values): the same output, input gradient, bias gradient and, in
+// main_grad, weight gradient. A region of another recipe then names the blocks, and
+// update_fp8_weight gives the weight one scale again.
+TEST_F(Fp8LinearTest, BlockwiseFp8ParamsWeightsAreStoredInBlocks) {
+  const int64_t in = 144, out = 272;  // blocks cut in both dimensions
+  Fp8Linear layer = [&] {
     Fp8ModelInit init;
-    return Fp8Linear(Fp8LinearOptions(32, 32).fp8_min_gemm_size(0));
+    return Fp8Linear(Fp8LinearOptions(in, out).fp8_min_gemm_size(0));
   }();
-  Fp8Autocast region(Fp8RecipeOptions().fp8_recipe("blockwise"));
-  testing::ExpectErrorContaining([&] { layer->forward(torch::randn({16, 32})); },
-                                 "Fp8Linear(32, 32): the blockwise recipe does not take "
-                                 "fp8_params weights yet");
+  Fp8Linear reference(Fp8LinearOptions(in, out).fp8_min_gemm_size(0));
+  const auto master = testing::random_wide({out, in}, at::kFloat) * 0.01;
+  {
+    torch::NoGradGuard no_grad;
+    reference->weight.copy_(master);
+    reference->bias.copy_(layer->bias);
+  }
+  const auto x = torch::randn({40, in});  // rows not a multiple of 16
+  const auto blockwise = Fp8RecipeOptions().fp8_recipe("blockwise");
+  {
+    Fp8Autocast region(blockwise);
+    testing::ExpectErrorContaining([&] { layer->forward(x); },
+                                   "Fp8Linear(144, 272): under the blockwise recipe the FP8 weight "
+                                   "must be stored in 128x128 blocks");
+  }
+  layer->update_fp8_weight_blocks(master);
+  EXPECT_TRUE(layer->fp8_weight_in_blocks());
+  EXPECT_EQ(layer->weight_scale_inv.sizes(), at::IntArrayRef({3, 4}));  // 3 x 2 blocks, padded to 4
+  auto x_layer = x.clone().requires_grad_(), x_reference = x.clone().requires_grad_();
+  torch::Tensor y_layer, y_reference;
+  {
+    Fp8Autocast region(blockwise);
+    y_layer = layer->forward(x_layer);
+    y_reference = reference->forward(x_reference);
+  }
+  EXPECT_TRUE(testing::BytesEqual(y_layer, y_reference));
+  const auto grad = torch::randn_like(y_reference);
+  y_layer.backward(grad);
+  y_reference.backward(grad);
+  EXPECT_TRUE(testing::BytesEqual(x_layer.grad(), x_reference.grad()));
+  EXPECT_TRUE(testing::BytesEqual(layer->bias.grad(), reference->bias.grad()));
+  ASSERT_TRUE(layer->main_grad().defined());
+  EXPECT_TRUE(testing::BytesEqual(layer->main_grad(), reference->weight.grad()));
+  {
+    Fp8Autocast region{Fp8RecipeOptions()};  // delayed
+    testing::ExpectErrorContaining([&] { layer->forward(x); },
+                                   "the FP8 weight is stored in 128x128 blocks");
+  }
+  layer->update_fp8_weight(master);
+  EXPECT_FALSE(layer->fp8_weight_in_blocks());
+  EXPECT_EQ(layer->weight_scale_inv.numel(), 1);
+  Fp8Autocast region{Fp8RecipeOptions()};
+  EXPECT_NO_THROW(layer->forward(x));
 }
 
 TEST_F(Fp8LinearTest, ForwardBackwardMatchFp64WithinFp8Bounds_CUDA) {

@@ -164,9 +164,7 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
                         "fp8_recipe must be \"delayed\", \"tensorwise\" or \"blockwise\"");
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("mxfp8")),
                         "needs GPUs with MXFP8 tensor cores: NVIDIA Blackwell (compute capability 10.0 or later)");
-  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise")),
-                        "fp8_params = true with fp8_recipe = \"blockwise\": weights stored in "
-                        "128x128-block FP8 are not supported yet");
+  EXPECT_NO_THROW(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise"))());  // weights in blocks
   EXPECT_NO_THROW(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise").fp8_params(false))());
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_margin(19)),
                         "fp8_margin 19 would scale every tensor's largest value to 448 / 2^19");

@@ -173,6 +173,127 @@ __global__ void __launch_bounds__(kSquareThreads)
   }
 }
 
+// ---- a weight's 128×128 blocks from the shards of it ranks hold (blockwise fp8_params) ----
+// One thread block per (shard, block of its weight); its threads walk the block's rows 128
+// elements at a time (one warp per row segment, coalesced) and take only the elements the shard
+// holds. A table of up to kShardCapacity shards is a kernel parameter; each launch's blocks are
+// numbered through the shards' prefix sums of blocks.
+constexpr int kShardCapacity = 64;
+struct ShardTable {
+  BlockwiseShard shard[kShardCapacity];
+  int64_t first_block_row[kShardCapacity];  // the first block row a launch block covers
+  int first_tile[kShardCapacity + 1];
+  int count;
+};
+
+struct ShardTile {
+  const BlockwiseShard& shard;
+  int64_t block_row, block_col;
+};
+
+__device__ __forceinline__ ShardTile shard_tile_of(const ShardTable& table) {
+  const int tile = blockIdx.x;
+  int k = 0;
+  while (k + 1 < table.count && table.first_tile[k + 1] <= tile) ++k;
+  const auto& shard = table.shard[k];
+  const int64_t grid_cols = (shard.cols + kBlockLen - 1) / kBlockLen;
+  const int64_t local = tile - table.first_tile[k];
+  return {shard, table.first_block_row[k] + local / grid_cols, local % grid_cols};
+}
+
+// Calls f(shard index, element index in the block) for the shard's elements in the tile.
+template <typename F>
+__device__ __forceinline__ void for_each_shard_element(const ShardTile& tile, F&& f) {
+  const auto& s = tile.shard;
+  const int64_t r0 = tile.block_row * kBlockLen, c0 = tile.block_col * kBlockLen;
+  const int64_t lo = s.offset, hi = s.offset + s.numel;
+  const int64_t r_end = min(r0 + kBlockLen, s.rows), c_end = min(c0 + kBlockLen, s.cols);
+  if (r0 * s.cols + c0 >= hi || (r_end - 1) * s.cols + c_end <= lo) return;
+  for (int i = threadIdx.x; i < kBlockLen * kBlockLen; i += kSquareThreads) {
+    const int64_t r = r0 + i / kBlockLen, c = c0 + i % kBlockLen;
+    if (r < r_end && c < c_end) {
+      const int64_t flat = r * s.cols + c;
+      if (flat >= lo && flat < hi) f(flat - lo);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSquareThreads) blockwise_shard_amax_kernel(ShardTable table) {
+  __shared__ float warp_amax[kSquareThreads / 32];
+  const auto tile = shard_tile_of(table);
+  const T* values = static_cast<const T*>(tile.shard.values);
+  float amax = 0.0f;  // fmaxf drops a NaN, as the CPU reference's std::fmax
+  for_each_shard_element(tile, [&](int64_t i) { amax = fmaxf(amax, fabsf(to_float(values[i]))); });
+  amax = warp_max(amax);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = warp_amax[0];
+    for (int w = 1; w < kSquareThreads / 32; ++w) m = fmaxf(m, warp_amax[w]);
+    const int64_t grid_cols = (tile.shard.cols + kBlockLen - 1) / kBlockLen;
+    // Non-negative floats order as their bits do.
+    atomicMax(reinterpret_cast<int*>(tile.shard.amax + tile.block_row * grid_cols + tile.block_col),
+              __float_as_int(m));
+  }
+}
+
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kSquareThreads)
+    quantize_shards_blockwise_kernel(ShardTable table, BlockwiseScaling s) {
+  __shared__ float block_scale;
+  const auto tile = shard_tile_of(table);
+  const auto& shard = tile.shard;
+  if (threadIdx.x == 0) {
+    const int64_t grid_cols = (shard.cols + kBlockLen - 1) / kBlockLen;
+    const float scale = tile_scale<kE5M2>(shard.amax[tile.block_row * grid_cols + tile.block_col], s);
+    block_scale = scale;
+    shard.scale_inv[tile.block_row * shard.scale_ld + tile.block_col] = __fdiv_rn(1.0f, scale);
+  }
+  __syncthreads();
+  const float scale = block_scale;
+  const T* values = static_cast<const T*>(shard.values);
+  uint8_t* out = static_cast<uint8_t*>(shard.out);
+  for_each_shard_element(tile, [&](int64_t i) { out[i] = saturating_cast<kE5M2>(to_float(values[i]), scale); });
+}
+
+// Launches kernel once per kShardCapacity shards; `all_block_rows`: a block for every block of
+// each weight (quantizing writes every scale_inv), else only the block rows the shard reaches.
+template <typename Kernel, typename... Args>
+int launch_over_shards(Kernel kernel, const BlockwiseShard* shards, int count, bool all_block_rows,
+                       Stream stream, Args... args) {
+  for (int first = 0; first < count; first += kShardCapacity) {
+    ShardTable table{};
+    table.count = min(kShardCapacity, count - first);
+    int64_t tiles = 0;
+    for (int k = 0; k < table.count; ++k) {
+      const auto& s = shards[first + k];
+      table.shard[k] = s;
+      const int64_t grid_rows = (s.rows + kBlockLen - 1) / kBlockLen;
+      const int64_t grid_cols = (s.cols + kBlockLen - 1) / kBlockLen;
+      int64_t row_first = 0, row_last = grid_rows - 1;
+      if (!all_block_rows) {
+        if (s.numel == 0) {
+          row_first = 0;
+          row_last = -1;
+        } else {
+          row_first = s.offset / s.cols / kBlockLen;
+          row_last = (s.offset + s.numel - 1) / s.cols / kBlockLen;
+        }
+      }
+      table.first_block_row[k] = row_first;
+      table.first_tile[k] = static_cast<int>(tiles);
+      tiles += (row_last - row_first + 1) * grid_cols;
+    }
+    table.first_tile[table.count] = static_cast<int>(tiles);
+    if (tiles > INT32_MAX) return static_cast<int>(cudaErrorInvalidValue);
+    if (tiles == 0) continue;
+    kernel<<<static_cast<unsigned>(tiles), kSquareThreads, 0, stream>>>(table, args...);
+    if (const auto error = cudaGetLastError(); error != cudaSuccess) return static_cast<int>(error);
+  }
+  return cudaSuccess;
+}
+
 template <typename F>
 int dispatch_format(bool e5m2, F&& f) {
   return e5m2 ? f(std::true_type{}) : f(std::false_type{});
@@ -219,6 +340,26 @@ int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t
           static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
           scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);
       return static_cast<int>(cudaGetLastError());
+    });
+  });
+}
+
+int launch_blockwise_shard_amax(const BlockwiseShard* shards, int count, InputType type,
+                                Stream stream) {
+  return dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    return launch_over_shards(blockwise_shard_amax_kernel<T>, shards, count,
+                              /*all_block_rows=*/false, stream);
+  });
+}
+
+int launch_quantize_shards_blockwise(const BlockwiseShard* shards, int count, InputType type,
+                                     BlockwiseScaling scaling, Stream stream) {
+  return dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    return dispatch_format(scaling.e5m2, [&](auto e5m2) {
+      return launch_over_shards(quantize_shards_blockwise_kernel<T, decltype(e5m2)::value>, shards,
+                                count, /*all_block_rows=*/true, stream, scaling);
     });
   });
 }

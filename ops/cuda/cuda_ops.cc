@@ -108,6 +108,66 @@ void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions
 
 namespace {
 
+std::vector<cuda::BlockwiseShard> blockwise_shards(const std::vector<Fp8WeightShard>& shards,
+                                                  const std::vector<at::Tensor>& amaxes) {
+  std::vector<cuda::BlockwiseShard> table(shards.size());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    table[i].values = s.values.const_data_ptr();
+    table[i].rows = s.rows;
+    table[i].cols = s.cols;
+    table[i].offset = s.offset;
+    table[i].numel = s.values.numel();
+    table[i].amax = amaxes[i].mutable_data_ptr<float>();
+  }
+  return table;
+}
+
+void check_one_input_type(const std::vector<Fp8WeightShard>& shards, const char* fn) {
+  for (const auto& s : shards) {
+    TORCH_CHECK(s.values.scalar_type() == shards.front().values.scalar_type() &&
+                    s.values.device() == shards.front().values.device(),
+                fn, ": on CUDA every shard must have the first's dtype and device (",
+                shards.front().values.scalar_type(), " on ", shards.front().values.device(),
+                "), got ", s.values.scalar_type(), " on ", s.values.device());
+  }
+}
+
+}  // namespace
+
+void blockwise_shard_amax_cuda(const std::vector<Fp8WeightShard>& shards,
+                               const std::vector<at::Tensor>& amaxes) {
+  check_one_input_type(shards, "blockwise_shard_amax");
+  const c10::cuda::CUDAGuard guard(shards.front().values.device());
+  const auto table = blockwise_shards(shards, amaxes);
+  AMP8_CUDA_CHECK(cuda::launch_blockwise_shard_amax(table.data(), static_cast<int>(table.size()),
+                                                    input_type(shards.front().values),
+                                                    current_stream()));
+}
+
+void quantize_shards_blockwise_cuda(const std::vector<Fp8WeightShard>& shards,
+                                    const std::vector<at::Tensor>& amaxes,
+                                    const BlockwiseQuantizeOptions& options,
+                                    const std::vector<at::Tensor>& outs,
+                                    const std::vector<at::Tensor>& scale_invs) {
+  check_one_input_type(shards, "quantize_shards_blockwise");
+  const c10::cuda::CUDAGuard guard(shards.front().values.device());
+  auto table = blockwise_shards(shards, amaxes);
+  for (size_t i = 0; i < table.size(); ++i) {
+    table[i].out = outs[i].mutable_data_ptr();
+    table[i].scale_inv = scale_invs[i].mutable_data_ptr<float>();
+    table[i].scale_ld = scale_invs[i].size(1);
+  }
+  const cuda::BlockwiseScaling scaling{options.format == Fp8Format::kE5M2,
+                                       options.power_of_2_scales,
+                                       static_cast<float>(options.amax_epsilon)};
+  AMP8_CUDA_CHECK(cuda::launch_quantize_shards_blockwise(
+      table.data(), static_cast<int>(table.size()), input_type(shards.front().values), scaling,
+      current_stream()));
+}
+
+namespace {
+
 // launch_cast_transpose_fused on tensors; false when it does not take the shape (it did nothing).
 bool cast_transpose_fused_cuda(const at::Tensor& x, const at::Tensor& gate,
                                cuda::CastActivation activation, const at::Tensor& scale,

@@ -224,5 +224,24 @@ int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t
                             BlockwiseScaling scaling, void* out, float* scale_inv,
                             int64_t scale_ld, void* out_t, float* scale_inv_t, int64_t scale_ld_t,
                             Stream stream);
+// A part of a 2-D weight [rows, cols], its row-major elements [offset, offset + numel), for the
+// two launchers below: `amax` its [ceil(rows/128), ceil(cols/128)] block amaxes, `out` (numel
+// bytes) and `scale_inv` (the weight's 128×128 grid, row stride scale_ld) what quantizing writes.
+struct BlockwiseShard {
+  const void* values = nullptr;
+  int64_t rows = 0, cols = 0, offset = 0, numel = 0;
+  float* amax = nullptr;
+  void* out = nullptr;
+  float* scale_inv = nullptr;
+  int64_t scale_ld = 0;
+};
+// max|x| of each shard's elements in each 128×128 block, maxed into its `amax`; one launch per
+// 64 shards (all of one input type).
+int launch_blockwise_shard_amax(const BlockwiseShard* shards, int count, InputType type,
+                                Stream stream);
+// Each shard's elements quantized with its blocks' scales (from `amax`), and every block's
+// scale_inv of its weight written.
+int launch_quantize_shards_blockwise(const BlockwiseShard* shards, int count, InputType type,
+                                     BlockwiseScaling scaling, Stream stream);
 
 }  // namespace amp8::cuda

@@ -105,6 +105,14 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
 void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
                              const at::Tensor& out, const at::Tensor& scale_inv,
                              const at::Tensor& out_t, const at::Tensor& scale_inv_t);
+// blockwise_shard_amax and quantize_shards_blockwise (ops/blockwise.h), arguments checked.
+void blockwise_shard_amax_cuda(const std::vector<Fp8WeightShard>& shards,
+                               const std::vector<at::Tensor>& amaxes);
+void quantize_shards_blockwise_cuda(const std::vector<Fp8WeightShard>& shards,
+                                    const std::vector<at::Tensor>& amaxes,
+                                    const BlockwiseQuantizeOptions& options,
+                                    const std::vector<at::Tensor>& outs,
+                                    const std::vector<at::Tensor>& scale_invs);
 // cuBLASLt's block-scaled FP8 GEMM; arguments checked: bias undefined or bfloat16 [N], out /
 // accumulate, nothing else.
 at::Tensor fp8_blockwise_gemm_cuda(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
+#include "ops/blockwise.h"
 #include "ops/quantize.h"
 #include "plugin/modules/fp8_meta.h"
 #include "plugin/optim/fused_optimizer.h"
@@ -16,8 +18,12 @@ const void* key(const torch::Tensor& t) { return t.unsafeGetTensorImpl(); }
 }  // namespace
 
 DistributedOptimizer::DistributedOptimizer(c10::intrusive_ptr<c10d::ProcessGroup> group,
-                                           DistributedOptimizerOptions options, bool grad_reduce_in_fp32)
-    : group_(std::move(group)), options_(options), grad_reduce_in_fp32_(grad_reduce_in_fp32) {
+                                           DistributedOptimizerOptions options, bool grad_reduce_in_fp32,
+                                           Fp8WeightScaling fp8_weight_scaling)
+    : group_(std::move(group)),
+      options_(options),
+      grad_reduce_in_fp32_(grad_reduce_in_fp32),
+      fp8_weight_scaling_(fp8_weight_scaling) {
   options_.validate();
   if (group_) {
     rank_ = group_->getRank();
@@ -53,7 +59,9 @@ void DistributedOptimizer::connect(torch::optim::Optimizer& optimizer, std::vect
   point_optimizer_at_masters(optimizer);
   // FP8 weights on several ranks: quantized again from the (rank 0) masters with an
   // all-reduced amax, so their bytes and scales agree on every rank from the first forward pass.
-  if (buffer_ && !fp8_params_.empty()) publish_params(/*half_copies_written=*/false);
+  // In 128×128 blocks on any number of ranks: the layers were built with one scale each.
+  const bool in_blocks = fp8_weight_scaling_ == Fp8WeightScaling::kBlocks128x128;
+  if ((buffer_ || in_blocks) && !fp8_params_.empty()) publish_params(/*half_copies_written=*/false);
   zero_gradients();
 }
 
@@ -231,12 +239,13 @@ void DistributedOptimizer::step(torch::optim::Optimizer& optimizer, std::optiona
 
 void DistributedOptimizer::publish_params(bool half_copies_written) {
   torch::NoGradGuard no_grad;
-  // FP8 weights: the amax of each whole weight (all-reduced over the ranks) gives its scale.
-  // Batched over the weights (one multi-tensor amax, one scale kernel, one multi-tensor history
-  // update): per weight, these were ~10 small launches, at 350m most of the FP8 step's host
-  // time after the backward pass.
+  const bool in_blocks = fp8_weight_scaling_ == Fp8WeightScaling::kBlocks128x128;
+  // FP8 weights with one scale: the amax of each whole weight (all-reduced over the ranks) gives
+  // its scale. Batched over the weights (one multi-tensor amax, one scale kernel, one
+  // multi-tensor history update): per weight, these were ~10 small launches, at 350m most of the
+  // FP8 step's host time after the backward pass.
   torch::Tensor amaxes, scales, scale_invs;
-  if (!fp8_params_.empty()) {
+  if (!fp8_params_.empty() && !in_blocks) {
     std::vector<torch::Tensor> fp8_masters;
     for (const auto& piece : pieces_) {
       if (params_[piece.param].fp8_meta) fp8_masters.push_back(piece.master.detach());
@@ -260,24 +269,77 @@ void DistributedOptimizer::publish_params(bool half_copies_written) {
   // step has not written.
   std::vector<torch::Tensor> fp8_masters, fp8_targets;
   std::vector<int64_t> fp8_slots;
-  for (const auto& piece : pieces_) {
+  std::vector<size_t> fp8_pieces;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const auto& piece = pieces_[i];
     const auto& param = params_[piece.param];
     if (param.fp8_meta) {
       fp8_masters.push_back(piece.master.detach());
       fp8_targets.push_back(piece.target);
       fp8_slots.push_back(param.fp8_slot);
+      fp8_pieces.push_back(i);
     } else if (!piece.target.is_same(piece.master) && !(half_copies_written && half_copy(piece).defined())) {
       piece.target.copy_(piece.master.detach());
     }
   }
-  quantize_many(fp8_masters, scales, fp8_slots, Fp8Format::kE4M3, fp8_targets);
+  if (in_blocks) {
+    write_fp8_weight_blocks(fp8_pieces);
+  } else {
+    quantize_many(fp8_masters, scales, fp8_slots, Fp8Format::kE4M3, fp8_targets);
+  }
   if (buffer_) buffer_->gather_params();
-  if (!fp8_params_.empty()) {
+  if (!fp8_params_.empty() && !in_blocks) {
     std::vector<Fp8Meta*> metas;
     metas.reserve(fp8_params_.size());
     for (size_t index : fp8_params_) metas.push_back(params_[index].fp8_meta.get());
     Fp8Meta::weights_written(metas, amaxes, scale_invs, "DistributedOptimizer");
   }
+}
+
+void DistributedOptimizer::write_fp8_weight_blocks(const std::vector<size_t>& fp8_pieces) {
+  if (fp8_params_.empty()) return;
+  // Every FP8 weight's block amaxes in one buffer, so that one all-reduce (MAX) over the ranks
+  // completes the blocks a shard boundary cuts. No history: each step's scales are its own.
+  const auto device = params_[fp8_params_.front()].model.device();
+  const auto float_options = torch::TensorOptions().dtype(at::kFloat).device(device);
+  std::vector<int64_t> grid_sizes;
+  grid_sizes.reserve(fp8_params_.size());
+  for (size_t index : fp8_params_) {
+    const auto& shape = params_[index].model.sizes();
+    grid_sizes.push_back(((shape[0] + kFp8BlockLen - 1) / kFp8BlockLen) *
+                         ((shape[1] + kFp8BlockLen - 1) / kFp8BlockLen));
+  }
+  const int64_t total = std::accumulate(grid_sizes.begin(), grid_sizes.end(), int64_t{0});
+  auto all_amaxes = torch::zeros({total}, float_options);
+  // Per weight (slot order): its amax grid, and a shard of what this rank holds of it; a weight
+  // with no piece here gets an empty shard, so that its scale_inv is written all the same.
+  std::vector<Fp8WeightShard> shards(fp8_params_.size());
+  std::vector<torch::Tensor> amaxes(fp8_params_.size()), outs(fp8_params_.size()),
+      scale_invs(fp8_params_.size());
+  int64_t begin = 0;
+  for (size_t slot = 0; slot < fp8_params_.size(); ++slot) {
+    const auto& param = params_[fp8_params_[slot]];
+    const int64_t rows = param.model.size(0), cols = param.model.size(1);
+    amaxes[slot] = all_amaxes.narrow(0, begin, grid_sizes[slot])
+                       .view({(rows + kFp8BlockLen - 1) / kFp8BlockLen, (cols + kFp8BlockLen - 1) / kFp8BlockLen});
+    begin += grid_sizes[slot];
+    shards[slot] = {torch::empty({0}, float_options), rows, cols, 0};
+    outs[slot] = torch::empty({0}, param.model.options());
+    scale_invs[slot] = param.fp8_meta->weight_scale_inv_blocks();
+  }
+  for (size_t i : fp8_pieces) {
+    const auto& piece = pieces_[i];
+    const auto slot = static_cast<size_t>(params_[piece.param].fp8_slot);
+    shards[slot].values = piece.master.detach().reshape({-1});
+    shards[slot].offset = piece.offset;
+    outs[slot] = piece.target.view({-1});
+  }
+  blockwise_shard_amax(shards, amaxes);
+  if (world_size_ > 1) {
+    std::vector<torch::Tensor> tensors{all_amaxes};
+    group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
+  }
+  quantize_shards_blockwise(shards, amaxes, weight_block_options(), outs, scale_invs);
 }
 
 void DistributedOptimizer::zero_gradients() {

@@ -53,9 +53,15 @@ class DistributedOptimizer {
   };
   using StepCommunication = ParamAndGradBuffer::StepCommunication;
 
+  /// How FP8 weights (fp8_params) are quantized from their masters after each step: one scale
+  /// per weight from its amax (current scaling), or one power-of-two scale per 128×128 block
+  /// (the blockwise recipe's weights, TE's Float8BlockScaling).
+  enum class Fp8WeightScaling { kPerTensor, kBlocks128x128 };
+
   /// `group`: the data-parallel ranks; null (or a group of one) is a world of one.
   DistributedOptimizer(c10::intrusive_ptr<c10d::ProcessGroup> group, DistributedOptimizerOptions options,
-                       bool grad_reduce_in_fp32);
+                       bool grad_reduce_in_fp32,
+                       Fp8WeightScaling fp8_weight_scaling = Fp8WeightScaling::kPerTensor);
   ~DistributedOptimizer();
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;
@@ -165,6 +171,8 @@ class DistributedOptimizer {
   void make_masters(const std::vector<ParamSpec>& specs);
   void point_optimizer_at_masters(torch::optim::Optimizer& optimizer);
   void publish_params(bool half_copies_written);
+  // publish_params' FP8 weights in 128×128 blocks, from the FP8 pieces (pieces_ indices).
+  void write_fp8_weight_blocks(const std::vector<size_t>& fp8_pieces);
   torch::Tensor half_copy(const Piece& piece) const;
   c10d::ProcessGroup* reduce_group() const { return world_size_ > 1 ? group_.get() : nullptr; }
   at::Device device() const;
@@ -172,6 +180,7 @@ class DistributedOptimizer {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // null on one rank
   DistributedOptimizerOptions options_;
   bool grad_reduce_in_fp32_;
+  Fp8WeightScaling fp8_weight_scaling_;
   int rank_ = 0, world_size_ = 1;
   bool connected_ = false;
   std::unique_ptr<ParamAndGradBuffer> buffer_;  // several ranks only

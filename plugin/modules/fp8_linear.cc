@@ -45,8 +45,10 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
       auto y = detail::fp8_linear_forward_blockwise(ctx, saved, x, call.weight_blocks,
                                                     has_bias ? bias : at::Tensor(),
                                                     call.out_dtype);
-      const auto& w_t = call.weight_blocks.transposed;
-      detail::save_tensors(ctx, SavedTensors{w_t.data, w_t.scale_inv});
+      // Wᵀ's blocks, or under fp8_params W's, transposed in the backward.
+      const auto& w = saved.dgrad_weight_transposed ? call.weight_blocks.transposed
+                                                    : call.weight_blocks.data;
+      detail::save_tensors(ctx, SavedTensors{w.data, w.scale_inv});
       return saved.unflatten(y);
     }
 
@@ -74,6 +76,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
           detail::take_input_transpose_blockwise(ctx, saved.recipe.forward_format),
           {tensors.weight, tensors.weight_scale_inv, saved.recipe.forward_format,
            Fp8BlockShape::k128x128},
+          saved.dgrad_weight_transposed,
           ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
       if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
       return {grads.input,     grads.weight,    grads.bias,
@@ -245,18 +248,19 @@ std::optional<Fp8LinearImpl::Fp8Call> Fp8LinearImpl::prepare_fp8_call(const torc
               compute);
   const auto& recipe = Fp8Autocast::current_recipe();
   if (recipe.blockwise()) {
-    TORCH_CHECK(!options.fp8_params(),
-                "Fp8Linear(", options.in_features(), ", ", options.out_features(),
-                "): the blockwise recipe does not take fp8_params weights yet (stored in "
-                "128x128-block FP8); build the layer outside Fp8ModelInit");
     // Scales come from each tile's own values: no history, no registration. The weight's
     // blocks and their transpose (dgrad's operand) share the scales.
+    if (options.fp8_params()) {
+      // Stored in blocks already; the backward transposes them for dgrad (as the tensorwise
+      // path's byte transpose: made here, every layer's would live until its backward).
+      auto blocks = fp8_weight_blocks();
+      if (torch::GradMode::is_enabled()) meta_->main_grad().expect();
+      return Fp8Call{{}, {std::move(blocks), {}}, recipe, compute, meta_};
+    }
     torch::NoGradGuard no_grad;
-    BlockwiseQuantizeOptions blocks;
-    blocks.block = Fp8BlockShape::k128x128;
-    blocks.format = recipe.forward_format;
-    Fp8Call call{{}, quantize_blockwise(weight, blocks, /*transposed=*/true), recipe, compute,
-                 meta_};
+    Fp8Call call{{}, quantize_blockwise(weight, weight_block_options(recipe.forward_format),
+                                        /*transposed=*/true),
+                 recipe, compute, meta_};
     return call;
   }
   meta_->ensure_history_len(recipe.amax_history_len);

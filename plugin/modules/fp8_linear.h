@@ -91,7 +91,9 @@ class Fp8ModelInit {
 /// main_grad() (Megatron's param.main_grad; in a bound buffer's dtype, see
 /// set_main_grad_buffer), and update_fp8_weight(master) re-quantizes the
 /// weight after each optimizer step. The backward GEMM's transposed weight is a byte
-/// transpose of the stored FP8 weight: nothing is quantized twice.
+/// transpose of the stored FP8 weight: nothing is quantized twice. Under the blockwise recipe
+/// the weight is stored in 128×128 blocks (update_fp8_weight_blocks; MixedPrecisionPlugin
+/// writes it so from its masters) and dgrad reads the same blocks transposed.
 ///
 /// FP8 metadata are buffers, so torch::save(module) keeps them:
 ///   fp8_fwd_amax_history [H, 2] (slot 0: input, 1: weight), fp8_fwd_scale [2], fp8_fwd_scale_inv
@@ -151,6 +153,15 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Re-quantizes `master` ([out, in], any float dtype) into the FP8 weight, with a scale from
   /// its own amax (current scaling; the amax is also recorded in the weight's history slot).
   void update_fp8_weight(const torch::Tensor& master);
+  /// Re-quantizes `master` into the FP8 weight in 128×128 blocks, each with its own power-of-two
+  /// scale (the blockwise recipe's weights, TE's Float8BlockScaling): what forward calls under
+  /// the blockwise recipe need. MixedPrecisionPlugin does it from its masters (shards) itself.
+  void update_fp8_weight_blocks(const torch::Tensor& master);
+  /// Whether the stored FP8 weight is in 128×128 blocks (update_fp8_weight_blocks) rather than
+  /// one scale for the whole weight.
+  bool fp8_weight_in_blocks() const { return meta_->weight_in_blocks(); }
+  /// The stored FP8 weight in 128×128 blocks (data + its block scale_invs).
+  Fp8BlockwiseTensor fp8_weight_blocks() const;
   /// update_fp8_weight for many layers (masters[i] is layers[i]'s), for a loop that keeps its
   /// own masters: one multi-tensor amax, one scale kernel and one multi-tensor history update
   /// for all of them, then one quantization per layer straight into its FP8 weight's storage.
@@ -158,7 +169,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// amaxes all-reduced, and reports through fp8_weights_written.)
   static void update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers,
                                  const std::vector<torch::Tensor>& masters);
-  /// The stored FP8 weight as an Fp8Tensor (data + scale_inv).
+  /// The stored FP8 weight as an Fp8Tensor (data + scale_inv), when it has one scale.
   Fp8Tensor fp8_weight() const;
   /// An optimizer wrote the FP8 weight's bytes in place (e.g. all-gathered shards, quantized
   /// with compute_current_scale(amax, E4M3), `amax` being the whole weight's):
@@ -210,7 +221,8 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   torch::Tensor bias;
   torch::Tensor fp8_fwd_amax_history, fp8_fwd_scale, fp8_fwd_scale_inv;
   torch::Tensor fp8_bwd_amax_history, fp8_bwd_scale, fp8_bwd_scale_inv;
-  /// fp8_params only: scale_inv of the stored FP8 weight, [1].
+  /// fp8_params only: scale_inv of the stored FP8 weight, [1]; in 128×128 blocks, the block
+  /// grid (Fp8BlockwiseTensor's layout).
   torch::Tensor weight_scale_inv;
 
  private:

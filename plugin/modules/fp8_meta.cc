@@ -74,6 +74,22 @@ void MainGrad::add_product(const Fp8Tensor& grad_t, const Fp8Tensor& x_t) {
   added();
 }
 
+void MainGrad::add_product(const Fp8BlockwiseTensor& grad_t, const Fp8BlockwiseTensor& x_t) {
+  if (!tensor_.defined()) {
+    tensor_ = fp8_blockwise_gemm(grad_t, x_t, at::kFloat);
+  } else if (tensor_.scalar_type() == at::kFloat || tensor_.scalar_type() == at::kBFloat16) {
+    Fp8GemmOptions accumulate;
+    accumulate.out = tensor_;
+    accumulate.accumulate = true;
+    fp8_blockwise_gemm(grad_t, x_t, tensor_.scalar_type(), accumulate);
+  } else {
+    // A float16 buffer: the block-scaled GEMMs write float32 or bfloat16 only.
+    c10::AutoGradMode no_grad(false);
+    tensor_.add_(fp8_blockwise_gemm(grad_t, x_t, at::kFloat));
+  }
+  added();
+}
+
 // ---- Fp8Meta ----
 
 Fp8Meta::Fp8Meta(DelayedScalingGroup forward, DelayedScalingGroup backward,
@@ -137,12 +153,25 @@ void Fp8Meta::weights_written(const std::vector<Fp8Meta*>& metas, const at::Tens
     TORCH_CHECK(meta != nullptr && meta->fp8_params(), caller,
                 ": every layer must be an Fp8Linear built with fp8_params");
     amax_slots.push_back(meta->amax(Fp8Slot::kWeight));
+    // A weight that was in 128×128 blocks has one scale again (its buffer follows, in place).
+    if (meta->weight_in_blocks()) meta->weight_scale_inv_.set_(at::ones({1}, meta->weight_scale_inv_.options()));
     scale_inv_slots.push_back(meta->weight_scale_inv());  // [1]
   }
   const auto device = amax_slots.front().device();
   // The history slot keeps the max of what it holds and the new amax.
   at::_foreach_maximum_(amax_slots, amaxes.to(device).unbind(0));
   at::_foreach_copy_(scale_inv_slots, scale_invs.to(device).reshape({n, 1}).unbind(0));
+}
+
+const at::Tensor& Fp8Meta::weight_scale_inv_blocks() {
+  TORCH_CHECK(fp8_params(), "Fp8Meta::weight_scale_inv_blocks: the layer has no fp8_params");
+  const auto& shape = main_grad_.weight_shape();
+  const auto grid = blockwise_scale_shape(shape.at(0), shape.at(1), Fp8BlockShape::k128x128);
+  if (weight_scale_inv_.sizes() != at::IntArrayRef(grid)) {
+    c10::AutoGradMode no_grad(false);
+    weight_scale_inv_.set_(at::zeros(grid, weight_scale_inv_.options()));
+  }
+  return weight_scale_inv_;
 }
 
 }  // namespace amp8

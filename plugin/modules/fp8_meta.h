@@ -13,6 +13,7 @@
 #include <functional>
 #include <vector>
 
+#include "ops/blockwise.h"
 #include "ops/fp8_tensor.h"
 #include "ops/scaling.h"
 
@@ -34,6 +35,8 @@ class MainGrad {
   /// when bound, the buffer, in its dtype.
   const at::Tensor& tensor() const { return tensor_; }
   bool is_bound() const { return bound_; }
+  /// The weight's shape, [out_features, in_features].
+  const std::vector<int64_t>& weight_shape() const { return weight_shape_; }
   /// Clears it for the next step: releases the tensor (set_to_none) unless bound, else fills it
   /// with zeros. A bound buffer is left as it is (its owner zeroes it) unless set_to_none is false.
   void zero(bool set_to_none = true);
@@ -50,6 +53,9 @@ class MainGrad {
   void add(const at::Tensor& grad);
   /// += grad_tᵀ-GEMM (dW = dyᵀ·x in FP8), accumulated by the GEMM itself.
   void add_product(const Fp8Tensor& grad_t, const Fp8Tensor& x_t);
+  /// The same for a weight in 128×128 blocks (the blockwise recipe): both operands in 1×128
+  /// tiles along the tokens, through the block-scaled GEMM.
+  void add_product(const Fp8BlockwiseTensor& grad_t, const Fp8BlockwiseTensor& x_t);
 
  private:
   void added();
@@ -89,8 +95,11 @@ class Fp8Meta : public torch::CustomClassHolder {
   }
 
   bool fp8_params() const { return weight_scale_inv_.defined(); }
-  /// fp8_params: the stored FP8 weight's scale_inv, [1].
+  /// fp8_params: the stored FP8 weight's scale_inv: [1] (one scale for the whole weight), or in
+  /// 128×128 blocks (the blockwise recipe) the block grid of Fp8BlockwiseTensor's layout.
   const at::Tensor& weight_scale_inv() const { return weight_scale_inv_; }
+  /// fp8_params: whether the stored weight is in 128×128 blocks.
+  bool weight_in_blocks() const { return weight_scale_inv_.defined() && weight_scale_inv_.dim() == 2; }
   MainGrad& main_grad() { return main_grad_; }
 
   /// Records that an optimizer wrote the FP8 weights of `metas` (fp8_params) in place, quantized
@@ -99,6 +108,10 @@ class Fp8Meta : public torch::CustomClassHolder {
   /// few launches for all layers. `caller` names the API in errors.
   static void weights_written(const std::vector<Fp8Meta*>& metas, const at::Tensor& amaxes,
                               const at::Tensor& scale_invs, const char* caller);
+  /// The storage of the FP8 weight's scale_inv for weights written in 128×128 blocks: resized in
+  /// place (the module's buffer follows) to the block grid of a [rows, cols] weight, zeros in its
+  /// padding, for the writer to fill (quantize_shards_blockwise).
+  const at::Tensor& weight_scale_inv_blocks();
 
  private:
   struct SlotViews {

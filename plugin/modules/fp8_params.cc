@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "ops/blockwise.h"
 #include "ops/quantize.h"
 #include "ops/scaling.h"
 
@@ -33,7 +34,45 @@ bool Fp8ModelInit::preserve_high_precision_init_val() { return model_init_preser
 
 Fp8Tensor Fp8LinearImpl::fp8_weight() const {
   TORCH_CHECK(options.fp8_params(), "Fp8Linear::fp8_weight: the module has no fp8_params");
+  TORCH_CHECK(!fp8_weight_in_blocks(), "Fp8Linear(", options.in_features(), ", ",
+              options.out_features(),
+              "): the FP8 weight is stored in 128x128 blocks (the blockwise recipe), not with one "
+              "scale; a region of another recipe needs it written with update_fp8_weight");
   return Fp8Tensor(weight, weight_scale_inv, Fp8Format::kE4M3);
+}
+
+Fp8BlockwiseTensor Fp8LinearImpl::fp8_weight_blocks() const {
+  TORCH_CHECK(options.fp8_params(), "Fp8Linear::fp8_weight_blocks: the module has no fp8_params");
+  TORCH_CHECK(fp8_weight_in_blocks(), "Fp8Linear(", options.in_features(), ", ",
+              options.out_features(),
+              "): under the blockwise recipe the FP8 weight must be stored in 128x128 blocks; it "
+              "holds one scale for the whole weight. MixedPrecisionPlugin with fp8_recipe "
+              "\"blockwise\" stores it so; a loop of its own calls update_fp8_weight_blocks(master)");
+  return {weight, weight_scale_inv, Fp8Format::kE4M3, Fp8BlockShape::k128x128};
+}
+
+void Fp8LinearImpl::update_fp8_weight_blocks(const torch::Tensor& master) {
+  TORCH_CHECK(options.fp8_params(),
+              "Fp8Linear::update_fp8_weight_blocks: the module was not built with fp8_params "
+              "(construct it under amp8::Fp8ModelInit)");
+  TORCH_CHECK(master.defined() && master.sizes() == weight.sizes(),
+              "Fp8Linear::update_fp8_weight_blocks: master must have shape ", weight.sizes(), ", got ",
+              master.defined() ? master.sizes() : at::IntArrayRef{});
+  torch::NoGradGuard no_grad;
+  auto values = master.detach().to(weight.device());
+  if (values.scalar_type() != at::kFloat && values.scalar_type() != at::kBFloat16 &&
+      values.scalar_type() != at::kHalf) {
+    values = values.to(at::kFloat);
+  }
+  values = values.contiguous();
+  const int64_t rows = weight.size(0), cols = weight.size(1);
+  const std::vector<Fp8WeightShard> shards{{values.reshape({-1}), rows, cols, 0}};
+  const std::vector<at::Tensor> amaxes{
+      at::zeros({(rows + kFp8BlockLen - 1) / kFp8BlockLen, (cols + kFp8BlockLen - 1) / kFp8BlockLen},
+                values.options().dtype(at::kFloat))};
+  blockwise_shard_amax(shards, amaxes);
+  quantize_shards_blockwise(shards, amaxes, weight_block_options(),
+                            {weight.view({-1})}, {meta_->weight_scale_inv_blocks()});
 }
 
 void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {

@@ -55,10 +55,6 @@ void MixedPrecisionOptions::validate() const {
   }
   TORCH_CHECK(fp8_params_ == false || fp8_enabled(),
               "fp8_params = true needs fp8 = \"hybrid\" or \"e4m3\", got fp8 = \"none\"");
-  TORCH_CHECK(!(fp8_params_ && fp8_enabled() && fp8_recipe_ == "blockwise"),
-              "fp8_params = true with fp8_recipe = \"blockwise\": weights stored in 128x128-block FP8 "
-              "are not supported yet; use fp8_params = false (Megatron-Bridge's subchannel presets "
-              "keep weights in high precision too)");
   check_fp8_min_gemm_size(fp8_min_gemm_size_, "fp8_min_gemm_size");
   TORCH_CHECK(num_layers_at_start_in_bf16_ >= 0, "num_layers_at_start_in_bf16 must be >= 0, got ",
               num_layers_at_start_in_bf16_);

@@ -139,7 +139,12 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
   // The swapped-out parameters (the old modules' float32 weights) were kept only to map this
   // optimizer onto the new ones; nothing else holds them now, so they are freed here.
   conversion_.replaced_params.clear();
-  optimizer_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_, options_.grad_reduce_in_fp32());
+  // The blockwise recipe reads its weights in 128×128 blocks: the FP8 weights are written so.
+  const auto fp8_weight_scaling = options_.fp8_enabled() && fp8_recipe_.blockwise()
+                                      ? DistributedOptimizer::Fp8WeightScaling::kBlocks128x128
+                                      : DistributedOptimizer::Fp8WeightScaling::kPerTensor;
+  optimizer_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_,
+                                                      options_.grad_reduce_in_fp32(), fp8_weight_scaling);
   optimizer_->connect(optimizer, std::move(specs));
   optimizer_->set_gradient_sync(gradient_sync_);  // as set before connect
 }

@@ -195,7 +195,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   auto* fp8_params_flag =
       app.add_option("--fp8-params", fp8_params,
                      "with FP8: keep linear weights only in FP8 (NeMo's delayed and tensorwise presets: true; "
-                     "blockwise: false, and true is not supported yet)")
+                     "blockwise: false, and true stores them in 128x128 blocks)")
           ->capture_default_str()->transform(boolean());
   fp8_flags.push_back(fp8_params_flag);
   fp8_flags.push_back(app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
@@ -333,8 +333,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
             .fp8_min_gemm_size(fp8_min_gemm_size);
         // The blockwise presets keep weights in high precision (Megatron-Bridge's
-        // fp8_param_gather = False); an explicit --fp8-params true still reaches the options,
-        // which name the combination.
+        // fp8_param_gather = False); an explicit --fp8-params true stores them in 128x128 blocks.
         if (recipe_name != "blockwise" || fp8_params_flag->count() > 0) options.fp8_params(fp8_params);
         if (layers_start_bf16 >= 0) options.num_layers_at_start_in_bf16(layers_start_bf16);
         if (layers_end_bf16 >= 0) options.num_layers_at_end_in_bf16(layers_end_bf16);

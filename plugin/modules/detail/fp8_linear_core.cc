@@ -94,7 +94,9 @@ Fp8LinearSaved Fp8LinearSaved::of(const Fp8LinearImpl::Fp8Call& call, int64_t ro
           weight.scalar_type(),
           bias.scalar_type(),
           std::move(input_sizes),
-          /*dgrad_weight_transposed=*/call.weight_q.transposed.defined()};
+          /*dgrad_weight_transposed=*/call.recipe.blockwise()
+              ? call.weight_blocks.transposed.defined()
+              : call.weight_q.transposed.defined()};
 }
 
 void Fp8LinearSaved::save(torch::autograd::AutogradContext* ctx, const std::string& key) const {
@@ -298,9 +300,11 @@ Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradConte
 
 Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
                                              const at::Tensor& grad_output2d,
-                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w_t,
-                                             bool need_input, bool need_weight, bool need_bias) {
+                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w,
+                                             bool w_transposed, bool need_input, bool need_weight,
+                                             bool need_bias) {
   const auto& recipe = saved.recipe;
+  auto& meta = *saved.meta;
   Fp8LinearGrads grads;
   auto g = pad_rows(grad_output2d, padded_rows(saved.rows));
   if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
@@ -309,9 +313,13 @@ Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
   }
   // The padding rows are zero: they add nothing to the column sum.
   if (need_bias && saved.has_bias) grads.bias = g.sum(0, false, at::kFloat).to(saved.bias_dtype);
-  auto g_q = quantize_blockwise(g, row_tiles(recipe.backward_format), /*transposed=*/need_weight);
+  auto g_q = quantize_blockwise(g, row_tiles(recipe.backward_format),
+                                /*transposed=*/need_weight || meta.fp8_params());
   g = at::Tensor();
-  if (need_weight) {
+  if (meta.fp8_params()) {
+    // The FP8 weight has no autograd gradient; its master's accumulates in main_grad.
+    meta.main_grad().add_product(g_q.transposed, x_t);
+  } else if (need_weight) {
     // dW[N,K] = dyᵀ[N,T] · x[T,K] = dyᵀ · (xᵀ[K,T])ᵀ, both in 1×128 tiles along T.
     grads.weight = blockwise_gemm(g_q.transposed, x_t, saved.weight_dtype);
   }
@@ -319,7 +327,9 @@ Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
   x_t = {};
   if (need_input) {
     // dx[T,K] = dy[T,N] · W[N,K] = dy · (Wᵀ[K,N])ᵀ, Wᵀ in the weight's 128×128 blocks.
-    grads.input = blockwise_gemm(g_q.data, w_t, saved.input_dtype).narrow(0, 0, saved.rows);
+    grads.input = blockwise_gemm(g_q.data, w_transposed ? w : transpose_blocks(w),
+                                 saved.input_dtype)
+                      .narrow(0, 0, saved.rows);
   }
   return grads;
 }

@@ -157,11 +157,14 @@ Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradConte
                                                   Fp8Format format);
 /// The backward GEMMs of the blockwise recipe: the output gradient quantized in 1×128 tiles
 /// (and its transpose, for wgrad, in its own tiles) in the recipe's backward format; wgrad
-/// dW = dyᵀ·x from the two transposes (1×128 × 1×128), dgrad dx = dy·W from Wᵀ's blocks
-/// (1×128 × 128×128); the bias gradient a float32 column sum of the unquantized gradient.
+/// dW = dyᵀ·x from the two transposes (1×128 × 1×128; under fp8_params into main_grad), dgrad
+/// dx = dy·W from Wᵀ's blocks (1×128 × 128×128): `w` is Wᵀ, or W itself (w_transposed false:
+/// a weight stored in blocks, transposed here only when dx is needed); the bias gradient a
+/// float32 column sum of the unquantized gradient.
 Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
                                              const at::Tensor& grad_output2d,
-                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w_t,
-                                             bool need_input, bool need_weight, bool need_bias);
+                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w,
+                                             bool w_transposed, bool need_input, bool need_weight,
+                                             bool need_bias);
 
 }  // namespace amp8::detail
