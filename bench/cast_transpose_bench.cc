@@ -4,7 +4,7 @@
 // cast_transpose + LibTorch's column sum; with GELU / GELU's backward inside the cast against
 // LibTorch's GELU kernels before it. Also the plain quantize kernel, and the blockwise
 // quantization (1×128 and 128×128 tiles, with transposes), and every FP8 weight of a GPT
-// quantized in one quantize_many launch against one quantize per weight.
+// quantized in one quantize_many launch against one quantize per weight, and in 128×128 blocks.
 
 #include <ATen/ATen.h>
 
@@ -227,6 +227,28 @@ int main(int argc, char** argv) {
         .timing(many_ms, "one amp8 quantize per weight", each_ms)
         .set("tensors", static_cast<double>(masters.size()))
         .set("gbps", 5.0 * elements / many_ms / 1e6)  // read 4 bytes, write 1 per element
+        .print();
+    // The same weights in 128×128 blocks (blockwise fp8_params): block amaxes, then the bytes
+    // and every block's scale_inv, against quantize_many's one scale per weight.
+    std::vector<Fp8WeightShard> shards;
+    std::vector<at::Tensor> amaxes, outs, scale_invs;
+    for (size_t i = 0; i < masters.size(); ++i) {
+      const int64_t rows = masters[i].size(0), cols = masters[i].size(1);
+      shards.push_back({masters[i].view(-1), rows, cols, 0});
+      amaxes.push_back(at::zeros({(rows + 127) / 128, (cols + 127) / 128}, cuda.dtype(at::kFloat)));
+      outs.push_back(weights[i].view(-1));
+      scale_invs.push_back(at::zeros(blockwise_scale_shape(rows, cols, Fp8BlockShape::k128x128), cuda.dtype(at::kFloat)));
+    }
+    const double blocks_ms = bench::median_ms([&] {
+      for (auto& amax : amaxes) amax.zero_();
+      blockwise_shard_amax(shards, amaxes);
+      quantize_shards_blockwise(shards, amaxes, weight_block_options(), outs, scale_invs);
+    });
+    bench::Record("quantize_shards_blockwise", std::string(config) + ": " + std::to_string(masters.size()) +
+                                                   " FP8 weights in 128x128 blocks from float32 masters", cmd)
+        .timing(blocks_ms, "quantize_many (one scale per weight)", many_ms)
+        .set("tensors", static_cast<double>(masters.size()))
+        .set("gbps", 9.0 * elements / blocks_ms / 1e6)  // read 4 bytes twice, write 1 per element
         .print();
   }
   return 0;

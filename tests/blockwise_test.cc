@@ -148,8 +148,11 @@ void expect_quantize_matches_cpu(const at::Tensor& x, const BlockwiseQuantizeOpt
 // tile shapes, with and without power-of-two scales, with NaN, infinities and zero tiles.
 TEST_F(BlockwiseTest, CudaMatchesCpuByteForByte_CUDA) {
   AMP8_REQUIRE_CUDA();
+  // Shapes for both CUDA paths of 1×128 tiles: the one-tile kernel (cols % 8 == 0, and with the
+  // transpose rows % 16 == 0; partial tiles at both edges: 272 x 1000, 16 x 200, 400 x 136) and
+  // the general one (the others).
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {1, 130}, {257, 385}, {128, 128}, {300, 1000}, {7, 64}};
+      {1, 130}, {257, 385}, {128, 128}, {300, 1000}, {7, 64}, {272, 1000}, {16, 200}, {400, 136}};
   for (const auto& [rows, cols] : shapes) {
     auto x = testing::random_wide({rows, cols}, at::kFloat);
     if (rows * cols > 200) {
@@ -345,7 +348,9 @@ TEST_F(BlockwiseTest, ShardsOfAWeightQuantizeAsTheWholeWeight) {
     // The outlier's block is scaled for it: 448/1e5 = 0.00448 → 2^-8, scale_inv 256.
     const auto [bytes, scale_inv] = quantize_in_shards(weight, cuts, weight_block_options());
     EXPECT_EQ(at2(scale_inv, 0, 0), 256.0f);
-    if (rows > 128 && cols > 128) EXPECT_EQ(at2(scale_inv, 1, 1), 1.0f) << "an all-zero block (and a NaN)";
+    if (rows > 128 && cols > 128) {
+      EXPECT_EQ(at2(scale_inv, 1, 1), 1.0f) << "an all-zero block (and a NaN)";
+    }
     EXPECT_TRUE(std::isnan(bytes[rows - 1][cols - 1].to(at::kFloat).item<float>()));
   }
 }

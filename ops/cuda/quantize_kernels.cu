@@ -10,6 +10,7 @@
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/launch_util.cuh"
 #include "ops/cuda/multi_tensor_apply.cuh"
+#include "ops/cuda/transposed_tile.cuh"
 #include "ops/detail/elementwise_formulas.h"
 #include "ops/detail/gelu_formula.h"
 #include "ops/detail/scale_formula.h"
@@ -117,34 +118,7 @@ __global__ void __launch_bounds__(multi_tensor::kThreads)
 // (8 threads per output row, 16 bytes each). The shared tile is XOR-swizzled in 16-byte
 // chunks so that neither the byte stores nor the 16-byte reads conflict on banks.
 // Needs cols % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers; partial tiles are
-// handled chunk by chunk.
-constexpr int kTileRows = 128;  // = bytes per transposed row in shared memory
-
-__device__ __forceinline__ int swizzled(int t_row, int t_col) {
-  return t_row * kTileRows + ((((t_col >> 4) ^ (t_row >> 3)) & 7) << 4) + (t_col & 15);
-}
-
-// A block's transposed FP8 tile (tile_t [kTileCols][kTileRows], swizzled) to out_t [.., rows]:
-// its row c becomes out_t's row out_row0 + c (for c < valid_cols), columns row0 onwards, as whole
-// 128-byte lines (8 threads per output row, 16 bytes each).
-template <int kTileCols>
-__device__ __forceinline__ void store_transposed_tile(const uint8_t* tile_t, uint8_t* out_t,
-                                                      int64_t rows, int64_t row0,
-                                                      int64_t out_row0, int64_t valid_cols) {
-  constexpr int kStorePasses = kTileCols * (kTileRows / 16) / kThreads;
-#pragma unroll
-  for (int pass = 0; pass < kStorePasses; ++pass) {
-    const int index = threadIdx.x + pass * kThreads;
-    const int c = index / (kTileRows / 16);  // transposed row within the tile
-    const int q = index % (kTileRows / 16);  // 16-byte chunk of that row
-    const int64_t out_col = row0 + q * 16;
-    if (c < valid_cols && out_col < rows) {
-      *reinterpret_cast<uint4*>(out_t + (out_row0 + c) * rows + out_col) =
-          *reinterpret_cast<const uint4*>(&tile_t[swizzled(c, q * 16)]);
-    }
-  }
-}
-
+// handled chunk by chunk. The transposed tile's layout and store: transposed_tile.cuh.
 // The value the cast quantizes, from x (and, for kDGelu, the GELU's input `gate`; for kSwiGlu,
 // the up projection), in float32.
 template <CastActivation kAct, typename T>
@@ -250,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
       dbias_part[static_cast<int64_t>(blockIdx.y) * cols + col0 + threadIdx.x] = total;
     }
   }
-  store_transposed_tile<kTileCols>(tile_t, out_t, rows, row0, col0, cols - col0);
+  store_transposed_tile<kTileCols, kThreads>(tile_t, out_t, rows, row0, col0, cols - col0);
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
@@ -318,8 +292,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   __syncthreads();
-  store_transposed_tile<kTileCols>(gate_t, out_t, rows, row0, col0, ffn - col0);
-  store_transposed_tile<kTileCols>(up_t, out_t, rows, row0, ffn + col0, ffn - col0);
+  store_transposed_tile<kTileCols, kThreads>(gate_t, out_t, rows, row0, col0, ffn - col0);
+  store_transposed_tile<kTileCols, kThreads>(up_t, out_t, rows, row0, ffn + col0, ffn - col0);
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
