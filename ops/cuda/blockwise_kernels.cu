@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
 constexpr int kTileThreads = 256;
 
 template <typename T, bool kE5M2, bool kTransposed>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kTileThreads, 3)
     quantize_1x128_tile_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
                                BlockwiseScaling s, uint8_t* __restrict__ out,
                                float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
@@ -195,8 +195,11 @@ __global__ void __launch_bounds__(kTileThreads)
       values(pass, v);
       const int r = row_in_pass + pass * kRowsPerPass;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        tile_t[swizzled(chunk * 8 + j, r)] = saturating_cast<kE5M2>(v[j], column_scale[chunk * 8 + j]);
+      for (int j = 0; j < 8; j += 2) {
+        const int c = chunk * 8 + j;
+        const uint32_t pair = saturating_cast2<kE5M2>(v[j], v[j + 1], column_scale[c], column_scale[c + 1]);
+        tile_t[swizzled(c, r)] = static_cast<uint8_t>(pair);
+        tile_t[swizzled(c + 1, r)] = static_cast<uint8_t>(pair >> 8);
       }
     }
     __syncthreads();

@@ -49,14 +49,20 @@ __device__ __forceinline__ uint32_t fix_nan(uint32_t converted, float v, float y
 }
 
 // Two elements at once through the paired hardware conversion; byte 0 holds v0.
+// Two values, each with its own scale, in one paired conversion: byte 0 is v0's.
 template <bool kE5M2>
-__device__ __forceinline__ uint32_t saturating_cast2(float v0, float v1, float scale) {
+__device__ __forceinline__ uint32_t saturating_cast2(float v0, float v1, float scale0, float scale1) {
   constexpr float kMax = Fp8Traits<kE5M2>::kMax;
-  const float y0 = v0 * scale, y1 = v1 * scale;
+  const float y0 = v0 * scale0, y1 = v1 * scale1;
   const float2 clamped = make_float2(fminf(fmaxf(y0, -kMax), kMax), fminf(fmaxf(y1, -kMax), kMax));
   const uint32_t pair =
       __nv_cvt_float2_to_fp8x2(clamped, __NV_SATFINITE, Fp8Traits<kE5M2>::kInterpretation);
   return fix_nan(pair & 0xFFu, v0, y0) | (fix_nan(pair >> 8, v1, y1) << 8);
+}
+
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t saturating_cast2(float v0, float v1, float scale) {
+  return saturating_cast2<kE5M2>(v0, v1, scale, scale);
 }
 
 __device__ __forceinline__ float to_float(float v) { return v; }
