@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include "ops/blockwise.h"
@@ -369,43 +370,34 @@ void DistributedOptimizer::use_static_gradients() {
               " ranks keep their gradients in the ParamAndGradBuffer)");
   if (static_gradients_on_) return;
   // Each parameter's place in the flat buffer of its gradient's dtype (an FP8 weight's main_grad
-  // accumulates in float32).
-  struct Slot {
-    size_t param;
-    int64_t offset;
+  // accumulates in float32). One rank has one device: the dtype names the buffer.
+  struct Layout {
+    int64_t size = 0;
+    std::vector<std::pair<size_t, int64_t>> slots;  // (parameter, offset)
   };
-  std::vector<std::pair<at::TensorOptions, std::vector<Slot>>> layouts;
-  std::vector<int64_t> sizes;
+  std::map<at::ScalarType, Layout> layouts;
   for (size_t n = 0; n < params_.size(); ++n) {
     const auto& param = params_[n];
     if (!param.model.defined()) continue;
     TORCH_CHECK(!param.fp8_meta || !param.fp8_meta->main_grad().is_bound(),
                 "DistributedOptimizer::use_static_gradients: FP8 weight ", n,
                 "'s main_grad is already bound to a buffer");
-    const auto options = param.model.options().dtype(param.fp8_meta ? at::kFloat : param.model.scalar_type());
-    size_t k = 0;
-    while (k < layouts.size() && !(layouts[k].first.dtype() == options.dtype() &&
-                                   layouts[k].first.device() == options.device())) {
-      ++k;
-    }
-    if (k == layouts.size()) {
-      layouts.emplace_back(options, std::vector<Slot>{});
-      sizes.push_back(0);
-    }
-    layouts[k].second.push_back({n, sizes[k]});
-    sizes[k] += param.model.numel();
+    auto& layout = layouts[param.fp8_meta ? at::kFloat : param.model.scalar_type()];
+    layout.slots.emplace_back(n, layout.size);
+    layout.size += param.model.numel();
   }
   torch::NoGradGuard no_grad;
   static_grads_.assign(params_.size(), torch::Tensor());
-  for (size_t k = 0; k < layouts.size(); ++k) {
-    static_grad_buffers_.push_back(torch::zeros({sizes[k]}, layouts[k].first));
-    for (const auto& slot : layouts[k].second) {
-      auto& param = params_[slot.param];
-      auto view = static_grad_buffers_.back().narrow(0, slot.offset, param.model.numel()).view(param.model.sizes());
+  for (const auto& [dtype, layout] : layouts) {
+    static_grad_buffers_.push_back(
+        torch::zeros({layout.size}, torch::TensorOptions().dtype(dtype).device(device())));
+    for (const auto& [n, offset] : layout.slots) {
+      auto& param = params_[n];
+      auto view = static_grad_buffers_.back().narrow(0, offset, param.model.numel()).view(param.model.sizes());
       if (param.fp8_meta) {
         param.fp8_meta->main_grad().bind(view, param.model.device());
       } else {
-        static_grads_[slot.param] = view;
+        static_grads_[n] = view;
       }
     }
   }

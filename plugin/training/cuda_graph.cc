@@ -12,7 +12,6 @@
 #define AMP8_HAS_CUDA_GRAPH 1
 #endif
 
-#include <optional>
 
 namespace amp8 {
 

@@ -53,10 +53,19 @@ void Trainer::connect(torch::nn::Module& model, torch::optim::Optimizer& optimiz
 
 namespace {
 
-// One micro-batch's backward pass from its loss (divided over the step's micro-batches); the
-// loss, detached, for the step's mean.
-torch::Tensor backward_micro_batch(PrecisionPlugin& precision, const torch::Tensor& loss,
-                                   int64_t micro_batches) {
+// One micro-batch: its loss from `compute_loss` inside the plugin's forward context (closed
+// explicitly, so that the FP8 scale update's errors surface here, not in a destructor), then its
+// backward pass (the loss divided over the step's micro-batches); the loss, detached, for the
+// step's mean.
+template <typename ComputeLoss>
+torch::Tensor run_micro_batch(PrecisionPlugin& precision, int64_t micro_batches,
+                              ComputeLoss&& compute_loss) {
+  torch::Tensor loss;
+  {
+    auto context = precision.forward_context();
+    loss = compute_loss();
+    context.close();
+  }
   TORCH_CHECK(loss.defined() && loss.numel() == 1,
               "Trainer: the training step must return a loss with one element, got ",
               loss.defined() ? loss.sizes() : at::IntArrayRef{});
@@ -74,13 +83,7 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
               "with a GraphableStep");
   const int64_t micro_batches = options.accumulate_grad_batches();
   fit_loop(model, optimizer, [&](const TrainStepInput& in) {
-    torch::Tensor loss;
-    {
-      auto context = in.precision.forward_context();
-      loss = training_step(in);
-      context.close();  // the FP8 scale update's errors surface here, not in a destructor
-    }
-    return backward_micro_batch(in.precision, loss, micro_batches);
+    return run_micro_batch(in.precision, micro_batches, [&] { return training_step(in); });
   }, ckpt_path);
 }
 
@@ -93,13 +96,7 @@ void Trainer::fit(torch::nn::Module& model, torch::optim::Optimizer& optimizer, 
   const int64_t micro_batches = options.accumulate_grad_batches();
   auto& precision = *plugins;
   const auto forward_backward = [&](const std::vector<torch::Tensor>& inputs) {
-    torch::Tensor loss;
-    {
-      auto context = precision.forward_context();
-      loss = step.loss(inputs, precision);
-      context.close();
-    }
-    return backward_micro_batch(precision, loss, micro_batches);
+    return run_micro_batch(precision, micro_batches, [&] { return step.loss(inputs, precision); });
   };
   if (!options.cuda_graph()) {
     fit_loop(model, optimizer, [&](const TrainStepInput& in) { return forward_backward(step.batch(in)); },
