@@ -164,6 +164,14 @@ TEST_F(Fp8LinearTest, BlockwiseFp8ParamsWeightsAreStoredInBlocks) {
   EXPECT_TRUE(testing::BytesEqual(layer->bias.grad(), reference->bias.grad()));
   ASSERT_TRUE(layer->main_grad().defined());
   EXPECT_TRUE(testing::BytesEqual(layer->main_grad(), reference->weight.grad()));
+  // Outside a region (evaluation, a GEMM kept in high precision) the blocks, dequantized.
+  layer->zero_main_grad();
+  const auto y_outside = layer->forward(x_layer);
+  EXPECT_TRUE(testing::BytesEqual(
+      y_outside, at::linear(x, layer->fp8_weight_blocks().dequantize(at::kFloat), layer->bias)));
+  y_outside.sum().backward();
+  ASSERT_TRUE(layer->main_grad().defined()) << "the weight's gradient still goes to main_grad";
+  EXPECT_TRUE(testing::BytesEqual(layer->main_grad(), torch::ones({40, out}).t().mm(x)));
   {
     Fp8Autocast region{Fp8RecipeOptions()};  // delayed
     testing::ExpectErrorContaining([&] { layer->forward(x); },

@@ -288,7 +288,7 @@ torch::Tensor Fp8LinearImpl::high_precision_forward(const torch::Tensor& input) 
   // The FP8 weight, dequantized; its gradient goes to main_grad like the FP8 path's.
   // In the input's dtype (bf16/fp16 under a mixed precision's params), as nn::Linear's would be.
   const auto dtype = input.is_floating_point() ? input.scalar_type() : at::kFloat;
-  auto w = fp8_weight().dequantize(dtype).requires_grad_(true);
+  auto w = dequantized_weight(dtype).requires_grad_(true);
   // The hook holds the meta, not the module: the graph may outlive either.
   w.register_hook([meta = meta_](const torch::Tensor& grad) { meta->main_grad().add(grad); });
   if (torch::GradMode::is_enabled()) meta_->main_grad().expect();

@@ -162,6 +162,8 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   bool fp8_weight_in_blocks() const { return meta_->weight_in_blocks(); }
   /// The stored FP8 weight in 128×128 blocks (data + its block scale_invs).
   Fp8BlockwiseTensor fp8_weight_blocks() const;
+  /// The stored FP8 weight's values in `dtype`, whichever way it is scaled (one scale or blocks).
+  torch::Tensor dequantized_weight(at::ScalarType dtype = at::kFloat) const;
   /// update_fp8_weight for many layers (masters[i] is layers[i]'s), for a loop that keeps its
   /// own masters: one multi-tensor amax, one scale kernel and one multi-tensor history update
   /// for all of them, then one quantization per layer straight into its FP8 weight's storage.

@@ -51,6 +51,10 @@ Fp8BlockwiseTensor Fp8LinearImpl::fp8_weight_blocks() const {
   return {weight, weight_scale_inv, Fp8Format::kE4M3, Fp8BlockShape::k128x128};
 }
 
+torch::Tensor Fp8LinearImpl::dequantized_weight(at::ScalarType dtype) const {
+  return fp8_weight_in_blocks() ? fp8_weight_blocks().dequantize(dtype) : fp8_weight().dequantize(dtype);
+}
+
 void Fp8LinearImpl::update_fp8_weight_blocks(const torch::Tensor& master) {
   TORCH_CHECK(options.fp8_params(),
               "Fp8Linear::update_fp8_weight_blocks: the module was not built with fp8_params "

@@ -117,7 +117,7 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
           TORCH_WARN_ONCE("MixedPrecisionPlugin: an fp8_params weight has no high-precision "
                           "initial value (built with preserve_high_precision_init_val=false or "
                           "cleared); its FP32 master is seeded from the FP8 values");
-          spec.seed = linear->fp8_weight().dequantize(at::kFloat);
+          spec.seed = linear->dequantized_weight(at::kFloat);
         }
         // On the weight's device: the initial value stays where the module was built (e.g. the
         // CPU) when the model is moved afterwards.
