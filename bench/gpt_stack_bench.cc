@@ -1,6 +1,7 @@
 // Training step of a 12-layer GPT block stack (hidden 2048, sequence 2048, micro-batch 8) built
 // from torch::nn modules, in each precision the plugin offers: fp32 (TF32 off), bf16-mixed,
-// fp16-mixed, bf16 + FP8 (hybrid, delayed; with and without fp8_params), plus a bare bf16 loop
+// fp16-mixed, bf16 + FP8 (hybrid, delayed; with and without fp8_params; with the modules fused
+// and each on its own), plus a bare bf16 loop
 // without the plugin (bf16 params stepped by AdamW directly) to bound the plugin's overhead.
 // One JSON line per case: step time, tokens/s, peak memory, speedup against fp32 and bf16-mixed.
 // AMP8_PROFILE_DIR=DIR also records three steps of the bf16-mixed and FP8 cases with the Kineto
@@ -29,26 +30,26 @@ namespace {
 
 constexpr int64_t kLayers = 12, kHidden = 2048, kHeads = 16, kSeq = 2048, kMicroBatch = 8;
 
-// Pre-LayerNorm block; the projections sit in Sequential containers so the plugin can swap them.
+// Pre-LayerNorm block; the layers sit in Sequential containers, in the order they run, so the
+// plugin can swap them and fuse LayerNorm → QKV and the MLP (convert_to_fp8's fuse_modules).
 struct BlockImpl : torch::nn::Module {
   BlockImpl() {
     using namespace torch::nn;
-    ln1 = register_module("ln1", Sequential(LayerNorm(LayerNormOptions({kHidden}))));
-    qkv = register_module("qkv", Sequential(Linear(kHidden, 3 * kHidden)));
+    ln_qkv = register_module("ln_qkv", Sequential(LayerNorm(LayerNormOptions({kHidden})),
+                                                  Linear(kHidden, 3 * kHidden)));
     proj = register_module("proj", Sequential(Linear(kHidden, kHidden)));
-    ln2 = register_module("ln2", Sequential(LayerNorm(LayerNormOptions({kHidden}))));
-    mlp = register_module("mlp", Sequential(Linear(kHidden, 4 * kHidden), GELU(GELUOptions().approximate("tanh")),
-                                            Linear(4 * kHidden, kHidden)));
+    mlp = register_module("mlp", Sequential(LayerNorm(LayerNormOptions({kHidden})), Linear(kHidden, 4 * kHidden),
+                                            GELU(GELUOptions().approximate("tanh")), Linear(4 * kHidden, kHidden)));
   }
   torch::Tensor forward(torch::Tensor x) {
     const int64_t b = x.size(0), t = x.size(1);
-    auto parts = qkv->forward(ln1->forward(x)).view({b, t, 3, kHeads, kHidden / kHeads}).unbind(2);
+    auto parts = ln_qkv->forward(x).view({b, t, 3, kHeads, kHidden / kHeads}).unbind(2);
     auto attn = at::scaled_dot_product_attention(parts[0].transpose(1, 2), parts[1].transpose(1, 2),
                                                  parts[2].transpose(1, 2), {}, 0.0, /*is_causal=*/true);
     x = x + proj->forward(attn.transpose(1, 2).reshape({b, t, kHidden}));
-    return x + mlp->forward(ln2->forward(x));
+    return x + mlp->forward(x);
   }
-  torch::nn::Sequential ln1{nullptr}, qkv{nullptr}, proj{nullptr}, ln2{nullptr}, mlp{nullptr};
+  torch::nn::Sequential ln_qkv{nullptr}, proj{nullptr}, mlp{nullptr};
 };
 TORCH_MODULE(Block);
 
@@ -279,6 +280,14 @@ int main(int argc, char** argv) {
   const auto fp8_no_params = plugin_case(amp8::recipes::bf16_with_fp8_mixed().fp8_params(false), x, y, 3, 10);
   c10::cuda::CUDACachingAllocator::emptyCache();
   emit("gpt_stack_step_bf16_fp8", fp8_no_params, "bf16-mixed", bf16.step_ms);
+
+  // The same FP8 step with every LayerNorm, Linear and GELU converted on its own (no
+  // Fp8LayerNormLinear / Fp8LayerNormMLP): what fusing the modules gains.
+  const auto fp8_modules_unfused =
+      plugin_case(amp8::recipes::bf16_with_fp8_mixed().fp8_fuse_modules(false), x, y, 3, 10);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  emit("gpt_stack_step_bf16_fp8_params_unfused_modules", fp8_modules_unfused,
+       "bf16 + FP8 fp8_params (fused modules)", fp8.step_ms);
 
   const auto bf16_unfused = plugin_case(amp8::recipes::bf16_mixed().fused_optimizer(false), x, y, 3, 10);
   c10::cuda::CUDACachingAllocator::emptyCache();

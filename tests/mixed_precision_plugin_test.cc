@@ -8,11 +8,13 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 #include <set>
 
 #include "ops/fp8_format.h"
 #include "plugin/precision/autocast_guard.h"
 #include "plugin/modules/fp8_layer_norm.h"
+#include "plugin/modules/convert_module.h"
 #include "plugin/modules/fp8_linear.h"
 
 #include <optional>
@@ -220,8 +222,10 @@ TEST_F(ConvertModuleTest, SwapsLinearAndLayerNormKeepingValuesAndBf16Layers) {
   std::map<std::string, torch::Tensor> before;
   for (const auto& item : model->named_parameters()) before[item.key()] = item.value().detach().clone();
   torch::optim::AdamW optimizer(model->parameters(), 1e-3);
-  MixedPrecisionPlugin plugin =
-      recipes::bf16_with_fp8_mixed().fp8_params(false).num_layers_at_start_in_bf16(1).num_layers_at_end_in_bf16(1);
+  // Module by module (the head's LayerNorm → Linear would otherwise fuse: see
+  // SequentialRunsFuseIntoLayerNormLinearAndLayerNormMLP), so every name stays.
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false).num_layers_at_start_in_bf16(1)
+                                    .num_layers_at_end_in_bf16(1).fp8_fuse_modules(false);
   plugin.connect(*model, optimizer);
 
   // Blocks 0 and 3 stay torch::nn; blocks 1, 2, the embedding and the head are swapped.
@@ -373,6 +377,118 @@ TEST_F(ConvertModuleTest, ASwapTheForwardNeverCallsIsReported) {
   ExpectErrorContaining([&] { plugin.optimizer_step(optimizer); },
                         "convert_module swapped fc for FP8 modules, but the model's forward never "
                         "called them");
+}
+
+// LayerNorm → Linear and LayerNorm → Linear → GELU(tanh) → Linear in a Sequential, which
+// convert_to_fp8 fuses, beside runs it must leave alone: an exact GELU (only the LayerNorm →
+// Linear before it fuses) and a linear layer FP8 cannot take (40 is not a multiple of 16).
+torch::nn::Sequential make_fusable_model() {
+  using namespace torch::nn;
+  return Sequential(LayerNorm(LayerNormOptions({32})), Linear(32, 64),                       // 0-1
+                    LayerNorm(LayerNormOptions({64})), Linear(64, 128),                      // 2-5
+                    GELU(GELUOptions().approximate("tanh")), Linear(128, 64),
+                    LayerNorm(LayerNormOptions({64})), Linear(64, 128), GELU(), Linear(128, 64),  // 6-9
+                    LayerNorm(LayerNormOptions({64})), Linear(64, 40));                      // 10-11
+}
+
+template <typename Module>
+Module* slot(const torch::nn::Sequential& model, size_t index) {
+  return model->ptr(index)->as<Module>();
+}
+
+TEST_F(ConvertModuleTest, SequentialRunsFuseIntoLayerNormLinearAndLayerNormMLP) {
+  torch::manual_seed(3);
+  auto model = make_fusable_model();
+  auto unfused = make_fusable_model();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < model->parameters().size(); ++i) unfused->parameters()[i].copy_(model->parameters()[i]);
+  std::vector<torch::Tensor> before;
+  for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+  torch::optim::AdamW optimizer(model->parameters(), 1e-3), unfused_optimizer(unfused->parameters(), 1e-3);
+  const auto options = recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_min_gemm_size(0);
+  MixedPrecisionPlugin plugin = options;
+  MixedPrecisionPlugin unfused_plugin = MixedPrecisionOptions(options).fp8_fuse_modules(false);
+  plugin.connect(*model, optimizer);
+  unfused_plugin.connect(*unfused, unfused_optimizer);
+
+  ASSERT_TRUE(slot<Fp8LayerNormLinearImpl>(model, 0));
+  ASSERT_TRUE(slot<Fp8LayerNormMLPImpl>(model, 2));
+  ASSERT_TRUE(slot<Fp8LayerNormLinearImpl>(model, 6));
+  EXPECT_TRUE(slot<torch::nn::GELUImpl>(model, 8)) << "exact GELU: not the tanh form the MLP computes";
+  EXPECT_TRUE(slot<Fp8LinearImpl>(model, 9));
+  EXPECT_TRUE(slot<Fp8LayerNormImpl>(model, 10));
+  EXPECT_TRUE(slot<torch::nn::LinearImpl>(model, 11)) << "40 output features: FP8 cannot take it";
+  const std::map<size_t, std::pair<std::string, std::string>> slots = {
+      {1, {"0.linear", "0.layer_norm"}},
+      {3, {"2.ln_fc1.linear", "2.ln_fc1.layer_norm"}},
+      {4, {"", ""}},
+      {5, {"2.fc2", ""}},
+      {7, {"6.linear", "6.layer_norm"}}};
+  for (const auto& [index, sources] : slots) {
+    const auto* fused_slot = slot<FusedSlotImpl>(model, index);
+    ASSERT_TRUE(fused_slot) << "slot " << index;
+    EXPECT_EQ(fused_slot->source, sources.first) << "slot " << index;
+    EXPECT_EQ(fused_slot->fused_slot_source, sources.second) << "slot " << index;
+  }
+  EXPECT_EQ(slot<Fp8LayerNormMLPImpl>(model, 2)->options.ffn_hidden_size(), 128);
+  std::set<std::string> paths;
+  for (const auto& converted : plugin.conversion().modules) paths.insert(converted.path);
+  EXPECT_EQ(paths, (std::set<std::string>{"0", "2", "6", "9", "10"}));
+  EXPECT_EQ(plugin.conversion().fp8_linear_count, 5);
+
+  // fp8_fuse_modules(false): every module converted on its own.
+  EXPECT_TRUE(slot<Fp8LayerNormImpl>(unfused, 0));
+  EXPECT_TRUE(slot<Fp8LinearImpl>(unfused, 1));
+  EXPECT_TRUE(slot<torch::nn::GELUImpl>(unfused, 4));
+  EXPECT_EQ(unfused_plugin.conversion().fp8_linear_count, 5);
+
+  // The fused modules hold the original parameters, in the original order: the masters are
+  // the original values.
+  const auto masters = plugin.master_params();
+  ASSERT_EQ(masters.size(), before.size());
+  for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(BytesEqual(masters[i], before[i])) << "master " << i;
+
+  // Outside an FP8 region the fused modules compute what the modules in sequence compute,
+  // bit for bit.
+  auto x = torch::randn({24, 32});
+  EXPECT_TRUE(BytesEqual(model->forward(x.to(at::kBFloat16)), unfused->forward(x.to(at::kBFloat16))));
+  // In FP8 the fused LayerNorm and GELU write their outputs straight into FP8 instead of
+  // rounding them to bf16 first: a value rounds differently only where bf16's rounding crossed
+  // an E4M3 rounding boundary (about 1 in 32 values, by one E4M3 step), and the weights'
+  // quantization is the same in both. So the two FP8 outputs are closer to each other than
+  // either is to the high-precision output.
+  const auto high_precision = unfused->forward(x.to(at::kBFloat16)).to(at::kFloat);
+  at::Tensor fused_out, unfused_out;
+  {
+    auto context = plugin.forward_context();
+    fused_out = model->forward(plugin.convert_input(x)).to(at::kFloat);
+  }
+  {
+    auto context = unfused_plugin.forward_context();
+    unfused_out = unfused->forward(unfused_plugin.convert_input(x)).to(at::kFloat);
+  }
+  const double difference = testing::relative_error(fused_out, unfused_out);
+  EXPECT_GT(difference, 0.0) << "the FP8 path ran (its roundings differ from the sequence's)";
+  EXPECT_LT(difference, testing::relative_error(unfused_out, high_precision));
+  EXPECT_LT(difference, testing::relative_error(fused_out, high_precision));
+}
+
+// Layers kept in bf16 are not fused into modules that run FP8, and a run with a kept layer
+// inside is converted module by module.
+TEST_F(ConvertModuleTest, RunsWithALayerKeptInBf16AreNotFused) {
+  auto model = make_fusable_model();
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  // The Sequential is the layer stack; its layers are the children with a linear layer: 1, 3,
+  // 5, 7, 9, 11. The first two stay in bf16.
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false).num_layers_at_start_in_bf16(2);
+  plugin.connect(*model, optimizer);
+  EXPECT_TRUE(slot<Fp8LayerNormImpl>(model, 0));
+  EXPECT_TRUE(slot<torch::nn::LinearImpl>(model, 1));
+  EXPECT_TRUE(slot<Fp8LayerNormImpl>(model, 2));
+  EXPECT_TRUE(slot<torch::nn::LinearImpl>(model, 3));
+  EXPECT_TRUE(slot<torch::nn::GELUImpl>(model, 4));
+  EXPECT_TRUE(slot<Fp8LinearImpl>(model, 5));
+  EXPECT_TRUE(slot<Fp8LayerNormLinearImpl>(model, 6));
 }
 
 // ---- FP32 master params ----
@@ -552,6 +668,32 @@ TEST_F(MasterParamsTest, ExportedFp32ModelLoadsIntoTheUnmodifiedModel) {
       trained_loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
     }
     EXPECT_NEAR(plain_loss, trained_loss.item<double>(), 0.05 * plain_loss);
+  }
+}
+
+// A model whose Sequential runs convert_module fused (Fp8LayerNormLinear, Fp8LayerNormMLP,
+// FusedSlot) is written in its original layout: it loads into the Sequential of LayerNorm,
+// Linear and GELU modules the user wrote, each parameter its FP32 master.
+TEST_F(MasterParamsTest, ExportedFusedModelLoadsIntoTheUnmodifiedModel) {
+  auto model = make_fusable_model();
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  plugin.connect(*model, optimizer);
+  ASSERT_TRUE(slot<Fp8LayerNormMLPImpl>(model, 2));
+  for (int step = 0; step < 3; ++step) {
+    forward_backward(plugin, model, torch::randn({24, 32}), torch::randn({24, 40}));
+    ASSERT_TRUE(plugin.optimizer_step(optimizer));
+  }
+  const auto path = testing::scratch_path("export", "fused.pt").string();
+  export_fp32_model(*model, plugin, path);
+
+  auto plain = make_fusable_model();
+  torch::load(plain, path);
+  const auto masters = plugin.master_params();
+  const auto params = plain->parameters();
+  ASSERT_EQ(params.size(), masters.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(params[i], masters[i])) << plain->named_parameters()[i].key() << " is its FP32 master";
   }
 }
 

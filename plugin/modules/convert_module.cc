@@ -3,12 +3,14 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
 #include <algorithm>
 #include <optional>
+#include <sstream>
 #include <unordered_set>
 
 #include "plugin/modules/fp8_layer_norm.h"
@@ -107,11 +109,20 @@ class Converter {
       : options_(options), kept_layers_(std::move(kept)) {}
 
   void visit(torch::nn::Module& parent, const std::string& prefix, bool keep) {
-    for (const auto& item : parent.named_children()) {
-      const std::string& name = item.key();
-      const std::shared_ptr<torch::nn::Module> child = item.value();
+    const auto children = parent.named_children();
+    const bool sequential = dynamic_cast<const torch::nn::SequentialImpl*>(&parent) != nullptr;
+    for (size_t i = 0; i < children.size(); ++i) {
+      const std::string& name = children[i].key();
+      const std::shared_ptr<torch::nn::Module> child = children[i].value();
       const std::string path = prefix.empty() ? name : prefix + "." + name;
       const bool keep_child = keep || kept_layers_.count(child.get()) > 0;
+      if (sequential && !keep && options_.fuse_modules()) {
+        if (const size_t length = fusable_run(children, i)) {
+          fuse(parent, children, i, length, path);
+          i += length - 1;
+          continue;
+        }
+      }
       if (auto linear = std::dynamic_pointer_cast<torch::nn::LinearImpl>(child)) {
         if (!eligible_linear(*linear)) {
           result_.kept_in_high_precision.push_back(path + " (shape " +
@@ -153,24 +164,21 @@ class Converter {
   const std::vector<std::string>& without_fp8_params() const { return without_fp8_params_; }
 
  private:
-  Fp8Linear convert_linear(torch::nn::LinearImpl& old) {
-    auto options = Fp8LinearOptions(old.options.in_features(), old.options.out_features())
-                       .bias(old.options.bias())
-                       .fp8_amax_history_len(options_.fp8_amax_history_len())
-                       .fp8_min_gemm_size(options_.fp8_min_gemm_size());
+  // Built as options_.fp8_params says (inside Fp8ModelInit: FP8 weights).
+  template <typename Module, typename Options>
+  Module build(const Options& options) {
     std::optional<Fp8ModelInit> model_init;
     if (options_.fp8_params()) model_init.emplace(true, /*preserve_high_precision_init_val=*/true);
-    Fp8Linear fp8(options);
-    model_init.reset();
-    const auto device = old.weight.device();
-    fp8->to(device);
-    if (options_.fp8_params()) {
-      fp8->set_high_precision_weight(old.weight.detach());
-      result_.replaced_params.emplace_back(old.weight, fp8->weight);
-    } else {
-      adopt(fp8->weight, old.weight, result_);
-    }
-    if (old.options.bias()) adopt(fp8->bias, old.bias, result_);
+    return Module(options);
+  }
+
+  Fp8Linear convert_linear(torch::nn::LinearImpl& old) {
+    auto fp8 = build<Fp8Linear>(Fp8LinearOptions(old.options.in_features(), old.options.out_features())
+                                    .bias(old.options.bias())
+                                    .fp8_amax_history_len(options_.fp8_amax_history_len())
+                                    .fp8_min_gemm_size(options_.fp8_min_gemm_size()));
+    fp8->to(old.weight.device());
+    take_parameters(*fp8, old);
     return fp8;
   }
 
@@ -180,10 +188,101 @@ class Converter {
                           .elementwise_affine(old.options.elementwise_affine()));
     if (old.weight.defined()) {
       norm->to(old.weight.device());
-      adopt(norm->weight, old.weight, result_);
-      adopt(norm->bias, old.bias, result_);
+      take_parameters(*norm, old);
     }
     return norm;
+  }
+
+  void take_parameters(Fp8LinearImpl& fp8, torch::nn::LinearImpl& old) {
+    if (options_.fp8_params()) {
+      fp8.set_high_precision_weight(old.weight.detach());
+      result_.replaced_params.emplace_back(old.weight, fp8.weight);
+    } else {
+      adopt(fp8.weight, old.weight, result_);
+    }
+    if (old.options.bias()) adopt(fp8.bias, old.bias, result_);
+  }
+
+  void take_parameters(Fp8LayerNormImpl& norm, torch::nn::LayerNormImpl& old) {
+    adopt(norm.weight, old.weight, result_);
+    adopt(norm.bias, old.bias, result_);
+  }
+
+  // The length of the run of `children` from `first` that one fused module computes (see
+  // convert_to_fp8): 4 for LayerNorm → Linear → GELU(tanh) → Linear, 2 for LayerNorm → Linear,
+  // 0 for none.
+  size_t fusable_run(const torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>& children,
+                     size_t first) const {
+    const auto at = [&](size_t i) { return i < children.size() ? children[i].value().get() : nullptr; };
+    const auto kept = [&](size_t i) { return kept_layers_.count(at(i)) > 0; };
+    const auto* norm = dynamic_cast<const torch::nn::LayerNormImpl*>(at(first));
+    const auto* fc1 = dynamic_cast<const torch::nn::LinearImpl*>(at(first + 1));
+    if (norm == nullptr || fc1 == nullptr || kept(first) || kept(first + 1)) return 0;
+    const auto& shape = norm->options.normalized_shape();
+    if (shape.size() != 1 || !norm->options.elementwise_affine() || fc1->options.in_features() != shape[0] ||
+        !eligible_linear(*fc1)) {
+      return 0;
+    }
+    const auto* gelu = dynamic_cast<const torch::nn::GELUImpl*>(at(first + 2));
+    const auto* fc2 = dynamic_cast<const torch::nn::LinearImpl*>(at(first + 3));
+    const bool mlp = gelu != nullptr && fc2 != nullptr && !kept(first + 2) && !kept(first + 3) &&
+                     gelu->options.approximate() == "tanh" && eligible_linear(*fc2) &&
+                     fc2->options.in_features() == fc1->options.out_features() &&
+                     fc2->options.out_features() == shape[0] && fc2->options.bias() == fc1->options.bias();
+    return mlp ? 4 : 2;
+  }
+
+  // Puts the fused module of the run children[first, first + length) into the first slot and
+  // FusedSlot modules into the others.
+  void fuse(torch::nn::Module& parent,
+            const torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>& children,
+            size_t first, size_t length, const std::string& path) {
+    auto& norm = *children[first].value()->as<torch::nn::LayerNormImpl>();
+    auto& fc1 = *children[first + 1].value()->as<torch::nn::LinearImpl>();
+    const int64_t hidden = fc1.options.in_features();
+    const auto device = fc1.weight.device();
+    std::shared_ptr<torch::nn::Module> fused;
+    torch::nn::AnyModule any;
+    std::vector<std::string> sources;  // per slot, the fused module's part holding its parameters
+    if (length == 4) {
+      auto& fc2 = *children[first + 3].value()->as<torch::nn::LinearImpl>();
+      auto mlp = build<Fp8LayerNormMLP>(Fp8LayerNormMLPOptions(hidden, fc1.options.out_features())
+                                            .eps(norm.options.eps())
+                                            .bias(fc1.options.bias())
+                                            .fp8_amax_history_len(options_.fp8_amax_history_len())
+                                            .fp8_min_gemm_size(options_.fp8_min_gemm_size()));
+      mlp->to(device);
+      take_parameters(*mlp->ln_fc1->layer_norm, norm);
+      take_parameters(*mlp->ln_fc1->linear, fc1);
+      take_parameters(*mlp->fc2, fc2);
+      sources = {"ln_fc1.layer_norm", "ln_fc1.linear", "", "fc2"};
+      result_.fp8_linear_count += 2;
+      fused = mlp.ptr();
+      any = torch::nn::AnyModule(mlp);
+    } else {
+      auto norm_linear = build<Fp8LayerNormLinear>(Fp8LayerNormLinearOptions(hidden, fc1.options.out_features())
+                                                       .eps(norm.options.eps())
+                                                       .bias(fc1.options.bias())
+                                                       .fp8_amax_history_len(options_.fp8_amax_history_len())
+                                                       .fp8_min_gemm_size(options_.fp8_min_gemm_size()));
+      norm_linear->to(device);
+      take_parameters(*norm_linear->layer_norm, norm);
+      take_parameters(*norm_linear->linear, fc1);
+      sources = {"layer_norm", "linear"};
+      result_.fp8_linear_count += 1;
+      fused = norm_linear.ptr();
+      any = torch::nn::AnyModule(norm_linear);
+    }
+    const std::string& slot = children[first].key();
+    const auto qualified = [&](const std::string& part) { return part.empty() ? part : slot + "." + part; };
+    record(parent, slot, path, children[first].value(), fused, std::move(any));
+    for (size_t i = 1; i < length; ++i) {
+      std::ostringstream replaced;
+      children[first + i].value()->pretty_print(replaced);
+      FusedSlot placeholder(replaced.str(), qualified(sources[i]), i == 1 ? qualified(sources[0]) : "");
+      replace_child(parent, children[first + i].key(), children[first + i].value(), placeholder.ptr(),
+                    torch::nn::AnyModule(placeholder));
+    }
   }
 
   void record(torch::nn::Module& parent, const std::string& name, const std::string& path,
@@ -200,6 +299,10 @@ class Converter {
 };
 
 }  // namespace
+
+void FusedSlotImpl::pretty_print(std::ostream& stream) const {
+  stream << "amp8::FusedSlot(" << replaced << (source.empty() ? "" : " -> " + source) << ")";
+}
 
 Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOptions& options) {
   const int64_t at_start = options.num_layers_at_start_in_bf16();

@@ -1,11 +1,14 @@
 #pragma once
 
 #include <torch/arg.h>
+#include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,12 +32,45 @@ struct Fp8ConversionOptions {
   TORCH_ARG(int64_t, num_layers_at_start_in_bf16) = 0;
   /// Default: 0.
   TORCH_ARG(int64_t, num_layers_at_end_in_bf16) = 0;
+  /// Fuse runs of a torch::nn::Sequential's children the way Transformer Engine's modules are
+  /// fused: LayerNorm → Linear → GELU(tanh) → Linear into one Fp8LayerNormMLP, LayerNorm →
+  /// Linear into one Fp8LayerNormLinear (see convert_to_fp8). Default: true.
+  TORCH_ARG(bool, fuse_modules) = true;
 };
+
+/// The slot of a torch::nn::Sequential whose module convert_to_fp8 fused into the module of an
+/// earlier slot (a Linear or GELU folded into an Fp8LayerNormLinear / Fp8LayerNormMLP). Its
+/// forward passes the input through. It names the part of the fused module that now holds the
+/// parameters of the module it replaced, so that export_fp32_model writes the model in its
+/// original layout (paths relative to the Sequential, so a clone of the model stays right).
+class FusedSlotImpl : public torch::nn::Cloneable<FusedSlotImpl> {
+ public:
+  FusedSlotImpl() = default;
+  FusedSlotImpl(std::string replaced, std::string source, std::string fused_slot_source)
+      : replaced(std::move(replaced)), source(std::move(source)), fused_slot_source(std::move(fused_slot_source)) {}
+
+  void reset() override {}
+  void pretty_print(std::ostream& stream) const override;
+  torch::Tensor forward(const torch::Tensor& input) { return input; }
+
+  /// The module this slot held, as it printed (e.g. "torch::nn::GELU(approximate=tanh)").
+  std::string replaced;
+  /// The fused module's part holding that module's parameters ("0.ln_fc1.linear"); empty when
+  /// it had none (GELU).
+  std::string source;
+  /// Set on the first slot after the fused module only: the part holding the parameters of the
+  /// module the fused module's own slot held (its LayerNorm, "0.ln_fc1.layer_norm").
+  std::string fused_slot_source;
+};
+
+TORCH_MODULE(FusedSlot);
 
 /// One module swapped by convert_to_fp8.
 struct ConvertedModule {
   std::string path;                               ///< e.g. "blocks.3.fc1"
-  std::shared_ptr<torch::nn::Module> replacement;  ///< the Fp8Linear / Fp8LayerNorm
+  /// The Fp8Linear / Fp8LayerNorm, or the Fp8LayerNormLinear / Fp8LayerNormMLP a run of a
+  /// Sequential was fused into (`path` its first slot; the FusedSlot modules are not listed).
+  std::shared_ptr<torch::nn::Module> replacement;
   /// The parent calls its children through its registry (torch::nn::Sequential, ModuleList,
   /// ModuleDict), so the swap is certain to take effect. Otherwise the parent may hold the old
   /// module in a typed member that a swap cannot reach; MixedPrecisionPlugin then checks that
@@ -62,7 +98,19 @@ struct Fp8Conversion {
 
 /// Replaces every torch::nn::Linear whose in/out features are multiples of 16 with an
 /// Fp8Linear, and every torch::nn::LayerNorm with an Fp8LayerNorm, anywhere in `model`'s tree,
-/// moving the parameters (same values; without fp8_params the same storage). Fp8Linear modules
+/// moving the parameters (same values; without fp8_params the same storage).
+///
+/// With fuse_modules, runs of a torch::nn::Sequential's children (the one container whose data
+/// flow its order states) become the fused modules a Transformer Engine model is built from:
+///   LayerNorm({h}) → Linear(h, f) → GELU(tanh) → Linear(f, h)   an Fp8LayerNormMLP
+///   LayerNorm({h}) → Linear(h, n)                                an Fp8LayerNormLinear
+/// (the LayerNorm with its affine parameters; the linear layers FP8-eligible, the MLP's two
+/// with or both without bias; none kept in bf16). The fused module takes the run's first slot
+/// and FusedSlot modules the others, so the parameters are named after the fused module's parts
+/// ("mlp.0.ln_fc1.linear.weight"); export_fp32_model writes them under the original names. GELU
+/// without the tanh approximation is not fused (TE's LayerNormMLP computes the tanh form).
+///
+/// Fp8Linear modules
 /// already in the model (also inside Fp8LayerNormLinear) are kept, with fp8_min_gemm_size set
 /// and, inside a kept layer, keep_in_high_precision.
 ///

@@ -59,7 +59,8 @@ void MixedPrecisionPlugin::convert_module(torch::nn::Module& model) {
                    .fp8_min_gemm_size(options_.fp8_min_gemm_size())
                    .fp8_params(options_.fp8_params())
                    .num_layers_at_start_in_bf16(options_.num_layers_at_start_in_bf16())
-                   .num_layers_at_end_in_bf16(options_.num_layers_at_end_in_bf16()));
+                   .num_layers_at_end_in_bf16(options_.num_layers_at_end_in_bf16())
+                   .fuse_modules(options_.fp8_fuse_modules()));
   }
   const auto params_dtype = options_.resolved_params_dtype();
   if (params_dtype == at::kFloat) return;

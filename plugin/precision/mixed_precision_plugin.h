@@ -75,6 +75,10 @@ struct MixedPrecisionOptions {
   TORCH_ARG(int64_t, num_layers_at_start_in_bf16) = 0;
   /// Default: 0.
   TORCH_ARG(int64_t, num_layers_at_end_in_bf16) = 0;
+  /// convert_module fuses a torch::nn::Sequential's LayerNorm → Linear (→ GELU(tanh) → Linear)
+  /// into an Fp8LayerNormLinear (Fp8LayerNormMLP), as Fp8ConversionOptions::fuse_modules.
+  /// Default: true.
+  TORCH_ARG(bool, fp8_fuse_modules) = true;
 
   // ---- fp16 loss scaling (Megatron's DynamicGradScaler; see LossScalerOptions) ----
   /// Static loss scale (> 0); unset = dynamic. Default: unset.

@@ -2,6 +2,7 @@
 
 #include <torch/serialize/output-archive.h>
 
+#include "plugin/modules/convert_module.h"
 #include "plugin/training/checkpoint.h"
 
 namespace amp8 {
@@ -12,7 +13,9 @@ namespace {
 bool is_amp8_module(const torch::nn::Module& module) { return module.name().rfind("amp8::", 0) == 0; }
 
 // Module::save's layout: the module's own parameters and buffers, then one nested archive per
-// serializable child, under the child's name.
+// serializable child, under the child's name. A run of a Sequential that convert_to_fp8 fused
+// is written as the modules it replaced: each slot as the fused module's part that holds its
+// parameters (FusedSlot names them), an empty archive for a slot that had none (GELU).
 void write_module(const torch::nn::Module& module, const PrecisionPlugin& plugin,
                   torch::serialize::OutputArchive& archive) {
   for (const auto& parameter : module.named_parameters(/*recurse=*/false)) {
@@ -23,11 +26,28 @@ void write_module(const torch::nn::Module& module, const PrecisionPlugin& plugin
       archive.write(buffer.key(), buffer.value(), /*is_buffer=*/true);
     }
   }
-  for (const auto& child : module.named_children()) {
-    if (!child.value()->is_serializable()) continue;
+  const auto children = module.named_children();
+  const auto part = [&](const std::string& path) -> const torch::nn::Module* {
+    if (path.empty()) return nullptr;
+    const auto modules = module.named_modules();
+    const auto* found = modules.find(path);
+    TORCH_CHECK(found != nullptr, "export_fp32_model: a FusedSlot names ", path, ", which ", module.name(),
+                " does not have");
+    return found->get();
+  };
+  for (size_t i = 0; i < children.size(); ++i) {
+    const torch::nn::Module* child = children[i].value().get();
+    if (!child->is_serializable()) continue;
+    if (const auto* slot = dynamic_cast<const FusedSlotImpl*>(child)) {
+      child = part(slot->source);
+    } else if (i + 1 < children.size()) {
+      if (const auto* next = dynamic_cast<const FusedSlotImpl*>(children[i + 1].value().get())) {
+        if (!next->fused_slot_source.empty()) child = part(next->fused_slot_source);
+      }
+    }
     torch::serialize::OutputArchive child_archive(archive.compilation_unit());
-    write_module(*child.value(), plugin, child_archive);
-    archive.write(child.key(), child_archive);
+    if (child != nullptr) write_module(*child, plugin, child_archive);
+    archive.write(children[i].key(), child_archive);
   }
 }
 

@@ -17,7 +17,9 @@ namespace amp8 {
 /// model's own names. Buffers are written as they are, except those of amp8's FP8 modules
 /// (scales and amax histories), which the modules they replaced never had. A plain LibTorch
 /// model of the original architecture (torch::nn::Linear / LayerNorm where convert_module put
-/// Fp8Linear / Fp8LayerNorm) loads the file with `torch::load(model, path)`. The file is
+/// Fp8Linear / Fp8LayerNorm, and the Sequential runs it fused into an Fp8LayerNormLinear /
+/// Fp8LayerNormMLP, written under their original names) loads the file with
+/// `torch::load(model, path)`. The file is
 /// written atomically (plugin/training/checkpoint.h, without amp8's checkpoint trailer).
 void export_fp32_model(const torch::nn::Module& model, const PrecisionPlugin& plugin, const std::string& path);
 
