@@ -252,6 +252,63 @@ TEST_F(TrainerTest, AStepThatThrowsDropsItsGradients) {
   EXPECT_TRUE(trainer.history().back().stepped);
 }
 
+// One host sync per step: the Trainer measures the gradients' norm on the device
+// (gradient_norm) before it reads the loss, reads both at once, and clips with that value
+// (clip_gradients_to) instead of measuring again as clip_gradients does. The weights are those
+// of a loop that calls clip_gradients, bit for bit.
+TEST_F(TrainerTest, ClipsWithTheNormReadAlongsideTheLoss) {
+  struct Recording : MixedPrecisionPlugin {
+    using MixedPrecisionPlugin::MixedPrecisionPlugin;
+    int norms_measured = 0;
+    std::vector<double> clipped_with;
+    torch::Tensor gradient_norm(torch::optim::Optimizer& optimizer) override {
+      ++norms_measured;
+      return MixedPrecisionPlugin::gradient_norm(optimizer);
+    }
+    void clip_gradients_to(torch::optim::Optimizer& optimizer, double max_norm, double norm) override {
+      clipped_with.push_back(norm);
+      MixedPrecisionPlugin::clip_gradients_to(optimizer, max_norm, norm);
+    }
+  };
+  constexpr double kMaxNorm = 1e-2;
+  testing::MlpData data(6);
+  const auto loss_of = [&](torch::nn::Sequential& model, PrecisionPlugin& precision, int64_t step) {
+    auto [x, y] = data.batch(step, 0);
+    return torch::mse_loss(precision.convert_output(model->forward(precision.convert_input(x))), y);
+  };
+  torch::manual_seed(8);
+  auto model = testing::make_mlp();
+  torch::optim::AdamW optimizer(model->parameters(), 1e-3);
+  auto plugin = std::make_shared<Recording>(recipes::bf16_mixed());
+  Trainer trainer(TrainerOptions().max_steps(3).log_every_n_steps(0).gradient_clip_val(kMaxNorm), plugin);
+  trainer.fit(*model, optimizer, [&](const TrainStepInput& in) { return loss_of(model, in.precision, in.step); });
+  EXPECT_EQ(plugin->norms_measured, 3);
+  ASSERT_EQ(plugin->clipped_with.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(plugin->clipped_with[i], trainer.history()[i].grad_norm) << "step " << i;
+    EXPECT_GT(plugin->clipped_with[i], kMaxNorm) << "step " << i << " was clipped";
+  }
+
+  torch::manual_seed(8);
+  auto reference = testing::make_mlp();
+  torch::optim::AdamW reference_optimizer(reference->parameters(), 1e-3);
+  MixedPrecisionPlugin reference_plugin = recipes::bf16_mixed();
+  reference_plugin.connect(*reference, reference_optimizer);
+  for (int64_t step = 0; step < 3; ++step) {
+    torch::Tensor loss;
+    {
+      auto context = reference_plugin.forward_context();
+      loss = loss_of(reference, reference_plugin, step);
+    }
+    reference_plugin.backward(loss);
+    EXPECT_EQ(reference_plugin.clip_gradients(reference_optimizer, kMaxNorm), plugin->clipped_with[step]);
+    reference_plugin.optimizer_step(reference_optimizer);
+  }
+  const auto masters = plugin->master_params(), expected = reference_plugin.master_params();
+  ASSERT_EQ(masters.size(), expected.size());
+  for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(testing::BytesEqual(masters[i], expected[i])) << "master " << i;
+}
+
 TEST_F(TrainerTest, AccumulationAveragesMicroBatches) {
   // Two micro-batches of 16 rows == one batch of the same 32 rows, in fp32.
   testing::MlpData data(4);

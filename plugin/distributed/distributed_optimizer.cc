@@ -198,12 +198,8 @@ at::Device DistributedOptimizer::device() const {
   return pieces_.empty() ? at::Device(at::kCPU) : pieces_.front().master.device();
 }
 
-double DistributedOptimizer::global_norm(const std::vector<torch::Tensor>& grads) const {
-  return global_grad_norm(grads, reduce_group(), device());
-}
-
-double DistributedOptimizer::clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm) const {
-  return clip_grad_norm_(grads, max_norm, reduce_group(), device());
+torch::Tensor DistributedOptimizer::global_norm(const std::vector<torch::Tensor>& grads) const {
+  return global_grad_norm_tensor(grads, reduce_group(), device());
 }
 
 bool DistributedOptimizer::fusable_on_gpu(const torch::optim::Optimizer& optimizer) const {

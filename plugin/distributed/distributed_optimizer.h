@@ -85,11 +85,11 @@ class DistributedOptimizer {
   std::vector<torch::Tensor> set_master_gradients();
   /// Whether any rank's `flag` (a one-element tensor) is non-zero.
   bool any_rank(const torch::Tensor& flag) const;
-  /// The L2 norm of `grads` over every rank (each element lives on exactly one).
-  double global_norm(const std::vector<torch::Tensor>& grads) const;
-  /// clip_grad_norm_ (plugin/optim/grad_clip.h) of `grads` over every rank. Returns the norm
-  /// before clipping.
-  double clip_grad_norm(const std::vector<torch::Tensor>& grads, double max_norm) const;
+  /// The L2 norm of `grads` over every rank (each element lives on exactly one), unread on the
+  /// device (global_grad_norm_tensor, plugin/optim/grad_clip.h).
+  torch::Tensor global_norm(const std::vector<torch::Tensor>& grads) const;
+  /// Where the masters live (the CPU when this rank holds none).
+  at::Device device() const;
   /// Whether `optimizer`'s params are exactly these masters, on a GPU (fused_optimizer_step
   /// can step them).
   bool fusable_on_gpu(const torch::optim::Optimizer& optimizer) const;
@@ -175,7 +175,6 @@ class DistributedOptimizer {
   void write_fp8_weight_blocks(const std::vector<size_t>& fp8_pieces);
   torch::Tensor half_copy(const Piece& piece) const;
   c10d::ProcessGroup* reduce_group() const { return world_size_ > 1 ? group_.get() : nullptr; }
-  at::Device device() const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;  // null on one rank
   DistributedOptimizerOptions options_;

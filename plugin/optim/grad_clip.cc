@@ -28,9 +28,10 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
 
 }  // namespace
 
-double global_grad_norm(const std::vector<at::Tensor>& grads, c10d::ProcessGroup* group,
-                        at::Device device) {
-  if (grads.empty() && group == nullptr) return 0.0;
+at::Tensor global_grad_norm_tensor(const std::vector<at::Tensor>& grads, c10d::ProcessGroup* group,
+                                   at::Device device) {
+  const auto float64 = at::TensorOptions().dtype(at::kDouble);
+  if (grads.empty() && group == nullptr) return at::zeros({1}, float64.device(device));
   at::NoGradGuard no_grad;
   at::Tensor sum_of_squares;
   if (grads.empty()) {
@@ -47,7 +48,11 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, c10d::ProcessGroup
     std::vector<at::Tensor> tensors{sum_of_squares};
     group->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::SUM})->wait();
   }
-  return std::sqrt(sum_of_squares.item<double>());
+  return sum_of_squares.to(at::kDouble).sqrt();
+}
+
+double global_grad_norm(const std::vector<at::Tensor>& grads, c10d::ProcessGroup* group, at::Device device) {
+  return global_grad_norm_tensor(grads, group, device).item<double>();
 }
 
 double clip_coefficient(double norm, double max_norm) {
@@ -56,15 +61,19 @@ double clip_coefficient(double norm, double max_norm) {
   return std::isfinite(norm) && coef < 1.0 ? coef : 1.0;
 }
 
-double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm,
-                       c10d::ProcessGroup* group, at::Device device) {
-  TORCH_CHECK(max_norm > 0, "clip_gradients: max_norm must be positive, got ", max_norm);
-  const double norm = global_grad_norm(grads, group, device);
+void clip_grads_to_norm_(const std::vector<at::Tensor>& grads, double norm, double max_norm) {
   const double coef = clip_coefficient(norm, max_norm);
   if (coef < 1.0 && !grads.empty()) {
     at::NoGradGuard no_grad;
     for (const auto& list : by_device_and_dtype(grads)) at::_foreach_mul_(list, coef);
   }
+}
+
+double clip_grad_norm_(const std::vector<at::Tensor>& grads, double max_norm,
+                       c10d::ProcessGroup* group, at::Device device) {
+  TORCH_CHECK(max_norm > 0, "clip_gradients: max_norm must be positive, got ", max_norm);
+  const double norm = global_grad_norm(grads, group, device);
+  clip_grads_to_norm_(grads, norm, max_norm);
   return norm;
 }
 

@@ -15,7 +15,12 @@ namespace amp8 {
 /// multi-tensor pass, then one all-reduce of the sum of squares over `group` when given (every
 /// element on exactly one rank, as the distributed optimizer's master shards). `device`: where
 /// the sum lives when this rank holds no gradient (the group's collective device). 0 when no
-/// rank holds a gradient.
+/// rank holds a gradient. Left where it was computed, unread: a one-element float64 tensor (the
+/// square root of the float32 sum, taken in double).
+at::Tensor global_grad_norm_tensor(const std::vector<at::Tensor>& grads, c10d::ProcessGroup* group = nullptr,
+                                   at::Device device = at::kCPU);
+
+/// global_grad_norm_tensor's value, read back by the host.
 double global_grad_norm(const std::vector<at::Tensor>& grads, c10d::ProcessGroup* group = nullptr,
                         at::Device device = at::kCPU);
 
@@ -23,6 +28,10 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, c10d::ProcessGroup
 /// norm is finite and that is below 1, else 1 (a non-finite norm leaves the gradients as they
 /// are: the caller skips or stops the step). Throws when max_norm is not positive.
 double clip_coefficient(double norm, double max_norm);
+
+/// Multiplies every gradient in place by clip_coefficient(norm, max_norm) when it is below 1;
+/// `norm`: their global norm, already measured (global_grad_norm).
+void clip_grads_to_norm_(const std::vector<at::Tensor>& grads, double norm, double max_norm);
 
 /// torch::nn::utils::clip_grad_norm_ for gradients that may be sharded over `group`:
 /// global_grad_norm, then every gradient multiplied in place by clip_coefficient when it is

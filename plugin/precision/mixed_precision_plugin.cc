@@ -295,19 +295,35 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
   gradients_ready_ = true;
 }
 
-double MixedPrecisionPlugin::clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) {
+torch::Tensor MixedPrecisionPlugin::gradient_norm(torch::optim::Optimizer& optimizer) {
   unscale_gradients(optimizer);
-  if (found_inf_) return std::numeric_limits<double>::infinity();  // the step will be skipped
+  if (found_inf_) {  // the step will be skipped
+    return torch::full({1}, std::numeric_limits<double>::infinity(),
+                       torch::dtype(at::kDouble).device(optimizer_->device()));
+  }
   std::vector<torch::Tensor> grads;
   for (const auto& grad : grads_) {
     if (grad.defined()) grads.push_back(grad);
   }
-  if (!fused_step_) return optimizer_->clip_grad_norm(grads, max_norm);
-  // The fused step: the raw gradients' norm times the multiplier so far; clipping folds into
-  // the multiplier.
-  const double norm = optimizer_->global_norm(grads) * grad_multiplier_;
-  grad_multiplier_ *= clip_coefficient(norm, max_norm);
-  return norm;
+  // The fused step reads the raw reduced gradients: their norm times the multiplier so far.
+  const auto norm = optimizer_->global_norm(grads);
+  return fused_step_ ? norm * grad_multiplier_ : norm;
+}
+
+void MixedPrecisionPlugin::clip_gradients_to(torch::optim::Optimizer& optimizer, double max_norm, double norm) {
+  TORCH_CHECK(max_norm > 0, "clip_gradients: max_norm must be positive, got ", max_norm);
+  unscale_gradients(optimizer);
+  if (found_inf_) return;
+  // The fused step: clipping folds into the multiplier.
+  if (fused_step_) {
+    grad_multiplier_ *= clip_coefficient(norm, max_norm);
+    return;
+  }
+  std::vector<torch::Tensor> grads;
+  for (const auto& grad : grads_) {
+    if (grad.defined()) grads.push_back(grad);
+  }
+  clip_grads_to_norm_(grads, norm, max_norm);
 }
 
 bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {

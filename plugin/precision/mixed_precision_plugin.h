@@ -150,7 +150,8 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   torch::Tensor convert_output(const torch::Tensor& output) override;
   void backward(const torch::Tensor& loss) override;
   void unscale_gradients(torch::optim::Optimizer& optimizer) override;
-  double clip_gradients(torch::optim::Optimizer& optimizer, double max_norm) override;
+  torch::Tensor gradient_norm(torch::optim::Optimizer& optimizer) override;
+  void clip_gradients_to(torch::optim::Optimizer& optimizer, double max_norm, double norm) override;
   bool optimizer_step(torch::optim::Optimizer& optimizer) override;
   /// Clears every gradient (model, masters, FP8 main_grad) and counts the step as skipped.
   void discard_gradients(torch::optim::Optimizer& optimizer) override;

@@ -107,9 +107,16 @@ class PrecisionPlugin {
   /// Makes the optimizer's gradients ready and true-sized: copied from the model where the
   /// optimizer holds master copies, divided by the loss scale. Idempotent within a step.
   virtual void unscale_gradients(torch::optim::Optimizer& optimizer) {}
-  /// Clips the optimizer's gradients to a global L2 norm of `max_norm`, in float32, after
-  /// unscaling; returns the norm before clipping.
-  virtual double clip_gradients(torch::optim::Optimizer& optimizer, double max_norm);
+  /// The global L2 norm of the optimizer's gradients (after unscaling, in float32, over every
+  /// rank), as a one-element float64 tensor left where it was computed: nothing is read back,
+  /// so a loop can read it together with its loss in one host sync, as the Trainer does.
+  /// Infinite where the step will be skipped (non-finite gradients under loss scaling).
+  virtual torch::Tensor gradient_norm(torch::optim::Optimizer& optimizer);
+  /// Clips the optimizer's gradients, whose global norm is `norm` (gradient_norm's value, read
+  /// back), to a global L2 norm of `max_norm`.
+  virtual void clip_gradients_to(torch::optim::Optimizer& optimizer, double max_norm, double norm);
+  /// gradient_norm, read back, then clip_gradients_to; returns the norm before clipping.
+  double clip_gradients(torch::optim::Optimizer& optimizer, double max_norm);
   /// Steps the optimizer unless the step must be skipped (non-finite gradients under loss
   /// scaling); returns whether it stepped. Either way the gradients are consumed: afterwards
   /// every gradient of the model and the optimizer is cleared.

@@ -208,21 +208,39 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
       loss_sum = loss_sum.defined() ? loss_sum + loss : loss;
     }
     StepMetrics metrics;
-    metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();
-    // One host sync per step (the loss is read for the metrics anyway), before the optimizer
-    // runs, so a non-finite loss never reaches the weights.
-    // Data-parallel: the mean over the ranks, so all of them see one loss and decide alike.
-    double loss_value = 0;
+    // A clip or a step that throws (a collective timing out, a swapped module that never ran)
+    // drops the step's gradients first, so that the plugin does not count this step's backward
+    // passes into the next fit's.
+    const auto or_discard = [&](auto&& work) {
+      try {
+        return work();
+      } catch (...) {
+        try {
+          precision.discard_gradients(optimizer);
+        } catch (...) {  // the first error is the one to report
+        }
+        throw;
+      }
+    };
+    // One host sync per step, before the optimizer runs, so that a non-finite loss never
+    // reaches the weights: the loss (read for the metrics anyway) and, when clipping or
+    // checking, the gradients' norm, measured on the device first and read with it.
+    // Data-parallel: the loss is the mean over the ranks, so all of them see one loss and
+    // decide alike; a rank's stop request rides along (a non-zero mean everywhere).
+    const bool measures_norm = options.gradient_clip_val() > 0 || options.check_for_nan_in_grad();
+    const torch::Tensor norm =
+        measures_norm ? or_discard([&] { return precision.gradient_norm(optimizer); }) : torch::Tensor();
+    torch::Tensor read = loss_sum.reshape({1});
     if (data_parallel) {
-      // The stop request rides along: a rank that was asked makes the mean non-zero everywhere.
-      const auto flag = torch::full({}, stop_requested_.load() ? 1.0f : 0.0f, loss_sum.options());
-      const auto reduced = precision.data_parallel_mean(torch::stack({loss_sum, flag})).cpu();
-      loss_value = reduced[0].item<double>() / static_cast<double>(micro_batches);
-      stop = reduced[1].item<double>() > 0;
-    } else {
-      loss_value = loss_sum.item<double>() / static_cast<double>(micro_batches);
-      stop = stop_requested_.load();
+      const auto flag = torch::full({1}, stop_requested_.load() ? 1.0f : 0.0f, loss_sum.options());
+      read = precision.data_parallel_mean(torch::cat({read, flag}));
     }
+    if (norm.defined()) read = torch::cat({read.to(at::kDouble), norm.to(read.device(), at::kDouble).reshape({1})});
+    const auto values = read.to(torch::kCPU, at::kDouble);
+    const double loss_value = values[0].item<double>() / static_cast<double>(micro_batches);
+    stop = data_parallel ? values[1].item<double>() > 0 : stop_requested_.load();
+    metrics.grad_norm = norm.defined() ? values[values.size(0) - 1].item<double>()
+                                       : std::numeric_limits<double>::quiet_NaN();
     if (!std::isfinite(loss_value)) {
       if (options.nonfinite_loss() != "skip") {
         precision.discard_gradients(optimizer);
@@ -233,43 +251,23 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
       }
       precision.discard_gradients(optimizer);
       metrics.stepped = false;
-    } else {
-      // A clip or a step that throws (a collective timing out, a swapped module that never ran)
-      // drops the step's gradients first, so that the plugin does not count this step's backward
-      // passes into the next fit's.
-      const auto or_discard = [&](auto&& work) {
-        try {
-          return work();
-        } catch (...) {
-          try {
-            precision.discard_gradients(optimizer);
-          } catch (...) {  // the first error is the one to report
-          }
-          throw;
-        }
-      };
-      if (options.gradient_clip_val() > 0) {
-        metrics.grad_norm = or_discard([&] { return precision.clip_gradients(optimizer, options.gradient_clip_val()); });
-      } else if (options.check_for_nan_in_grad()) {
-        // The global norm without clipping (an infinite max_norm scales nothing).
-        metrics.grad_norm = or_discard(
-            [&] { return precision.clip_gradients(optimizer, std::numeric_limits<double>::infinity()); });
-      }
-      const bool checked = options.gradient_clip_val() > 0 || options.check_for_nan_in_grad();
-      if (checked && !std::isfinite(metrics.grad_norm) && !precision.skips_nonfinite_gradients()) {
-        if (options.nonfinite_loss() != "skip") {
-          precision.discard_gradients(optimizer);
-          const std::string saved = save_last_good_state(model, optimizer);
-          TORCH_CHECK(false, "Trainer: non-finite gradient norm (", metrics.grad_norm, ") at step ",
-                      step + 1, " with a finite loss (", loss_value,
-                      "); the weights are those after the previous step", saved,
-                      " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
-        }
+      metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    } else if (measures_norm && !std::isfinite(metrics.grad_norm) && !precision.skips_nonfinite_gradients()) {
+      if (options.nonfinite_loss() != "skip") {
         precision.discard_gradients(optimizer);
-        metrics.stepped = false;
-      } else {
-        metrics.stepped = or_discard([&] { return precision.optimizer_step(optimizer); });
+        const std::string saved = save_last_good_state(model, optimizer);
+        TORCH_CHECK(false, "Trainer: non-finite gradient norm (", metrics.grad_norm, ") at step ",
+                    step + 1, " with a finite loss (", loss_value,
+                    "); the weights are those after the previous step", saved,
+                    " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
       }
+      precision.discard_gradients(optimizer);
+      metrics.stepped = false;
+    } else {
+      if (options.gradient_clip_val() > 0) {
+        or_discard([&] { precision.clip_gradients_to(optimizer, options.gradient_clip_val(), metrics.grad_norm); });
+      }
+      metrics.stepped = or_discard([&] { return precision.optimizer_step(optimizer); });
     }
     ++global_step_;
     ++interval_steps;
