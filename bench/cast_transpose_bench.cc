@@ -235,7 +235,7 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < masters.size(); ++i) {
       const int64_t rows = masters[i].size(0), cols = masters[i].size(1);
       shards.push_back({masters[i].view(-1), rows, cols, 0});
-      amaxes.push_back(at::zeros({(rows + 127) / 128, (cols + 127) / 128}, cuda.dtype(at::kFloat)));
+      amaxes.push_back(at::zeros(blockwise_amax_shape(rows, cols), cuda.dtype(at::kFloat)));
       outs.push_back(weights[i].view(-1));
       scale_invs.push_back(at::zeros(blockwise_scale_shape(rows, cols, Fp8BlockShape::k128x128), cuda.dtype(at::kFloat)));
     }

@@ -89,6 +89,10 @@ void quantize_cpu(const at::Tensor& x, int64_t tile_rows, int64_t tile_cols,
 
 }  // namespace
 
+std::vector<int64_t> blockwise_amax_shape(int64_t rows, int64_t cols) {
+  return {ceil_div(rows, kFp8BlockLen), ceil_div(cols, kFp8BlockLen)};
+}
+
 std::vector<int64_t> blockwise_scale_shape(int64_t rows, int64_t cols, Fp8BlockShape block) {
   if (block == Fp8BlockShape::k1x128) return {ceil_div(cols, kFp8BlockLen), rows};
   return {ceil_div(rows, kFp8BlockLen), round_up(ceil_div(cols, kFp8BlockLen), 4)};
@@ -264,7 +268,7 @@ void check_shards(const char* fn, const std::vector<Fp8WeightShard>& shards,
     TORCH_CHECK(s.offset >= 0 && s.offset + s.values.numel() <= s.rows * s.cols, fn, ": shards[", i,
                 "]: elements [", s.offset, ", ", s.offset + s.values.numel(),
                 ") run past its weight's ", s.rows * s.cols);
-    const std::vector<int64_t> grid{ceil_div(s.rows, kFp8BlockLen), ceil_div(s.cols, kFp8BlockLen)};
+    const auto grid = blockwise_amax_shape(s.rows, s.cols);
     TORCH_CHECK(amaxes[i].defined() && amaxes[i].scalar_type() == at::kFloat &&
                     amaxes[i].sizes() == at::IntArrayRef(grid) && amaxes[i].is_contiguous() &&
                     amaxes[i].device() == s.values.device(),

@@ -59,6 +59,10 @@ inline BlockwiseQuantizeOptions weight_block_options(Fp8Format format = Fp8Forma
 /// scale_inv's shape for a [rows, cols] tensor in `block` tiles.
 std::vector<int64_t> blockwise_scale_shape(int64_t rows, int64_t cols, Fp8BlockShape block);
 
+/// [ceil(rows/128), ceil(cols/128)]: one amax per 128×128 block of a rows × cols weight, the
+/// grid blockwise_shard_amax fills and quantize_shards_blockwise reads.
+std::vector<int64_t> blockwise_amax_shape(int64_t rows, int64_t cols);
+
 /// A tile's scale from its amax (TE's compute_scale_from_amax): amax raised to `amax_epsilon`;
 /// scale = fp8_max / amax (float32, rounded to nearest); 1 where amax is 0, infinite or NaN;
 /// float32's largest value where the quotient overflows; then, with power_of_2_scales, the

@@ -262,19 +262,20 @@ void DistributedOptimizer::publish_params(bool half_copies_written) {
     scales = compute_current_scale(amaxes, Fp8Format::kE4M3);
     scale_invs = scales.reciprocal();
   }
-  // The FP8 weights from their masters in one multi-tensor launch; the half copies the fused
-  // step has not written.
+  // The FP8 weights from their masters in one multi-tensor launch (in blocks: from their
+  // pieces); the half copies the fused step has not written.
   std::vector<torch::Tensor> fp8_masters, fp8_targets;
   std::vector<int64_t> fp8_slots;
   std::vector<size_t> fp8_pieces;
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const auto& piece = pieces_[i];
     const auto& param = params_[piece.param];
-    if (param.fp8_meta) {
+    if (param.fp8_meta && in_blocks) {
+      fp8_pieces.push_back(i);
+    } else if (param.fp8_meta) {
       fp8_masters.push_back(piece.master.detach());
       fp8_targets.push_back(piece.target);
       fp8_slots.push_back(param.fp8_slot);
-      fp8_pieces.push_back(i);
     } else if (!piece.target.is_same(piece.master) && !(half_copies_written && half_copy(piece).defined())) {
       piece.target.copy_(piece.master.detach());
     }
@@ -302,9 +303,8 @@ void DistributedOptimizer::write_fp8_weight_blocks(const std::vector<size_t>& fp
   std::vector<int64_t> grid_sizes;
   grid_sizes.reserve(fp8_params_.size());
   for (size_t index : fp8_params_) {
-    const auto& shape = params_[index].model.sizes();
-    grid_sizes.push_back(((shape[0] + kFp8BlockLen - 1) / kFp8BlockLen) *
-                         ((shape[1] + kFp8BlockLen - 1) / kFp8BlockLen));
+    const auto grid = blockwise_amax_shape(params_[index].model.size(0), params_[index].model.size(1));
+    grid_sizes.push_back(grid[0] * grid[1]);
   }
   const int64_t total = std::accumulate(grid_sizes.begin(), grid_sizes.end(), int64_t{0});
   auto all_amaxes = torch::zeros({total}, float_options);
@@ -317,8 +317,7 @@ void DistributedOptimizer::write_fp8_weight_blocks(const std::vector<size_t>& fp
   for (size_t slot = 0; slot < fp8_params_.size(); ++slot) {
     const auto& param = params_[fp8_params_[slot]];
     const int64_t rows = param.model.size(0), cols = param.model.size(1);
-    amaxes[slot] = all_amaxes.narrow(0, begin, grid_sizes[slot])
-                       .view({(rows + kFp8BlockLen - 1) / kFp8BlockLen, (cols + kFp8BlockLen - 1) / kFp8BlockLen});
+    amaxes[slot] = all_amaxes.narrow(0, begin, grid_sizes[slot]).view(blockwise_amax_shape(rows, cols));
     begin += grid_sizes[slot];
     shards[slot] = {torch::empty({0}, float_options), rows, cols, 0};
     outs[slot] = torch::empty({0}, param.model.options());

@@ -71,9 +71,7 @@ void Fp8LinearImpl::update_fp8_weight_blocks(const torch::Tensor& master) {
   values = values.contiguous();
   const int64_t rows = weight.size(0), cols = weight.size(1);
   const std::vector<Fp8WeightShard> shards{{values.reshape({-1}), rows, cols, 0}};
-  const std::vector<at::Tensor> amaxes{
-      at::zeros({(rows + kFp8BlockLen - 1) / kFp8BlockLen, (cols + kFp8BlockLen - 1) / kFp8BlockLen},
-                values.options().dtype(at::kFloat))};
+  const std::vector<at::Tensor> amaxes{at::zeros(blockwise_amax_shape(rows, cols), values.options().dtype(at::kFloat))};
   blockwise_shard_amax(shards, amaxes);
   quantize_shards_blockwise(shards, amaxes, weight_block_options(),
                             {weight.view({-1})}, {meta_->weight_scale_inv_blocks()});
