@@ -418,17 +418,21 @@ TEST_F(ConvertModuleTest, SequentialRunsFuseIntoLayerNormLinearAndLayerNormMLP) 
   EXPECT_TRUE(slot<Fp8LinearImpl>(model, 9));
   EXPECT_TRUE(slot<Fp8LayerNormImpl>(model, 10));
   EXPECT_TRUE(slot<torch::nn::LinearImpl>(model, 11)) << "40 output features: FP8 cannot take it";
-  const std::map<size_t, std::pair<std::string, std::string>> slots = {
-      {1, {"0.linear", "0.layer_norm"}},
-      {3, {"2.ln_fc1.linear", "2.ln_fc1.layer_norm"}},
-      {4, {"", ""}},
-      {5, {"2.fc2", ""}},
-      {7, {"6.linear", "6.layer_norm"}}};
-  for (const auto& [index, sources] : slots) {
+  struct Expected {
+    int64_t fused_offset;
+    std::string part, fused_slot_part;
+  };
+  const std::map<size_t, Expected> slots = {{1, {1, "linear", "layer_norm"}},
+                                            {3, {1, "ln_fc1.linear", "ln_fc1.layer_norm"}},
+                                            {4, {2, "", ""}},
+                                            {5, {3, "fc2", ""}},
+                                            {7, {1, "linear", "layer_norm"}}};
+  for (const auto& [index, expected] : slots) {
     const auto* fused_slot = slot<FusedSlotImpl>(model, index);
     ASSERT_TRUE(fused_slot) << "slot " << index;
-    EXPECT_EQ(fused_slot->source, sources.first) << "slot " << index;
-    EXPECT_EQ(fused_slot->fused_slot_source, sources.second) << "slot " << index;
+    EXPECT_EQ(fused_slot->fused_offset, expected.fused_offset) << "slot " << index;
+    EXPECT_EQ(fused_slot->part, expected.part) << "slot " << index;
+    EXPECT_EQ(fused_slot->fused_slot_part, expected.fused_slot_part) << "slot " << index;
   }
   EXPECT_EQ(slot<Fp8LayerNormMLPImpl>(model, 2)->options.ffn_hidden_size(), 128);
   std::set<std::string> paths;
@@ -475,11 +479,47 @@ TEST_F(ConvertModuleTest, SequentialRunsFuseIntoLayerNormLinearAndLayerNormMLP) 
 
 // Layers kept in bf16 are not fused into modules that run FP8, and a run with a kept layer
 // inside is converted module by module.
+// A module the model holds in two places is not fused: its other place would become a
+// pass-through (the GELU) or run the whole fused module (the LayerNorm). A module held twice
+// gets one replacement, in both places.
+TEST_F(ConvertModuleTest, ModulesHeldTwiceAreNotFused) {
+  using namespace torch::nn;
+  LayerNorm norm(LayerNormOptions({32}));
+  GELU gelu(GELUOptions().approximate("tanh"));
+  auto model = Sequential(norm, Linear(32, 128), gelu, Linear(128, 32), gelu, norm, Linear(32, 32));
+  torch::optim::SGD optimizer(model->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_min_gemm_size(0);
+  plugin.connect(*model, optimizer);
+  EXPECT_TRUE(slot<Fp8LayerNormImpl>(model, 0));
+  EXPECT_TRUE(slot<Fp8LinearImpl>(model, 1));
+  EXPECT_TRUE(slot<torch::nn::GELUImpl>(model, 2));
+  EXPECT_TRUE(slot<torch::nn::GELUImpl>(model, 4));
+  EXPECT_TRUE(slot<Fp8LayerNormImpl>(model, 5));
+  EXPECT_EQ(model->ptr(0), model->ptr(5)) << "one Fp8LayerNorm, in both slots";
+  const auto x = torch::randn({8, 32}).to(at::kBFloat16);
+  EXPECT_TRUE(BytesEqual(model->forward(x), model->ptr(6)->as<Fp8LinearImpl>()->forward(
+      model->ptr(0)->as<Fp8LayerNormImpl>()->forward(torch::gelu(model->ptr(3)->as<Fp8LinearImpl>()->forward(
+          torch::gelu(model->ptr(1)->as<Fp8LinearImpl>()->forward(model->ptr(0)->as<Fp8LayerNormImpl>()->forward(x)),
+                      "tanh")), "tanh")))));
+
+  // Across containers too: this GELU is also another Sequential's child, so only the LayerNorm
+  // → Linear before it fuses.
+  GELU shared(GELUOptions().approximate("tanh"));
+  auto mlp = Sequential(LayerNorm(LayerNormOptions({32})), Linear(32, 128), shared, Linear(128, 32));
+  auto other = Sequential(shared);
+  ModuleList both(mlp, other);
+  convert_to_fp8(*both, Fp8ConversionOptions().fp8_min_gemm_size(0));
+  EXPECT_TRUE(slot<Fp8LayerNormLinearImpl>(mlp, 0));
+  EXPECT_TRUE(slot<torch::nn::GELUImpl>(mlp, 2));
+  EXPECT_TRUE(slot<Fp8LinearImpl>(mlp, 3));
+  EXPECT_TRUE(slot<torch::nn::GELUImpl>(other, 0));
+}
+
 TEST_F(ConvertModuleTest, RunsWithALayerKeptInBf16AreNotFused) {
   auto model = make_fusable_model();
   torch::optim::SGD optimizer(model->parameters(), 0.1);
-  // The Sequential is the layer stack; its layers are the children with a linear layer: 1, 3,
-  // 5, 7, 9, 11. The first two stay in bf16.
+  // The Sequential is the layer stack; its layers are the children with an FP8-eligible linear
+  // layer: 1, 3, 5, 7, 9. The first two stay in bf16.
   MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false).num_layers_at_start_in_bf16(2);
   plugin.connect(*model, optimizer);
   EXPECT_TRUE(slot<Fp8LayerNormImpl>(model, 0));
@@ -676,10 +716,18 @@ TEST_F(MasterParamsTest, ExportedFp32ModelLoadsIntoTheUnmodifiedModel) {
 // Linear and GELU modules the user wrote, each parameter its FP32 master.
 TEST_F(MasterParamsTest, ExportedFusedModelLoadsIntoTheUnmodifiedModel) {
   auto model = make_fusable_model();
+  std::vector<torch::Tensor> originals;
+  for (const auto& p : model->parameters()) originals.push_back(p.detach().clone());
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
   MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  ASSERT_TRUE(plugin.options().fp8_params());
   plugin.connect(*model, optimizer);
   ASSERT_TRUE(slot<Fp8LayerNormMLPImpl>(model, 2));
+  EXPECT_EQ(slot<Fp8LayerNormMLPImpl>(model, 2)->fc2->weight.scalar_type(), at::kFloat8_e4m3fn);
+  // fp8_params: the fused modules' FP8 weights have masters seeded from the original values.
+  auto masters = plugin.master_params();
+  ASSERT_EQ(masters.size(), originals.size());
+  for (size_t i = 0; i < masters.size(); ++i) EXPECT_TRUE(BytesEqual(masters[i], originals[i])) << "master " << i;
   for (int step = 0; step < 3; ++step) {
     forward_backward(plugin, model, torch::randn({24, 32}), torch::randn({24, 40}));
     ASSERT_TRUE(plugin.optimizer_step(optimizer));
@@ -689,7 +737,7 @@ TEST_F(MasterParamsTest, ExportedFusedModelLoadsIntoTheUnmodifiedModel) {
 
   auto plain = make_fusable_model();
   torch::load(plain, path);
-  const auto masters = plugin.master_params();
+  masters = plugin.master_params();
   const auto params = plain->parameters();
   ASSERT_EQ(params.size(), masters.size());
   for (size_t i = 0; i < params.size(); ++i) {

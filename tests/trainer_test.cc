@@ -301,7 +301,21 @@ TEST_F(TrainerTest, ClipsWithTheNormReadAlongsideTheLoss) {
       loss = loss_of(reference, reference_plugin, step);
     }
     reference_plugin.backward(loss);
-    EXPECT_EQ(reference_plugin.clip_gradients(reference_optimizer, kMaxNorm), plugin->clipped_with[step]);
+    // Independently of gradient_norm: the norm is that of the masters' gradients, and clipping
+    // leaves them at max_norm · norm / (norm + 1e-6).
+    const auto masters_grad_norm = [&] {
+      double sum = 0;
+      for (const auto& master : reference_plugin.master_params()) {
+        if (master.grad().defined()) sum += master.grad().to(at::kDouble).square().sum().item<double>();
+      }
+      return std::sqrt(sum);
+    };
+    reference_plugin.unscale_gradients(reference_optimizer);
+    const double before = masters_grad_norm();
+    const double norm = reference_plugin.clip_gradients(reference_optimizer, kMaxNorm);
+    EXPECT_NEAR(norm, before, 1e-6 * before);
+    EXPECT_NEAR(masters_grad_norm(), kMaxNorm * norm / (norm + 1e-6), 1e-6 * kMaxNorm);
+    EXPECT_EQ(norm, plugin->clipped_with[step]);
     reference_plugin.optimizer_step(reference_optimizer);
   }
   const auto masters = plugin->master_params(), expected = reference_plugin.master_params();

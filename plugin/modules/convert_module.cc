@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <optional>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "plugin/modules/fp8_layer_norm.h"
@@ -72,11 +73,11 @@ std::vector<const torch::nn::Module*> model_layers(const torch::nn::Module& mode
 bool replace_child(torch::nn::Module& parent, const std::string& name,
                    const std::shared_ptr<torch::nn::Module>& old,
                    const std::shared_ptr<torch::nn::Module>& replacement,
-                   torch::nn::AnyModule any_replacement) {
+                   const torch::nn::AnyModule& any_replacement) {
   parent.replace_module(name, replacement);
   if (auto* sequential = dynamic_cast<torch::nn::SequentialImpl*>(&parent)) {
     for (auto& entry : *sequential) {
-      if (entry.ptr() == old) entry = std::move(any_replacement);
+      if (entry.ptr() == old) entry = any_replacement;  // every slot holding it
     }
     return true;
   }
@@ -105,8 +106,11 @@ void adopt(torch::Tensor& target, const torch::Tensor& source, Fp8Conversion& re
 
 class Converter {
  public:
-  Converter(const Fp8ConversionOptions& options, std::unordered_set<const torch::nn::Module*> kept)
-      : options_(options), kept_layers_(std::move(kept)) {}
+  Converter(const torch::nn::Module& model, const Fp8ConversionOptions& options,
+            std::unordered_set<const torch::nn::Module*> kept)
+      : options_(options), kept_layers_(std::move(kept)) {
+    count_registrations(model);
+  }
 
   void visit(torch::nn::Module& parent, const std::string& prefix, bool keep) {
     const auto children = parent.named_children();
@@ -116,6 +120,10 @@ class Converter {
       const std::shared_ptr<torch::nn::Module> child = children[i].value();
       const std::string path = prefix.empty() ? name : prefix + "." + name;
       const bool keep_child = keep || kept_layers_.count(child.get()) > 0;
+      if (const auto done = replacements_.find(child.get()); done != replacements_.end()) {
+        replace_child(parent, name, child, done->second.first, done->second.second);
+        continue;
+      }
       if (sequential && !keep && options_.fuse_modules()) {
         if (const size_t length = fusable_run(children, i)) {
           fuse(parent, children, i, length, path);
@@ -214,7 +222,13 @@ class Converter {
   size_t fusable_run(const torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>& children,
                      size_t first) const {
     const auto at = [&](size_t i) { return i < children.size() ? children[i].value().get() : nullptr; };
-    const auto kept = [&](size_t i) { return kept_layers_.count(at(i)) > 0; };
+    // A module the model holds in two places (or one kept in bf16) is converted on its own:
+    // fused, its other place would become a pass-through or run the whole fused module.
+    const auto kept = [&](size_t i) {
+      const auto* module = at(i);
+      const auto held = registrations_.find(module);
+      return kept_layers_.count(module) > 0 || (held != registrations_.end() && held->second > 1);
+    };
     const auto* norm = dynamic_cast<const torch::nn::LayerNormImpl*>(at(first));
     const auto* fc1 = dynamic_cast<const torch::nn::LinearImpl*>(at(first + 1));
     if (norm == nullptr || fc1 == nullptr || kept(first) || kept(first + 1)) return 0;
@@ -273,13 +287,11 @@ class Converter {
       fused = norm_linear.ptr();
       any = torch::nn::AnyModule(norm_linear);
     }
-    const std::string& slot = children[first].key();
-    const auto qualified = [&](const std::string& part) { return part.empty() ? part : slot + "." + part; };
-    record(parent, slot, path, children[first].value(), fused, std::move(any));
+    record(parent, children[first].key(), path, children[first].value(), fused, std::move(any));
     for (size_t i = 1; i < length; ++i) {
       std::ostringstream replaced;
       children[first + i].value()->pretty_print(replaced);
-      FusedSlot placeholder(replaced.str(), qualified(sources[i]), i == 1 ? qualified(sources[0]) : "");
+      FusedSlot placeholder(replaced.str(), static_cast<int64_t>(i), sources[i], i == 1 ? sources[0] : "");
       replace_child(parent, children[first + i].key(), children[first + i].value(), placeholder.ptr(),
                     torch::nn::AnyModule(placeholder));
     }
@@ -288,9 +300,24 @@ class Converter {
   void record(torch::nn::Module& parent, const std::string& name, const std::string& path,
               const std::shared_ptr<torch::nn::Module>& old,
               const std::shared_ptr<torch::nn::Module>& replacement, torch::nn::AnyModule any) {
-    const bool in_container = replace_child(parent, name, old, replacement, std::move(any));
+    const bool in_container = replace_child(parent, name, old, replacement, any);
     result_.modules.push_back({path, replacement, in_container, old});
+    replacements_.emplace(old.get(), std::make_pair(replacement, std::move(any)));
   }
+
+  // How many places of the tree hold each module (a module registered twice is visited once
+  // below each place).
+  void count_registrations(const torch::nn::Module& module) {
+    for (const auto& child : module.children()) {
+      if (++registrations_[child.get()] == 1) count_registrations(*child);
+    }
+  }
+  std::unordered_map<const torch::nn::Module*, int> registrations_;
+
+  // Modules already swapped, by the module they replaced: a module the model holds in two
+  // places gets one replacement in both (converting it twice would train a copy that never runs).
+  std::unordered_map<const torch::nn::Module*, std::pair<std::shared_ptr<torch::nn::Module>, torch::nn::AnyModule>>
+      replacements_;
 
   Fp8ConversionOptions options_;
   std::unordered_set<const torch::nn::Module*> kept_layers_;
@@ -301,7 +328,7 @@ class Converter {
 }  // namespace
 
 void FusedSlotImpl::pretty_print(std::ostream& stream) const {
-  stream << "amp8::FusedSlot(" << replaced << (source.empty() ? "" : " -> " + source) << ")";
+  stream << "amp8::FusedSlot(" << replaced << (part.empty() ? "" : " -> " + part) << ")";
 }
 
 Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOptions& options) {
@@ -325,7 +352,7 @@ Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOption
     TORCH_CHECK(false, "convert_to_fp8: the model itself is a linear layer; wrap it in a module "
                        "(e.g. torch::nn::Sequential) so it can be swapped");
   }
-  Converter converter(options, std::move(kept));
+  Converter converter(model, options, std::move(kept));
   converter.visit(model, "", false);
   std::string own_modules;
   for (const auto& path : converter.without_fp8_params()) own_modules += (own_modules.empty() ? "" : ", ") + path;

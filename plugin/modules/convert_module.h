@@ -42,12 +42,16 @@ struct Fp8ConversionOptions {
 /// earlier slot (a Linear or GELU folded into an Fp8LayerNormLinear / Fp8LayerNormMLP). Its
 /// forward passes the input through. It names the part of the fused module that now holds the
 /// parameters of the module it replaced, so that export_fp32_model writes the model in its
-/// original layout (paths relative to the Sequential, so a clone of the model stays right).
+/// original layout. Positions and parts, not names: a clone of the Sequential (which renames its
+/// children "0", "1", ...) stays right.
 class FusedSlotImpl : public torch::nn::Cloneable<FusedSlotImpl> {
  public:
   FusedSlotImpl() = default;
-  FusedSlotImpl(std::string replaced, std::string source, std::string fused_slot_source)
-      : replaced(std::move(replaced)), source(std::move(source)), fused_slot_source(std::move(fused_slot_source)) {}
+  FusedSlotImpl(std::string replaced, int64_t fused_offset, std::string part, std::string fused_slot_part)
+      : replaced(std::move(replaced)),
+        fused_offset(fused_offset),
+        part(std::move(part)),
+        fused_slot_part(std::move(fused_slot_part)) {}
 
   void reset() override {}
   void pretty_print(std::ostream& stream) const override;
@@ -55,12 +59,14 @@ class FusedSlotImpl : public torch::nn::Cloneable<FusedSlotImpl> {
 
   /// The module this slot held, as it printed (e.g. "torch::nn::GELU(approximate=tanh)").
   std::string replaced;
-  /// The fused module's part holding that module's parameters ("0.ln_fc1.linear"); empty when
-  /// it had none (GELU).
-  std::string source;
-  /// Set on the first slot after the fused module only: the part holding the parameters of the
-  /// module the fused module's own slot held (its LayerNorm, "0.ln_fc1.layer_norm").
-  std::string fused_slot_source;
+  /// How many slots before this one the fused module sits (1 for the slot right after it).
+  int64_t fused_offset = 1;
+  /// The fused module's part holding the replaced module's parameters ("ln_fc1.linear"); empty
+  /// when it had none (GELU).
+  std::string part;
+  /// Set on the slot right after the fused module only: the part holding the parameters of the
+  /// module the fused module's own slot held (its LayerNorm, "ln_fc1.layer_norm").
+  std::string fused_slot_part;
 };
 
 TORCH_MODULE(FusedSlot);
@@ -105,7 +111,7 @@ struct Fp8Conversion {
 ///   LayerNorm({h}) → Linear(h, f) → GELU(tanh) → Linear(f, h)   an Fp8LayerNormMLP
 ///   LayerNorm({h}) → Linear(h, n)                                an Fp8LayerNormLinear
 /// (the LayerNorm with its affine parameters; the linear layers FP8-eligible, the MLP's two
-/// with or both without bias; none kept in bf16). The fused module takes the run's first slot
+/// with or both without bias; none kept in bf16, none held by the Sequential twice). The fused module takes the run's first slot
 /// and FusedSlot modules the others, so the parameters are named after the fused module's parts
 /// ("mlp.0.ln_fc1.linear.weight"); export_fp32_model writes them under the original names. GELU
 /// without the tanh approximation is not fused (TE's LayerNormMLP computes the tanh form).

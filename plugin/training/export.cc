@@ -27,22 +27,26 @@ void write_module(const torch::nn::Module& module, const PrecisionPlugin& plugin
     }
   }
   const auto children = module.named_children();
-  const auto part = [&](const std::string& path) -> const torch::nn::Module* {
+  // `path` inside the module at children[index]; null for an empty path (nothing to write).
+  const auto part = [&](size_t index, const std::string& path) -> const torch::nn::Module* {
     if (path.empty()) return nullptr;
-    const auto modules = module.named_modules();
+    const auto modules = children[index].value()->named_modules();
     const auto* found = modules.find(path);
-    TORCH_CHECK(found != nullptr, "export_fp32_model: a FusedSlot names ", path, ", which ", module.name(),
-                " does not have");
+    TORCH_CHECK(found != nullptr, "export_fp32_model: a FusedSlot names part ", path, ", which ",
+                children[index].value()->name(), " does not have");
     return found->get();
   };
   for (size_t i = 0; i < children.size(); ++i) {
     const torch::nn::Module* child = children[i].value().get();
     if (!child->is_serializable()) continue;
     if (const auto* slot = dynamic_cast<const FusedSlotImpl*>(child)) {
-      child = part(slot->source);
+      TORCH_CHECK(slot->fused_offset >= 1 && static_cast<size_t>(slot->fused_offset) <= i,
+                  "export_fp32_model: the FusedSlot ", children[i].key(), " points ", slot->fused_offset,
+                  " slots back, before the first");
+      child = part(i - slot->fused_offset, slot->part);
     } else if (i + 1 < children.size()) {
       if (const auto* next = dynamic_cast<const FusedSlotImpl*>(children[i + 1].value().get())) {
-        if (!next->fused_slot_source.empty()) child = part(next->fused_slot_source);
+        if (next->fused_offset == 1 && !next->fused_slot_part.empty()) child = part(i, next->fused_slot_part);
       }
     }
     torch::serialize::OutputArchive child_archive(archive.compilation_unit());

@@ -15,6 +15,8 @@
 #include <regex>
 #include <sstream>
 
+#include "plugin/modules/fp8_layer_norm.h"
+#include "plugin/modules/fp8_linear.h"
 #include "plugin/training/checkpoint.h"
 
 namespace amp8 {
@@ -58,6 +60,20 @@ void load_rng_states(torch::serialize::InputArchive& archive) {
   }
 }
 
+// Where the missing piece belongs to a module convert_module swapped in or fused, the likely
+// cause: a checkpoint of the other module layout.
+std::string fusion_hint(const torch::nn::Module& module) {
+  const bool converted = dynamic_cast<const Fp8LayerNormLinearImpl*>(&module) != nullptr ||
+                         dynamic_cast<const Fp8LayerNormMLPImpl*>(&module) != nullptr ||
+                         dynamic_cast<const Fp8LinearImpl*>(&module) != nullptr ||
+                         dynamic_cast<const Fp8LayerNormImpl*>(&module) != nullptr;
+  return converted ? " (under FP8, convert_module fuses a Sequential's LayerNorm -> Linear (-> GELU(tanh) -> "
+                     "Linear) into one module, which changes the module names: a checkpoint of the other "
+                     "layout, saved before amp8 fused these runs or with another fp8_fuse_modules, loads "
+                     "with the fp8_fuse_modules of the run that saved it)"
+                   : "";
+}
+
 // Every parameter and buffer of `module` (recursively) must be in the archive with its shape
 // and dtype: torch's loader would silently take another shape.
 void check_module_archive(torch::nn::Module& module, torch::serialize::InputArchive& archive,
@@ -66,7 +82,7 @@ void check_module_archive(torch::nn::Module& module, torch::serialize::InputArch
     if (!expected.defined()) return;
     torch::Tensor stored;
     TORCH_CHECK(archive.try_read(name, stored, is_buffer), "checkpoint ", path, ": ",
-                prefix + name, " is missing");
+                prefix + name, " is missing", fusion_hint(module));
     TORCH_CHECK(stored.sizes() == expected.sizes() && stored.scalar_type() == expected.scalar_type(),
                 "checkpoint ", path, ": ", prefix + name, " is ", stored.scalar_type(), " ",
                 stored.sizes(), ", the model's is ", expected.scalar_type(), " ", expected.sizes());
@@ -76,7 +92,7 @@ void check_module_archive(torch::nn::Module& module, torch::serialize::InputArch
   for (const auto& item : module.named_children()) {
     torch::serialize::InputArchive child;
     TORCH_CHECK(archive.try_read(item.key(), child), "checkpoint ", path, ": module ",
-                prefix + item.key(), " is missing");
+                prefix + item.key(), " is missing", fusion_hint(module));
     check_module_archive(*item.value(), child, path, prefix + item.key() + ".");
   }
 }
