@@ -156,7 +156,8 @@ int main(int argc, char** argv) {
     auto dx = torch::empty_like(bx);
     const int default_parts = cuda::layer_norm_bwd_parts(
         bdy.const_data_ptr(), bx.const_data_ptr(), dx.const_data_ptr(),
-        bgamma.const_data_ptr<float>(), cuda::InputType::kBFloat16, cuda::InputType::kFloat, r, h);
+        bgamma.const_data_ptr<float>(), cuda::InputType::kBFloat16, cuda::InputType::kFloat, r, h,
+        /*rms_norm=*/false);
     bench::Record("layer_norm_bwd_bf16", bshape, cmd)
         .timing(ours, "at::native_layer_norm_backward (bf16)", aten)
         .set("gbps", 6 * belems / ours / 1e6)

@@ -305,7 +305,8 @@ bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
   const auto weights = weight_type(gamma.defined() ? gamma : grad_gamma, grad_beta);
   const int parts = cuda::layer_norm_bwd_parts(grad_out.const_data_ptr(), x.const_data_ptr(),
                                                grad_input.const_data_ptr(), optional_ptr(gamma),
-                                               input_type(x), weights, rows, hidden);
+                                               input_type(x), weights, rows, hidden,
+                                               norm == Normalization::kRMSNorm);
   if (parts == 0) return false;
   auto workspace = at::empty({2, parts, hidden}, x.options().dtype(at::kFloat));
   const int rc = cuda::launch_layer_norm_bwd(

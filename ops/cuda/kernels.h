@@ -113,9 +113,11 @@ int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, cons
 
 // Rows of the float32 partial-sum workspace launch_layer_norm_bwd needs (its `part` holds
 // 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.
-// The pointers are those launch_layer_norm_bwd will get (their alignment picks the plan).
+// The pointers and rms_norm are those launch_layer_norm_bwd will get (their alignment picks the
+// plan; rms_norm the kernel instance, whose registers decide how many blocks are resident).
 int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
-                         InputType type, InputType weight_type, int64_t rows, int64_t hidden);
+                         InputType type, InputType weight_type, int64_t rows, int64_t hidden,
+                         bool rms_norm);
 
 // dx (x's type) from dy (x's type); dgamma/dbeta ([hidden], either may be null). rms_norm:
 // RMSNorm's gradient (mean unread, may be null; dbeta must be null).

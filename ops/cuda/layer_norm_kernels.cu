@@ -2,8 +2,8 @@
 //
 // One row per block iteration; each thread keeps its share of the row in registers, so x is
 // read once and the statistics are an exact two-pass mean/variance in float32. RMSNorm is the
-// same kernel with the mean fixed at 0 (a runtime flag, uniform over the grid: no instances
-// added).
+// same kernel with the mean fixed at 0: a runtime flag in the forward (uniform over the grid, no
+// instances added), a template parameter in the backward (where the flag cost a fifth of its speed).
 
 #include <cuda_runtime.h>
 
@@ -195,9 +195,12 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
 }
 
 // dx per row; dgamma/dbeta partial sums per block (rows strided by gridDim.x), reduced later.
-template <typename T, typename W, int kVec, int kIters>
+// RMSNorm is a template parameter here, not a runtime flag as in the forward: as a flag it
+// slowed the LayerNorm backward from 0.61 to 0.50 of the copy rate
+// (bench/results/layer_norm_bwd_rms_template/).
+template <typename T, typename W, int kVec, int kIters, bool kRmsNorm>
 __global__ void __launch_bounds__(kMaxThreads)
-    layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, bool rms_norm,
+    layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                           const float* __restrict__ mean, const float* __restrict__ rstd,
                           const W* __restrict__ gamma, int64_t rows, int hidden,
                           T* __restrict__ dx, float* __restrict__ dgamma_part,
@@ -224,7 +227,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x, slots ^= kReduceSlots) {
     const auto* xr = reinterpret_cast<const Vec<T, kVec>*>(x + row * hidden);
     const auto* dyr = reinterpret_cast<const Vec<T, kVec>*>(dy + row * hidden);
-    const float mu = rms_norm ? 0.0f : mean[row], rs = rstd[row];
+    const float mu = kRmsNorm ? 0.0f : mean[row], rs = rstd[row];
     float xv[kIters][kVec], dv[kIters][kVec];
     float s1 = 0.0f, s2 = 0.0f;
 #pragma unroll
@@ -249,7 +252,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     const float2 sums = block_sum2(s1, s2, smem + slots);
     // RMSNorm's output does not depend on x's mean: no mean(g) term.
-    const float mean_wdy = rms_norm ? 0.0f : sums.x * inv_hidden;
+    const float mean_wdy = kRmsNorm ? 0.0f : sums.x * inv_hidden;
     const float mean_wdy_xhat = sums.y * inv_hidden;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
@@ -343,19 +346,21 @@ int dispatch_weight(InputType weight_type, InputType type, F&& f) {
 // 2048 / threads: the kernel's registers decide it (61 per thread for bf16 rows of 8-element
 // vectors: two blocks of 512 threads, not four). Cached per instance: this runs on every call.
 template <typename T, typename W>
-int bwd_blocks_per_sm(const RowPlan& plan) {
+int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm) {
   constexpr int kWide = 16 / sizeof(T);
-  // [vec is 1 or kWide][log2 iters][threads / 32 - 1]; 0 = not asked yet.
-  static std::atomic<int> cache[2][4][kMaxThreads / 32];
+  // [rms_norm][vec is 1 or kWide][log2 iters][threads / 32 - 1]; 0 = not asked yet.
+  static std::atomic<int> cache[2][2][4][kMaxThreads / 32];
   const int iters_log2 = plan.iters == 1 ? 0 : plan.iters == 2 ? 1 : plan.iters == 4 ? 2 : 3;
-  std::atomic<int>& slot = cache[plan.vec == 1 ? 0 : 1][iters_log2][plan.threads / 32 - 1];
+  std::atomic<int>& slot =
+      cache[rms_norm ? 1 : 0][plan.vec == 1 ? 0 : 1][iters_log2][plan.threads / 32 - 1];
   if (const int known = slot.load(std::memory_order_relaxed)) return known;
   int blocks = 0;
   dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
     constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
     if constexpr (kVec * kIters <= kBwdMaxElems) {
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-              &blocks, layer_norm_bwd_kernel<T, W, kVec, kIters>, plan.threads, 0) !=
+      const auto kernel = rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true>
+                                   : layer_norm_bwd_kernel<T, W, kVec, kIters, false>;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads, 0) !=
           cudaSuccess) {
         blocks = 0;
       }
@@ -371,8 +376,9 @@ int bwd_blocks_per_sm(const RowPlan& plan) {
 // dbeta partial sums: more blocks would add partial rows (written, then read by the column
 // sum) without adding rows in flight.
 template <typename T, typename W>
-int bwd_parts(int64_t rows, const RowPlan& plan) {
-  const int64_t resident = static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan);
+int bwd_parts(int64_t rows, const RowPlan& plan, bool rms_norm) {
+  const int64_t resident =
+      static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan, rms_norm);
   return static_cast<int>(std::max<int64_t>(1, std::min(rows, resident)));
 }
 
@@ -444,14 +450,15 @@ RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const void* gamm
 }  // namespace
 
 int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
-                         InputType type, InputType weight_type, int64_t rows, int64_t hidden) {
+                         InputType type, InputType weight_type, int64_t rows, int64_t hidden,
+                         bool rms_norm) {
   if (weight_type != InputType::kFloat && weight_type != type) return 0;
   return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
     const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
     if (!plan.ok()) return 0;
     return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
-      return bwd_parts<T, decltype(weight_tag)>(rows, plan);
+      return bwd_parts<T, decltype(weight_tag)>(rows, plan, rms_norm);
     });
   });
 }
@@ -478,8 +485,10 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rm
         if constexpr (kVec * kIters > kBwdMaxElems) {
           return kUnsupportedShape;  // never planned
         } else {
-          layer_norm_bwd_kernel<T, W, kVec, kIters><<<parts, plan.threads, 0, stream>>>(
-              static_cast<const T*>(dy), static_cast<const T*>(x), rms_norm, mean, rstd,
+          const auto kernel = rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true>
+                                       : layer_norm_bwd_kernel<T, W, kVec, kIters, false>;
+          kernel<<<parts, plan.threads, 0, stream>>>(
+              static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd,
               static_cast<const W*>(gamma), rows, static_cast<int>(hidden), static_cast<T*>(dx),
               dgamma_part, dbeta_part);
           return static_cast<int>(cudaGetLastError());
