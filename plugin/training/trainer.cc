@@ -241,28 +241,25 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
     stop = data_parallel ? values[1].item<double>() > 0 : stop_requested_.load();
     metrics.grad_norm = norm.defined() ? values[values.size(0) - 1].item<double>()
                                        : std::numeric_limits<double>::quiet_NaN();
-    if (!std::isfinite(loss_value)) {
+    // A step whose loss or gradient norm is not finite never reaches the weights: its gradients
+    // are dropped and, under nonfinite_loss = "error", the last good state is saved and the run
+    // stops. `what` names the value, `context` follows the step number in the message.
+    const auto reject = [&](const std::string& what, const std::string& context) {
+      precision.discard_gradients(optimizer);
       if (options.nonfinite_loss() != "skip") {
-        precision.discard_gradients(optimizer);
         const std::string saved = save_last_good_state(model, optimizer);
-        TORCH_CHECK(false, "Trainer: non-finite loss (", loss_value, ") at step ", step + 1,
+        TORCH_CHECK(false, "Trainer: ", what, " at step ", step + 1, context,
                     "; the weights are those after the previous step", saved,
                     " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
       }
-      precision.discard_gradients(optimizer);
       metrics.stepped = false;
+    };
+    if (!std::isfinite(loss_value)) {
+      reject(c10::str("non-finite loss (", loss_value, ")"), "");
       metrics.grad_norm = std::numeric_limits<double>::quiet_NaN();
     } else if (measures_norm && !std::isfinite(metrics.grad_norm) && !precision.skips_nonfinite_gradients()) {
-      if (options.nonfinite_loss() != "skip") {
-        precision.discard_gradients(optimizer);
-        const std::string saved = save_last_good_state(model, optimizer);
-        TORCH_CHECK(false, "Trainer: non-finite gradient norm (", metrics.grad_norm, ") at step ",
-                    step + 1, " with a finite loss (", loss_value,
-                    "); the weights are those after the previous step", saved,
-                    " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
-      }
-      precision.discard_gradients(optimizer);
-      metrics.stepped = false;
+      reject(c10::str("non-finite gradient norm (", metrics.grad_norm, ")"),
+             c10::str(" with a finite loss (", loss_value, ")"));
     } else {
       if (options.gradient_clip_val() > 0) {
         or_discard([&] { precision.clip_gradients_to(optimizer, options.gradient_clip_val(), metrics.grad_norm); });
