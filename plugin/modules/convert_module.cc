@@ -258,13 +258,18 @@ class Converter {
     std::shared_ptr<torch::nn::Module> fused;
     torch::nn::AnyModule any;
     std::vector<std::string> sources;  // per slot, the fused module's part holding its parameters
+    // The options both fused modules take from the run and from the conversion.
+    const auto from_run = [&](auto fused_options) {
+      fused_options.eps(norm.options.eps())
+          .bias(fc1.options.bias())
+          .fp8_amax_history_len(options_.fp8_amax_history_len())
+          .fp8_min_gemm_size(options_.fp8_min_gemm_size());
+      return fused_options;
+    };
     if (length == 4) {
       auto& fc2 = *children[first + 3].value()->as<torch::nn::LinearImpl>();
-      auto mlp = build<Fp8LayerNormMLP>(Fp8LayerNormMLPOptions(hidden, fc1.options.out_features())
-                                            .eps(norm.options.eps())
-                                            .bias(fc1.options.bias())
-                                            .fp8_amax_history_len(options_.fp8_amax_history_len())
-                                            .fp8_min_gemm_size(options_.fp8_min_gemm_size()));
+      auto mlp = build<Fp8LayerNormMLP>(
+          from_run(Fp8LayerNormMLPOptions(hidden, fc1.options.out_features())));
       mlp->to(device);
       take_parameters(*mlp->ln_fc1->layer_norm, norm);
       take_parameters(*mlp->ln_fc1->linear, fc1);
@@ -274,11 +279,8 @@ class Converter {
       fused = mlp.ptr();
       any = torch::nn::AnyModule(mlp);
     } else {
-      auto norm_linear = build<Fp8LayerNormLinear>(Fp8LayerNormLinearOptions(hidden, fc1.options.out_features())
-                                                       .eps(norm.options.eps())
-                                                       .bias(fc1.options.bias())
-                                                       .fp8_amax_history_len(options_.fp8_amax_history_len())
-                                                       .fp8_min_gemm_size(options_.fp8_min_gemm_size()));
+      auto norm_linear = build<Fp8LayerNormLinear>(
+          from_run(Fp8LayerNormLinearOptions(hidden, fc1.options.out_features())));
       norm_linear->to(device);
       take_parameters(*norm_linear->layer_norm, norm);
       take_parameters(*norm_linear->linear, fc1);
