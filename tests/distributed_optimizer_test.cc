@@ -971,14 +971,7 @@ TEST(DistributedOptimizerTest, AccumulationWithoutGradientSyncOffIsAClearError) 
 namespace amp8 {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using testing::error_of;
 
 // Launched by torchrun on a machine with 2+ GPUs (tools/gpu_check.sh with AMP8_GPT_DP):
 //   torchrun --standalone --nproc-per-node=2 --no-python distributed_optimizer_test

@@ -132,6 +132,18 @@ void ExpectErrorContaining(Fn&& fn, const std::string& text) {
   }
 }
 
+// The message of the c10::Error `fn` throws, "" when it throws none: for checks on what a
+// message says and what it does not.
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
 inline float item(const at::Tensor& t) { return t.cpu().reshape({}).item<float>(); }
 
 // Random, non-zero data with a wide dynamic range: normal values times powers of two in
