@@ -19,6 +19,7 @@
 
 #include <optional>
 #include "plugin/training/export.h"
+#include "plugin/training/trainer.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
 #include "tests/test_util.h"
@@ -27,6 +28,7 @@ namespace amp8 {
 namespace {
 
 using testing::BytesEqual;
+using testing::error_of;
 using testing::ExpectErrorContaining;
 using testing::MlpData;
 using testing::SequenceData;
@@ -743,6 +745,50 @@ TEST_F(MasterParamsTest, ExportedFusedModelLoadsIntoTheUnmodifiedModel) {
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_TRUE(BytesEqual(params[i], masters[i])) << plain->named_parameters()[i].key() << " is its FP32 master";
   }
+}
+
+// A checkpoint of the fused layout loaded into a model converted with fp8_fuse_modules(false)
+// names the setting; a missing piece inside an FP8 module a model holds itself (not in a
+// Sequential, where convert_module fuses) does not get that hint.
+TEST_F(MasterParamsTest, ACheckpointOfTheOtherFusionLayoutIsNamedOnLoad) {
+  const auto path = testing::scratch_path("fusion_layout", "fused.ckpt").string();
+  {
+    auto model = make_fusable_model();
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0));
+    plugin->connect(*model, optimizer);
+    ASSERT_TRUE(slot<Fp8LayerNormMLPImpl>(model, 2));
+    Trainer(TrainerOptions().log_every_n_steps(0), plugin).save_checkpoint(path, *model, optimizer);
+  }
+  auto unfused = make_fusable_model();
+  torch::optim::AdamW optimizer(unfused->parameters(), torch::optim::AdamWOptions(1e-2));
+  Trainer reader(TrainerOptions().log_every_n_steps(0),
+                 recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_fuse_modules(false));
+  const std::string message = error_of([&] { reader.load_checkpoint(path, *unfused, optimizer); });
+  EXPECT_NE(message.find("is missing"), std::string::npos) << message;
+  EXPECT_NE(message.find("another fp8_fuse_modules"), std::string::npos) << message;
+
+  // An Fp8LayerNormLinear held as a member: its checkpoint without a bias, loaded into one with.
+  struct Holder : torch::nn::Module {
+    explicit Holder(bool bias)
+        : norm_linear(register_module(
+              "norm_linear", Fp8LayerNormLinear(Fp8LayerNormLinearOptions(16, 24).bias(bias)))) {}
+    Fp8LayerNormLinear norm_linear;
+  };
+  const auto holder_path = testing::scratch_path("fusion_layout", "holder.ckpt").string();
+  {
+    auto saved = std::make_shared<Holder>(false);
+    torch::optim::SGD sgd(saved->parameters(), 0.1);
+    Trainer(TrainerOptions().log_every_n_steps(0)).save_checkpoint(holder_path, *saved, sgd);
+  }
+  auto with_bias = std::make_shared<Holder>(true);
+  torch::optim::SGD sgd(with_bias->parameters(), 0.1);
+  Trainer holder_reader(TrainerOptions().log_every_n_steps(0));
+  const std::string holder_message =
+      error_of([&] { holder_reader.load_checkpoint(holder_path, *with_bias, sgd); });
+  EXPECT_NE(holder_message.find("norm_linear.linear.bias is missing"), std::string::npos)
+      << holder_message;
+  EXPECT_EQ(holder_message.find("fp8_fuse_modules"), std::string::npos) << holder_message;
 }
 
 // ---- fp16 loss scaling inside the loop ----

@@ -6,6 +6,7 @@
 #include <ATen/Context.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
@@ -60,29 +61,35 @@ void load_rng_states(torch::serialize::InputArchive& archive) {
   }
 }
 
-// Where the missing piece belongs to a module convert_module swapped in or fused, the likely
-// cause: a checkpoint of the other module layout.
-std::string fusion_hint(const torch::nn::Module& module) {
+// Where the missing piece belongs to an FP8 module that convert_module put into a Sequential
+// (the only place it fuses), the likely cause: a checkpoint of the other module layout. The same
+// modules built by a model itself (GptModel's) get no hint: fusion does not rename them.
+std::string fusion_hint(const torch::nn::Module& module, const torch::nn::Module* parent) {
   const bool converted = dynamic_cast<const Fp8LayerNormLinearImpl*>(&module) != nullptr ||
                          dynamic_cast<const Fp8LayerNormMLPImpl*>(&module) != nullptr ||
                          dynamic_cast<const Fp8LinearImpl*>(&module) != nullptr ||
                          dynamic_cast<const Fp8LayerNormImpl*>(&module) != nullptr;
-  return converted ? " (under FP8, convert_module fuses a Sequential's LayerNorm -> Linear (-> GELU(tanh) -> "
-                     "Linear) into one module, which changes the module names: a checkpoint of the other "
-                     "layout, saved before amp8 fused these runs or with another fp8_fuse_modules, loads "
-                     "with the fp8_fuse_modules of the run that saved it)"
-                   : "";
+  const bool in_sequential =
+      parent != nullptr && dynamic_cast<const torch::nn::SequentialImpl*>(parent) != nullptr;
+  return converted && in_sequential
+             ? " (under FP8, convert_module fuses a Sequential's LayerNorm -> Linear (-> GELU(tanh) -> "
+               "Linear) into one module, which changes the module names: a checkpoint of the other "
+               "layout, saved before amp8 fused these runs or with another fp8_fuse_modules, loads "
+               "with the fp8_fuse_modules of the run that saved it)"
+             : "";
 }
 
 // Every parameter and buffer of `module` (recursively) must be in the archive with its shape
-// and dtype: torch's loader would silently take another shape.
+// and dtype: torch's loader would silently take another shape. `parent` holds `module` (null
+// for the model).
 void check_module_archive(torch::nn::Module& module, torch::serialize::InputArchive& archive,
-                          const std::string& path, const std::string& prefix) {
+                          const std::string& path, const std::string& prefix,
+                          const torch::nn::Module* parent = nullptr) {
   auto check = [&](const std::string& name, const torch::Tensor& expected, bool is_buffer) {
     if (!expected.defined()) return;
     torch::Tensor stored;
     TORCH_CHECK(archive.try_read(name, stored, is_buffer), "checkpoint ", path, ": ",
-                prefix + name, " is missing", fusion_hint(module));
+                prefix + name, " is missing", fusion_hint(module, parent));
     TORCH_CHECK(stored.sizes() == expected.sizes() && stored.scalar_type() == expected.scalar_type(),
                 "checkpoint ", path, ": ", prefix + name, " is ", stored.scalar_type(), " ",
                 stored.sizes(), ", the model's is ", expected.scalar_type(), " ", expected.sizes());
@@ -92,8 +99,8 @@ void check_module_archive(torch::nn::Module& module, torch::serialize::InputArch
   for (const auto& item : module.named_children()) {
     torch::serialize::InputArchive child;
     TORCH_CHECK(archive.try_read(item.key(), child), "checkpoint ", path, ": module ",
-                prefix + item.key(), " is missing", fusion_hint(module));
-    check_module_archive(*item.value(), child, path, prefix + item.key() + ".");
+                prefix + item.key(), " is missing", fusion_hint(module, parent));
+    check_module_archive(*item.value(), child, path, prefix + item.key() + ".", &module);
   }
 }
 
