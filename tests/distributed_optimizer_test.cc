@@ -87,15 +87,33 @@ torch::nn::Sequential initial_model(const MixedPrecisionOptions& options, uint64
   return testing::make_mlp();
 }
 
+// How a data-parallel run gets its parameters after each step (overlap_param_gather).
+enum class ParamGather {
+  kAfterStep,                 // waited for at the step
+  kOverlapped,                // in flight until the forward pass waits for each layer's
+  kOverlappedWithoutWaiting,  // in flight, and a forward pass that never waits
+};
+
 // Trains `steps` steps of the global batch, this rank taking rows [rank, rank + 1) / world of it.
 Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c10d::ProcessGroup> group,
           torch::nn::Sequential model, int64_t accumulate = 1, int64_t clip = 0,
-          torch::Device device = torch::kCPU) {
+          torch::Device device = torch::kCPU, ParamGather gather = ParamGather::kAfterStep) {
   model->to(device);
   const int rank = group ? group->getRank() : 0, world = group ? group->getSize() : 1;
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
   auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
-  if (group) plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000));
+  if (group) {
+    plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000).overlap_param_gather(
+                                         gather != ParamGather::kAfterStep));
+  }
+  const auto forward = [&](torch::Tensor h) {
+    if (gather != ParamGather::kOverlapped) return model->forward(h);
+    for (auto& layer : *model) {  // as GptModel's blocks: each waits for its parameters
+      wait_for_params(*layer.ptr());
+      h = layer.forward(h);
+    }
+    return h;
+  };
   Trainer trainer(TrainerOptions().max_steps(steps).log_every_n_steps(0).accumulate_grad_batches(accumulate)
                       .gradient_clip_val(static_cast<double>(clip)),
                   plugin);
@@ -104,7 +122,7 @@ Run train(const MixedPrecisionOptions& options, int steps, c10::intrusive_ptr<c1
     auto [x, y] = data().batch(in.step);
     const int64_t begin = (rank * accumulate + in.micro_batch) * rows;
     x = x.narrow(0, begin, rows).to(device), y = y.narrow(0, begin, rows).to(device);
-    return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+    return torch::mse_loss(in.precision.convert_output(forward(in.precision.convert_input(x))), y);
   });
   Run run;
   for (const auto& m : trainer.history()) run.losses.push_back(m.loss);
@@ -378,6 +396,76 @@ TEST(DistributedOptimizerTest, Fp8WeightGradientsAreReducedDuringTheBackwardPass
 
 // An FP8 weight's main_grad is its slice of the gradient buffer (Megatron's param.main_grad),
 // in the buffer's dtype: no FP32 tensor of the module's own beside the bucket, and no copy.
+// `world` ranks training 5 steps whose all-gathers run only when waited for (so a parameter read
+// before its wait is the previous step's); each rank's run and error ("" for none).
+std::pair<std::vector<Run>, std::vector<std::string>> train_deferred(const MixedPrecisionOptions& options, int world,
+                                                                     ParamGather gather,
+                                                                     torch::Device device = torch::kCPU) {
+  data();
+  std::vector<torch::nn::Sequential> models;
+  for (int r = 0; r < world; ++r) models.push_back(initial_model(options));
+  std::vector<Run> runs(world);
+  const auto errors = testing::run_ranks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    testing::defer_allgathers(*group);
+    runs[rank] = train(options, 5, group, models[rank], 1, 0, device, gather);
+  });
+  return {runs, errors};
+}
+
+// overlap_param_gather: the all-gathers stay in flight after the step; a forward pass that waits
+// for each layer trains exactly as the gather at the step does, and fit returns the model with
+// every bucket in. One that never waits is an error at its first gradient.
+TEST(DistributedOptimizerTest, OverlappedParamGatherTrainsExactlyAsTheGatherAtTheStep) {
+  const auto fp8 = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  for (const auto& options : {MixedPrecisionOptions("32"), MixedPrecisionOptions("bf16-mixed"), fp8}) {
+    SCOPED_TRACE(options.precision() + (options.fp8_enabled() ? " + fp8 fp8_params" : ""));
+    const auto run = [&](int world, ParamGather gather) { return train_deferred(options, world, gather); };
+    for (int world : {2, 3}) {
+      SCOPED_TRACE("world " + std::to_string(world));
+      const auto [at_step, at_step_errors] = run(world, ParamGather::kAfterStep);
+      const auto [overlapped, overlapped_errors] = run(world, ParamGather::kOverlapped);
+      for (int r = 0; r < world; ++r) {
+        ASSERT_EQ(at_step_errors[r], "") << "rank " << r;
+        ASSERT_EQ(overlapped_errors[r], "") << "rank " << r;
+      }
+      expect_ranks_agree(overlapped);
+      EXPECT_EQ(overlapped[0].losses, at_step[0].losses);
+      EXPECT_EQ(max_abs_diff(overlapped[0].params, at_step[0].params), 0.0);
+
+      const auto [unwaited, unwaited_errors] = run(world, ParamGather::kOverlappedWithoutWaiting);
+      for (int r = 0; r < world; ++r) {
+        EXPECT_NE(unwaited_errors[r].find("before its all-gather was waited for"), std::string::npos)
+            << "rank " << r << ": " << unwaited_errors[r];
+        EXPECT_NE(unwaited_errors[r].find("amp8::wait_for_params(block)"), std::string::npos)
+            << unwaited_errors[r];
+      }
+    }
+  }
+}
+
+// On the GPU the waits are the compute stream's and are timed: every step reports the all-gather
+// (the last one's finished by fit), with the bytes of the gather at the step.
+TEST(DistributedOptimizerTest, OverlappedParamGatherIsTimedByItsWaits_CUDA) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a GPU";
+  const auto options = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  const auto [at_step, at_step_errors] = train_deferred(options, 2, ParamGather::kAfterStep, torch::kCUDA);
+  const auto [overlapped, overlapped_errors] = train_deferred(options, 2, ParamGather::kOverlapped, torch::kCUDA);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(at_step_errors[r], "") << "rank " << r;
+    ASSERT_EQ(overlapped_errors[r], "") << "rank " << r;
+  }
+  EXPECT_EQ(max_abs_diff(overlapped[0].params, at_step[0].params), 0.0);
+  ASSERT_EQ(overlapped[0].communication.size(), 5u);
+  ASSERT_EQ(at_step[0].communication.size(), 5u);
+  for (size_t s = 0; s < 5; ++s) {
+    const auto& step = overlapped[0].communication[s];
+    EXPECT_GT(step.gather_bytes, 0) << "step " << s;
+    EXPECT_EQ(step.gather_bytes, at_step[0].communication[s].gather_bytes) << "step " << s;
+    EXPECT_GE(step.gather_ms, 0.0) << "step " << s;
+    EXPECT_TRUE(std::isfinite(step.gather_ms)) << "step " << s;
+  }
+}
+
 TEST(DistributedOptimizerTest, Fp8MainGradsAreSlicesOfTheGradientBuffer) {
   for (const bool in_fp32 : {true, false}) {
     SCOPED_TRACE(in_fp32 ? "grad_reduce_in_fp32" : "grads reduced in bf16");

@@ -198,7 +198,8 @@ TEST(GptPretrainTest, HelpListsTheFlagsWithDefaults) {
   for (const char* flag : {"--precision", "--fp8", "--fp8-margin", "--fp8-amax-history-len",
                            "--fp8-amax-compute-algo", "--fp8-params", "--config", "--steps",
                            "--micro-batch", "--grad-accum", "--seq", "--lr", "--data", "--device",
-                           "--save-dir", "--resume", "--seed", "--compare"}) {
+                           "--save-dir", "--resume", "--seed", "--compare", "--overlap-grad-reduce",
+                           "--overlap-param-gather", "--bucket-size"}) {
     EXPECT_NE(run.out.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(run.out.find("1024"), std::string::npos) << "defaults are shown";

@@ -5,8 +5,10 @@
 // InProcessBackend (the pip LibTorch ships no Gloo headers). Collectives are synchronous: every
 // rank deposits its tensors, waits for the others (at most `timeout`, then it throws naming the
 // ranks that never came), computes its result from all of them and writes it after a second
-// rendezvous, so in-place collectives (output inside input) are safe. Reductions run in float32
-// (float64 for float64) in rank order. Every collective is logged per rank (op, dtype, bytes),
+// rendezvous, so in-place collectives (output inside input) are safe. A rank may defer its
+// all-gathers (defer_allgathers): each then runs when its Work is waited for, which is what a
+// collective still in flight looks like to the code that launched it (its output unwritten).
+// Reductions run in float32 (float64 for float64) in rank order. Every collective is logged per rank (op, dtype, bytes),
 // so tests can assert what travelled.
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -134,14 +136,17 @@ class InProcessBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                   const c10d::AllgatherOptions&) override {
     TORCH_CHECK(output.numel() == input.numel() * size_, "_allgather_base: sizes");
-    auto result = world_->collective(rank_, "allgather", {input}, [&](const auto& all) {
-      std::vector<at::Tensor> parts;
-      for (const auto& slot : all) parts.push_back(slot[0].reshape(-1).clone());
-      return std::vector<at::Tensor>{at::cat(parts)};
-    });
-    output.copy_(result[0].view(output.sizes()));
+    if (defer_allgathers_) {
+      return c10::make_intrusive<DeferredWork>(
+          [this, output, input]() mutable { allgather_now(output, input); });
+    }
+    allgather_now(output, input);
     return done();
   }
+
+  /// From now on this rank's all-gathers run when their Work is waited for (every rank must wait
+  /// for them in the same order, as it launches them).
+  void defer_allgathers() { defer_allgathers_ = true; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
@@ -160,11 +165,38 @@ class InProcessBackend : public c10d::Backend {
   }
 
  private:
+  void allgather_now(at::Tensor& output, at::Tensor& input) {
+    auto result = world_->collective(rank_, "allgather", {input}, [&](const auto& all) {
+      std::vector<at::Tensor> parts;
+      for (const auto& slot : all) parts.push_back(slot[0].reshape(-1).clone());
+      return std::vector<at::Tensor>{at::cat(parts)};
+    });
+    output.copy_(result[0].view(output.sizes()));
+  }
+
   class DoneWork : public c10d::Work {
    public:
     DoneWork() { finish(); }
   };
   static c10::intrusive_ptr<c10d::Work> done() { return c10::make_intrusive<DoneWork>(); }
+  // An all-gather that runs when it is waited for (defer_allgathers).
+  class DeferredWork : public c10d::Work {
+   public:
+    explicit DeferredWork(std::function<void()> run) : run_(std::move(run)) {}
+    bool wait(std::chrono::milliseconds) override {
+      if (run_) {
+        auto run = std::move(run_);
+        run_ = nullptr;
+        run();
+        finish();
+      }
+      return true;
+    }
+    bool isCompleted() override { return !run_; }
+
+   private:
+    std::function<void()> run_;
+  };
 
   at::Tensor reduce(const std::vector<at::Tensor>& parts, const c10d::ReduceOp& op) const {
     const auto dtype = parts[0].scalar_type();
@@ -186,7 +218,16 @@ class InProcessBackend : public c10d::Backend {
   }
 
   std::shared_ptr<InProcessWorld> world_;
+  bool defer_allgathers_ = false;
 };
+
+/// See InProcessBackend::defer_allgathers; `group` from make_in_process_group.
+inline void defer_allgathers(c10d::ProcessGroup& group) {
+  auto backend = group.getBackend(c10::DeviceType::CPU);
+  auto* in_process = dynamic_cast<InProcessBackend*>(backend.get());
+  TORCH_CHECK(in_process != nullptr, "defer_allgathers: not an in-process group");
+  in_process->defer_allgathers();
+}
 
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_in_process_group(std::shared_ptr<InProcessWorld> world,
                                                                    int rank) {

@@ -338,6 +338,10 @@ void DistributedOptimizer::write_fp8_weight_blocks(const std::vector<size_t>& fp
   quantize_shards_blockwise(shards, amaxes, weight_block_options(), outs, scale_invs);
 }
 
+void DistributedOptimizer::finish_param_gather() {
+  if (buffer_) buffer_->finish_param_gather();
+}
+
 void DistributedOptimizer::zero_gradients() {
   if (buffer_) {
     buffer_->zero_grads();

@@ -97,6 +97,9 @@ class DistributedOptimizer {
   /// fused_optimizer_step, every gradient multiplied by it; unset: optimizer.step() on the
   /// gradients set_master_gradients set.
   void step(torch::optim::Optimizer& optimizer, std::optional<double> fused_multiplier);
+  /// Waits for the all-gathers the last step left in flight (overlap_param_gather); the model's
+  /// parameters are then final. Nothing to do on one rank or without the overlap.
+  void finish_param_gather();
   /// Zeroes every gradient (the buffer, the model's, main_grad, the masters'), ready for the
   /// next step. With static gradients: fills them with zeros, where they are.
   void zero_gradients();

@@ -2,6 +2,7 @@
 
 #include <c10/core/Event.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
 #include <torch/types.h>
 #include <torch/utils.h>
 
@@ -9,6 +10,8 @@
 #include <array>
 #include <numeric>
 #include <optional>
+#include <unordered_map>
+#include <utility>
 
 #include "plugin/compat/torch_internals.h"
 #include "plugin/modules/fp8_meta.h"
@@ -21,6 +24,79 @@ constexpr int64_t kAlignment = 64;  // elements; every shard starts on a multipl
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 }  // namespace
+
+namespace detail {
+
+// The all-gathers a step left in flight (overlap_param_gather) and what waiting for them needs.
+// The buffer holds it; while any gather is in flight, so does (weakly) the registry of the
+// thread that launched them, which amp8::wait_for_params reads.
+struct ParamGathers {
+  std::unordered_map<const c10::TensorImpl*, size_t> bucket_of;  // a parameter's bucket
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;             // per bucket; null: gathered
+  int64_t in_flight = 0;
+  // CUDA, on a timed step: each wait's start and end on the compute stream.
+  std::optional<c10::Device> timed_on;
+  std::vector<std::pair<c10::Event, c10::Event>> waits;
+
+  void wait(size_t bucket) {
+    auto& work = works[bucket];
+    if (!work) return;
+    if (!timed_on) {
+      work->wait();
+    } else {
+      c10::Event start(timed_on->type(), c10::EventFlag::BACKEND_DEFAULT);
+      c10::Event end(timed_on->type(), c10::EventFlag::BACKEND_DEFAULT);
+      start.record(amp8::detail::current_stream(*timed_on));
+      work->wait();  // NCCL: the compute stream waits, the host does not
+      end.record(amp8::detail::current_stream(*timed_on));
+      waits.emplace_back(std::move(start), std::move(end));
+    }
+    work.reset();
+    --in_flight;
+  }
+
+  void wait_for(at::ArrayRef<at::Tensor> params) {
+    for (const auto& param : params) {
+      if (in_flight == 0) return;
+      const auto found = bucket_of.find(param.unsafeGetTensorImpl());
+      if (found != bucket_of.end()) wait(found->second);
+    }
+  }
+};
+
+namespace {
+
+// The gathers launched on this thread that may still be in flight.
+thread_local std::vector<std::weak_ptr<ParamGathers>> in_flight_on_this_thread;
+
+void register_in_flight(const std::shared_ptr<ParamGathers>& gathers) {
+  auto& registry = in_flight_on_this_thread;
+  registry.erase(std::remove_if(registry.begin(), registry.end(),
+                                [&](const std::weak_ptr<ParamGathers>& entry) {
+                                  const auto held = entry.lock();
+                                  return !held || held == gathers || held->in_flight == 0;
+                                }),
+                 registry.end());
+  registry.push_back(gathers);
+}
+
+}  // namespace
+}  // namespace detail
+
+void wait_for_params(const torch::nn::Module& module) {
+  auto& registry = detail::in_flight_on_this_thread;
+  if (registry.empty()) return;
+  const auto params = module.parameters(/*recurse=*/true);
+  for (auto it = registry.begin(); it != registry.end();) {
+    const auto gathers = it->lock();
+    if (!gathers || gathers->in_flight == 0) {
+      it = registry.erase(it);
+      continue;
+    }
+    gathers->wait_for(params);
+    ++it;
+  }
+}
 
 void DistributedOptimizerOptions::validate() const {
   TORCH_CHECK(bucket_size_ >= 1, "bucket_size must be >= 1 element, got ", bucket_size_);
@@ -56,14 +132,17 @@ struct ParamAndGradBuffer::Buffer {
 
 // Timing events of one step (see take_communication_times): recorded on the compute stream.
 struct ParamAndGradBuffer::StepEvents {
+  // backward done, reduced, gather launched, gathered (the last: without overlap_param_gather)
   std::array<std::optional<c10::Event>, 4> events;
+  std::vector<std::pair<c10::Event, c10::Event>> gather_waits;  // overlap_param_gather's waits
   int64_t reduce_bytes = 0, gather_bytes = 0;
+  bool gathered = false;  // every bucket's all-gather has been waited for
 };
 
 ParamAndGradBuffer::ParamAndGradBuffer(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                        DistributedOptimizerOptions options, bool grad_reduce_in_fp32,
                                        std::vector<Param> params)
-    : group_(std::move(group)), options_(options) {
+    : group_(std::move(group)), options_(options), gathers_(std::make_shared<detail::ParamGathers>()) {
   TORCH_CHECK(group_, "ParamAndGradBuffer: the process group must not be null");
   options_.validate();
   TORCH_CHECK(!params.empty(), "DistributedOptimizer: the optimizer holds no parameters");
@@ -93,9 +172,11 @@ ParamAndGradBuffer::ParamAndGradBuffer(c10::intrusive_ptr<c10d::ProcessGroup> gr
     auto& param = params_[n];
     auto view = buffers_[param.buffer].params.narrow(0, param.offset, param.numel).view(param.model.sizes());
     view.copy_(param.model.detach());
-    param.model.set_data(view);
+    param.model.set_data(view);  // the same TensorImpl, now a view: bucket_of stays valid
+    gathers_->bucket_of.emplace(param.model.unsafeGetTensorImpl(), param.bucket);
     hook(n);
   }
+  gathers_->works.resize(buckets_.size());
   broadcast_from_rank_zero();
   zero_grads();
 }
@@ -151,6 +232,9 @@ void ParamAndGradBuffer::lay_out(bool grad_reduce_in_fp32) {
   std::iota(launch_order_.begin(), launch_order_.end(), size_t{0});
   std::sort(launch_order_.begin(), launch_order_.end(),
             [&](size_t a, size_t b) { return buckets_[a].params.back() > buckets_[b].params.back(); });
+  // Gather order: the forward pass uses the parameters first to last (the optimizer's order, a
+  // module's registration order), so the bucket holding the first parameter goes first.
+  gather_order_.assign(launch_order_.rbegin(), launch_order_.rend());
   // Pad every bucket; lay the buckets out again with the padded sizes.
   const int64_t multiple = world_size_ * kAlignment;
   for (auto& buffer : buffers_) buffer.numel = 0;
@@ -233,6 +317,7 @@ int64_t ParamAndGradBuffer::padded_numel() const {
 }
 
 void ParamAndGradBuffer::on_grad_ready(size_t index, const torch::Tensor& tensor) {
+  check_gathered(index);
   auto& param = params_[index];
   auto& grad = tensor.mutable_grad();
   if (!grad.defined()) return;
@@ -258,6 +343,7 @@ void ParamAndGradBuffer::on_main_grad_ready(size_t index) {
   // The gradient is already in the bucket (main_grad is its slice); micro-batches that do not
   // synchronize just accumulate there. (The module calls this once per backward pass, after
   // its last use in it: a layer used twice in one forward pass has both gradients in by then.)
+  check_gathered(index);
   if (!options_.overlap_grad_reduce()) return;
   auto& param = params_[index];
   auto& bucket = buckets_[param.bucket];
@@ -297,6 +383,7 @@ void ParamAndGradBuffer::launch(Bucket& bucket) {
 }
 
 void ParamAndGradBuffer::finish_grad_sync() {
+  finish_param_gather();  // the last step's, when the forward pass did not wait for them all
   // An FP8 weight's gradient reaches its bucket only through the binding: a weight unbound or
   // re-bound since the buffer was made would train on zeros without a word.
   for (size_t n = 0; n < params_.size(); ++n) {
@@ -325,6 +412,7 @@ void ParamAndGradBuffer::finish_grad_sync() {
 }
 
 void ParamAndGradBuffer::relink_params() {
+  finish_param_gather();  // never write under an all-gather
   torch::NoGradGuard no_grad;
   for (auto& param : params_) {
     auto view = buffers_[param.buffer].params.narrow(0, param.offset, param.numel);
@@ -335,18 +423,53 @@ void ParamAndGradBuffer::relink_params() {
 }
 
 void ParamAndGradBuffer::gather_params() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  finish_param_gather();
   record_event(2);
-  for (const auto& bucket : buckets_) {
+  auto& gathers = *gathers_;
+  for (size_t b : gather_order_) {
+    const auto& bucket = buckets_[b];
     auto region = buffers_[bucket.buffer].params.narrow(0, bucket.begin, bucket.size);
     if (isFloat8Type(region.scalar_type())) region = region.view(at::kByte);  // FP8 travels as bytes
     auto shard = region.narrow(0, rank_ * (bucket.size / world_size_), bucket.size / world_size_);
-    works.push_back(group_->_allgather_base(region, shard));
+    gathers.works[b] = group_->_allgather_base(region, shard);
+    ++gathers.in_flight;
     if (timing_step_) step_events_.back()->gather_bytes += region.numel() * region.element_size();
   }
-  for (auto& work : works) work->wait();
-  record_event(3);
+  if (options_.overlap_param_gather()) {
+    // Left in flight: the forward pass waits for each block's buckets (wait_for_params).
+    const bool timed = timing_step_ && step_events_.back()->events[2].has_value();
+    gathers.timed_on.reset();
+    if (timed) gathers.timed_on = buffers_.front().params.device();
+    gathering_step_ = timing_step_ ? step_events_.back().get() : nullptr;
+    detail::register_in_flight(gathers_);
+  } else {
+    gathers.timed_on.reset();
+    for (size_t b : gather_order_) gathers.wait(b);
+    record_event(3);
+    if (timing_step_) step_events_.back()->gathered = true;
+  }
   timing_step_ = false;
+}
+
+void ParamAndGradBuffer::wait_for_params(at::ArrayRef<at::Tensor> params) { gathers_->wait_for(params); }
+
+void ParamAndGradBuffer::finish_param_gather() {
+  for (size_t b : gather_order_) gathers_->wait(b);
+  if (gathering_step_ != nullptr) {
+    for (auto& wait : gathers_->waits) gathering_step_->gather_waits.push_back(std::move(wait));
+    gathering_step_->gathered = true;
+    gathering_step_ = nullptr;
+  }
+  gathers_->waits.clear();
+}
+
+void ParamAndGradBuffer::check_gathered(size_t index) const {
+  TORCH_CHECK(!gathers_->works[params_[index].bucket],
+              "DistributedOptimizer (overlap_param_gather): parameter ", index, " (",
+              params_[index].model.sizes(), ") got a gradient, but the forward pass used it "
+              "before its all-gather was waited for, so it computed with its value from before the "
+              "last step. Call amp8::wait_for_params(block) before each block of the forward "
+              "pass (GptModel and LlamaModel do), or turn overlap_param_gather off");
 }
 
 void ParamAndGradBuffer::record_event(size_t which) {
@@ -361,19 +484,26 @@ void ParamAndGradBuffer::record_event(size_t which) {
 std::vector<ParamAndGradBuffer::StepCommunication> ParamAndGradBuffer::take_communication_times() {
   std::vector<StepCommunication> times;
   while (!step_events_.empty()) {
-    const auto& e = step_events_.front()->events;
-    if (!e[3]) {  // in progress, skipped (fp16 overflow: nothing gathered) or on the CPU
-      if (step_events_.size() == 1 && timing_step_) break;
+    auto& step = *step_events_.front();
+    const auto& e = step.events;
+    if (!step.gathered || !e[0]) {  // in progress, skipped (fp16 overflow: nothing gathered) or on the CPU
+      if (step_events_.size() == 1 && (timing_step_ || gathering_step_ == &step)) break;
       step_events_.pop_front();
       continue;
     }
-    e[3]->synchronize();
-    const auto& step = step_events_.front();
     StepCommunication t;
+    if (step.gather_waits.empty()) {
+      e[3]->synchronize();
+      t.gather_ms = e[2]->elapsedTime(*e[3]);
+    } else {
+      for (auto& [start, end] : step.gather_waits) {
+        end.synchronize();
+        t.gather_ms += start.elapsedTime(end);
+      }
+    }
     t.reduce_ms = e[0]->elapsedTime(*e[1]);
-    t.gather_ms = e[2]->elapsedTime(*e[3]);
-    t.reduce_bytes = step->reduce_bytes;
-    t.gather_bytes = step->gather_bytes;
+    t.reduce_bytes = step.reduce_bytes;
+    t.gather_bytes = step.gather_bytes;
     times.push_back(t);
     step_events_.pop_front();
   }

@@ -18,7 +18,10 @@
 //              rank);
 //   step       finish_grad_sync() waits for every bucket; the owner steps this rank's shard of
 //              each bucket (local_shards) and writes the updated values into its shard of the
-//              parameter buffer; gather_params() all-gathers every bucket in place.
+//              parameter buffer; gather_params() all-gathers every bucket in place, in the
+//              order the forward pass needs them, and waits for them, or, with
+//              overlap_param_gather, leaves them in flight: the next forward pass waits for each
+//              block's buckets when it reaches the block (wait_for_params).
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
@@ -31,6 +34,14 @@
 
 #include "plugin/modules/fp8_meta.h"
 
+namespace torch::nn {
+class Module;
+}
+
+namespace amp8::detail {
+struct ParamGathers;  // param_and_grad_buffer.cc
+}
+
 namespace amp8 {
 
 struct DistributedOptimizerOptions {
@@ -40,6 +51,16 @@ struct DistributedOptimizerOptions {
   /// Reduce-scatter each bucket during the backward pass as soon as its gradients are in
   /// (false: all of them at the optimizer step).
   TORCH_ARG(bool, overlap_grad_reduce) = true;
+  /// All-gather the updated parameters while the next forward pass runs (Megatron's
+  /// overlap_param_gather): the step launches every bucket's all-gather, in the order the
+  /// forward pass uses the parameters, and returns without waiting; the model waits for each
+  /// block's parameters with amp8::wait_for_params(block) just before it runs the block
+  /// (GptModel and LlamaModel do). A model that does not would compute with stale parameters:
+  /// the first gradient of a parameter that no wait reached is an error naming the function.
+  /// A forward pass without gradients (evaluation) is not checked: it must run a model that
+  /// waits, or call DistributedOptimizer::finish_param_gather() first. The Trainer finishes them
+  /// before a checkpoint, a load and the end of fit. Default: false (Megatron's default).
+  TORCH_ARG(bool, overlap_param_gather) = false;
 
  public:
   void validate() const;
@@ -86,8 +107,14 @@ class ParamAndGradBuffer {
   /// holds the averaged gradients in this rank's shards. Re-links parameters a checkpoint load
   /// gave new storage first (relink_params).
   void finish_grad_sync();
-  /// All-gathers every bucket of the parameter buffer in place (FP8 as bytes).
+  /// All-gathers every bucket of the parameter buffer in place (FP8 as bytes), in the order the
+  /// forward pass uses the parameters; waits for them unless overlap_param_gather.
   void gather_params();
+  /// overlap_param_gather: makes the current stream (the host, on the CPU) wait for the
+  /// all-gathers of the buckets holding `params` (those not in this buffer are ignored).
+  void wait_for_params(at::ArrayRef<at::Tensor> params);
+  /// Waits for every all-gather still in flight (none: returns at once).
+  void finish_param_gather();
   /// A checkpoint load (torch's InputArchive) gives a parameter new storage: make it a view of
   /// the parameter buffer again, with the loaded values.
   void relink_params();
@@ -101,7 +128,9 @@ class ParamAndGradBuffer {
   /// How long the compute stream of one optimizer step waited on communication (CUDA only):
   /// `reduce_ms` from the end of the backward pass until every gradient bucket is reduced
   /// (with overlap_grad_reduce, what the backward pass did not hide), `gather_ms` from the
-  /// all-gather's launch until the parameters are in, `reduce_bytes` / `gather_bytes` what each
+  /// all-gather's launch until the parameters are in (with overlap_param_gather: the time the
+  /// compute stream stood in wait_for_params, what the forward pass did not hide),
+  /// `reduce_bytes` / `gather_bytes` what each
   /// rank put into those collectives (whole buckets, padding included).
   struct StepCommunication {
     double reduce_ms = 0, gather_ms = 0;
@@ -125,6 +154,7 @@ class ParamAndGradBuffer {
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void record_event(size_t which);
+  void check_gathered(size_t index) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   DistributedOptimizerOptions options_;
@@ -139,6 +169,17 @@ class ParamAndGradBuffer {
   // gather launched, gathered}; take_communication_times() reads them.
   std::deque<std::unique_ptr<StepEvents>> step_events_;
   bool timing_step_ = false;  // between a step's finish_grad_sync and its gather_params
+  // The all-gathers in flight (overlap_param_gather), shared with the registry that
+  // amp8::wait_for_params reads, so that a buffer destroyed first leaves nothing dangling.
+  std::shared_ptr<detail::ParamGathers> gathers_;
+  std::vector<size_t> gather_order_;  // buckets in the order the forward pass uses them
+  StepEvents* gathering_step_ = nullptr;  // the step whose all-gathers are in flight (timed)
 };
+
+/// overlap_param_gather (DistributedOptimizerOptions): makes the current stream wait for the
+/// all-gathers of `module`'s parameters (recursively) that the last optimizer step left in flight
+/// on this thread; does nothing when none are. Call it on each block of the forward pass just
+/// before running it, as Megatron's forward pre-hooks do.
+void wait_for_params(const torch::nn::Module& module);
 
 }  // namespace amp8

@@ -166,6 +166,10 @@ void MixedPrecisionPlugin::set_gradient_sync(bool enabled) {
   if (optimizer_) optimizer_->set_gradient_sync(enabled);
 }
 
+void MixedPrecisionPlugin::finish_param_gather() {
+  if (optimizer_) optimizer_->finish_param_gather();
+}
+
 torch::Tensor MixedPrecisionPlugin::data_parallel_mean(const torch::Tensor& value) {
   if (!group_) return value;
   // float32 (a half loss is summed in float32), float64 stays float64 (exact integers).

@@ -187,6 +187,7 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   DistributedOptimizer* distributed_optimizer() { return optimizer_.get(); }
   void set_gradient_sync(bool enabled) override;
   torch::Tensor data_parallel_mean(const torch::Tensor& value) override;
+  void finish_param_gather() override;
   int data_parallel_rank() const override { return group_ ? group_->getRank() : 0; }
   int data_parallel_size() const override { return group_ ? group_->getSize() : 1; }
   const MixedPrecisionOptions& options() const { return options_; }

@@ -158,6 +158,11 @@ class PrecisionPlugin {
   /// global loss and decides on a non-finite one (and on a stop) with it, so every rank takes
   /// the same decision.
   virtual torch::Tensor data_parallel_mean(const torch::Tensor& value) { return value; }
+  /// Waits for the parameters a data-parallel step left in flight
+  /// (DistributedOptimizerOptions::overlap_param_gather). The Trainer calls it before anything
+  /// reads the parameters outside a forward pass that waits for them itself: a checkpoint, a
+  /// load, the end of fit.
+  virtual void finish_param_gather() {}
   /// This process's data-parallel rank and the number of ranks (0 and 1 without).
   virtual int data_parallel_rank() const { return 0; }
   virtual int data_parallel_size() const { return 1; }

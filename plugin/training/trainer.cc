@@ -297,6 +297,7 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
       save_step_checkpoint(model, optimizer);
     }
   }
+  precision.finish_param_gather();  // fit returns the model with its final parameters
   for (auto& callback : callbacks) callback->on_train_end(*this);
 }
 

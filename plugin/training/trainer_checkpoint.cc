@@ -176,6 +176,7 @@ torch::serialize::OutputArchive Trainer::checkpoint_archive(torch::nn::Module& m
                                                             torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive, model_archive, optimizer_archive, plugin_archive,
       trainer_archive;
+  plugins->finish_param_gather();  // the parameters a step left in flight, final before they are read
   archive.write("amp8_checkpoint_version", torch::tensor({kCheckpointVersion}));
   model.save(model_archive);
   optimizer.save(optimizer_archive);
@@ -203,6 +204,7 @@ std::string Trainer::save_checkpoint(const std::string& path, torch::nn::Module&
 void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
                               torch::optim::Optimizer& optimizer) {
   connect(model, optimizer);
+  plugins->finish_param_gather();  // no all-gather may write the parameters the load replaces
   torch::serialize::InputArchive archive, model_archive, optimizer_archive, plugin_archive,
       trainer_archive;
   load_archive(archive, path);

@@ -150,6 +150,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
   bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true;
+  bool overlap_param_gather = false;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   std::string profile_dir;
@@ -246,6 +247,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--overlap-grad-reduce", overlap_grad_reduce,
                  "under torchrun: reduce-scatter gradient buckets during the backward pass")
       ->capture_default_str()->transform(boolean());
+  app.add_option("--overlap-param-gather", overlap_param_gather,
+                 "under torchrun: all-gather the updated parameters while the next forward pass "
+                 "runs (each block waits for its own)")
+      ->capture_default_str()->transform(boolean());
   app.add_option("--bucket-size", bucket_size, "under torchrun: elements per gradient bucket")
       ->capture_default_str()->check(whole_number(1, kMaxCount));
   auto* grad_reduce_flag = app.add_option(
@@ -309,6 +314,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.resume_if_exists = resume_if_exists;
     for (const auto& name : split(allow_changes)) recipe.allow_changes.insert(name);
     recipe.overlap_grad_reduce = overlap_grad_reduce;
+    recipe.overlap_param_gather = overlap_param_gather;
     recipe.bucket_size = bucket_size;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
     recipe.attention_backend = attention_backend;

@@ -10,6 +10,8 @@
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
 
+#include "plugin/distributed/param_and_grad_buffer.h"
+
 namespace amp8::recipes {
 
 namespace {
@@ -129,11 +131,18 @@ torch::Tensor GptModelImpl::forward(const torch::Tensor& tokens) {
   TORCH_CHECK(t <= config_.max_seq_len(), "GptModel: sequence length ", t,
               " exceeds max_seq_len ", config_.max_seq_len());
   auto positions = torch::arange(t, tokens.options());
+  // Each module's parameters once their all-gather is in (overlap_param_gather; else a no-op).
+  amp8::wait_for_params(*token_embedding);
+  amp8::wait_for_params(*position_embedding);
   auto x = token_embedding->forward(tokens) + position_embedding->forward(positions);
   namespace F = torch::nn::functional;
   x = F::dropout(x, F::DropoutFuncOptions().p(is_training() ? config_.dropout() : 0.0)
                         .training(is_training()));
-  for (const auto& block : *blocks) x = block->as<GptBlockImpl>()->forward(x);
+  for (const auto& block : *blocks) {
+    amp8::wait_for_params(*block);
+    x = block->as<GptBlockImpl>()->forward(x);
+  }
+  amp8::wait_for_params(*final_norm);
   // The output head is the token embedding, tied (GPT-2); computed in the activations' dtype.
   return F::linear(final_norm->forward(x), token_embedding->weight.to(x.scalar_type()));
 }

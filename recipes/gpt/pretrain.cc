@@ -248,6 +248,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   if (group) {
     plugin->set_process_group(group, DistributedOptimizerOptions()
                                          .overlap_grad_reduce(recipe.overlap_grad_reduce)
+                                         .overlap_param_gather(recipe.overlap_param_gather)
                                          .bucket_size(recipe.bucket_size));
   }
   Trainer trainer(trainer_options, plugin);
@@ -403,7 +404,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
           << result.reduce_bytes / 1e6 << " MB after the backward pass (overlap_grad_reduce "
           << (recipe.overlap_grad_reduce ? "on" : "off") << ", buckets of " << recipe.bucket_size
           << " elements), " << result.gather_wait_ms << " ms for the all-gather of "
-          << result.gather_bytes / 1e6 << " MB" << std::endl;
+          << result.gather_bytes / 1e6 << " MB ("
+          << (recipe.overlap_param_gather ? "overlap_param_gather on: what the forward pass did not hide"
+                                          : "after the step")
+          << ")" << std::endl;
     }
   }
   result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();

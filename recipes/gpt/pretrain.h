@@ -64,6 +64,9 @@ struct PretrainRecipe {
   uint64_t seed = 1234;
   /// Data-parallel (under torchrun): reduce-scatter gradient buckets during the backward pass.
   bool overlap_grad_reduce = true;
+  /// Data-parallel: all-gather the updated parameters while the next forward pass runs
+  /// (DistributedOptimizerOptions::overlap_param_gather; the models wait per block).
+  bool overlap_param_gather = false;
   /// Data-parallel: elements per gradient bucket (DistributedOptimizerOptions::bucket_size).
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   /// The fused attention kernel tried first (AttentionBackendGuard): "auto" (PyTorch's order),

@@ -10,6 +10,7 @@
 #include <numbers>
 
 #include "ops/rotary.h"
+#include "plugin/distributed/param_and_grad_buffer.h"
 
 namespace amp8::recipes {
 
@@ -194,10 +195,19 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens) {
     inverse_frequencies_ = inverse_frequencies_.to(tokens.device());
   }
   const auto rotary = Rotary::at_positions(inverse_frequencies_, t);
+  // Each module's parameters once their all-gather is in (overlap_param_gather; else a no-op).
+  amp8::wait_for_params(*token_embedding);
   auto x = token_embedding->forward(tokens);
-  for (const auto& block : *blocks) x = block->as<LlamaBlockImpl>()->forward(x, rotary);
+  for (const auto& block : *blocks) {
+    amp8::wait_for_params(*block);
+    x = block->as<LlamaBlockImpl>()->forward(x, rotary);
+  }
+  amp8::wait_for_params(*final_norm);
   x = final_norm->forward(x);
-  if (output) return output->forward(x);
+  if (output) {
+    amp8::wait_for_params(*output);
+    return output->forward(x);
+  }
   // Tied head: the token embedding, in the activations' dtype.
   return torch::nn::functional::linear(x, token_embedding->weight.to(x.scalar_type()));
 }
