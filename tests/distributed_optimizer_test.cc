@@ -394,8 +394,6 @@ TEST(DistributedOptimizerTest, Fp8WeightGradientsAreReducedDuringTheBackwardPass
   }
 }
 
-// An FP8 weight's main_grad is its slice of the gradient buffer (Megatron's param.main_grad),
-// in the buffer's dtype: no FP32 tensor of the module's own beside the bucket, and no copy.
 // `world` ranks training 5 steps whose all-gathers run only when waited for (so a parameter read
 // before its wait is the previous step's); each rank's run and error ("" for none).
 std::pair<std::vector<Run>, std::vector<std::string>> train_deferred(const MixedPrecisionOptions& options, int world,
@@ -457,15 +455,83 @@ TEST(DistributedOptimizerTest, OverlappedParamGatherIsTimedByItsWaits_CUDA) {
   EXPECT_EQ(max_abs_diff(overlapped[0].params, at_step[0].params), 0.0);
   ASSERT_EQ(overlapped[0].communication.size(), 5u);
   ASSERT_EQ(at_step[0].communication.size(), 5u);
+  double gather_ms = 0;
   for (size_t s = 0; s < 5; ++s) {
     const auto& step = overlapped[0].communication[s];
     EXPECT_GT(step.gather_bytes, 0) << "step " << s;
     EXPECT_EQ(step.gather_bytes, at_step[0].communication[s].gather_bytes) << "step " << s;
     EXPECT_GE(step.gather_ms, 0.0) << "step " << s;
     EXPECT_TRUE(std::isfinite(step.gather_ms)) << "step " << s;
+    gather_ms += step.gather_ms;
   }
+  // The in-process all-gather runs its copies on the compute stream inside the timed wait.
+  EXPECT_GT(gather_ms, 0.0);
 }
 
+// The buckets' all-gathers launch in the order the forward pass uses them and each wait runs
+// only the buckets of its module; a checkpoint, and a fit that ends in an error, finish them.
+TEST(DistributedOptimizerTest, OverlappedParamGatherWaitsBucketByBucket) {
+  data();
+  const auto options = MixedPrecisionOptions("32");
+  std::vector<torch::nn::Sequential> models{initial_model(options), initial_model(options)};
+  std::shared_ptr<InProcessWorld> world;
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "overlap");
+  std::filesystem::create_directories(dir);
+  const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    testing::defer_allgathers(*group);
+    auto& model = models[rank];
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+    // Buckets of 3000 elements, laid out from the last parameter: {fc1.weight, fc1.bias} alone,
+    // the other four together (5200 elements); each padded to 2 x 64, each rank gathering half.
+    plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(3000).overlap_param_gather(true));
+    const auto logged = [&](const std::string& op) {
+      std::vector<int64_t> bytes;
+      for (const auto& record : world->log(rank)) {
+        if (record.op == op) bytes.push_back(record.bytes);
+      }
+      return bytes;
+    };
+    const std::vector<int64_t> shard_bytes{2176 / 2 * 4, 5248 / 2 * 4};  // in the forward pass's order
+    // One step through fit (which connects the plugin and leaves with every bucket gathered).
+    Trainer trainer(TrainerOptions().max_steps(1).log_every_n_steps(0), plugin);
+    trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+      auto [x, y] = data().batch(in.step);
+      x = x.narrow(0, rank * kGlobalRows / 2, kGlobalRows / 2), y = y.narrow(0, rank * kGlobalRows / 2, kGlobalRows / 2);
+      return torch::mse_loss(model->forward(x), y);
+    });
+    EXPECT_EQ(logged("allgather launched"), shard_bytes) << "the first layer's bucket first";
+    EXPECT_EQ(logged("allgather"), shard_bytes);
+
+    forward_backward(*plugin, *model, 1, rank, 2);
+    plugin->optimizer_step(optimizer);
+    EXPECT_EQ(logged("allgather launched").size(), 4u);
+    EXPECT_EQ(logged("allgather").size(), 2u) << "nothing waited for yet";
+    wait_for_params(*model[0]);
+    EXPECT_EQ(logged("allgather"), (std::vector<int64_t>{shard_bytes[0], shard_bytes[1], shard_bytes[0]}))
+        << "only the first layer's bucket";
+    wait_for_params(*model[0]);
+    EXPECT_EQ(logged("allgather").size(), 3u) << "a bucket is gathered once";
+    trainer.save_checkpoint((dir / ("rank" + std::to_string(rank))).string(), *model, optimizer);
+    EXPECT_EQ(logged("allgather").size(), 4u) << "the checkpoint reads every parameter after its gather";
+
+    forward_backward(*plugin, *model, 2, rank, 2);
+    plugin->optimizer_step(optimizer);
+    EXPECT_EQ(logged("allgather").size(), 4u);
+    trainer.options.max_steps(3);
+    const auto error = testing::error_of([&] {
+      trainer.fit(*model, optimizer, [](const TrainStepInput&) -> torch::Tensor {
+        TORCH_CHECK(false, "the training step's own error");
+      });
+    });
+    EXPECT_NE(error.find("the training step's own error"), std::string::npos) << error;
+    EXPECT_EQ(logged("allgather").size(), 6u) << "fit leaves with the parameters final, even on an error";
+  }, std::chrono::seconds(60), &world);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// An FP8 weight's main_grad is its slice of the gradient buffer (Megatron's param.main_grad),
+// in the buffer's dtype: no FP32 tensor of the module's own beside the bucket, and no copy.
 TEST(DistributedOptimizerTest, Fp8MainGradsAreSlicesOfTheGradientBuffer) {
   for (const bool in_fp32 : {true, false}) {
     SCOPED_TRACE(in_fp32 ? "grad_reduce_in_fp32" : "grads reduced in bf16");

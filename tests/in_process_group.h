@@ -83,6 +83,12 @@ class InProcessWorld {
     }
   }
 
+  /// Logs what a rank launched without running it yet (a deferred all-gather).
+  void note(int rank, const std::string& op, const at::Tensor& t) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    log_[rank].push_back({op, t.scalar_type(), t.numel() * static_cast<int64_t>(t.element_size())});
+  }
+
   std::vector<Record> log(int rank) const {
     std::lock_guard<std::mutex> lock(mutex_);
     return log_[rank];
@@ -137,6 +143,7 @@ class InProcessBackend : public c10d::Backend {
                                                   const c10d::AllgatherOptions&) override {
     TORCH_CHECK(output.numel() == input.numel() * size_, "_allgather_base: sizes");
     if (defer_allgathers_) {
+      world_->note(rank_, "allgather launched", input);  // logged as "allgather" when it runs
       return c10::make_intrusive<DeferredWork>(
           [this, output, input]() mutable { allgather_now(output, input); });
     }

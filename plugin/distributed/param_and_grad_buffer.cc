@@ -273,6 +273,11 @@ void ParamAndGradBuffer::broadcast_from_rank_zero() {
 }
 
 ParamAndGradBuffer::~ParamAndGradBuffer() {
+  // The parameters outlive the buffer (views of its storage): none may stay under an all-gather.
+  try {
+    finish_param_gather();
+  } catch (...) {  // a collective that failed: the run is over, the destructor must not throw
+  }
   for (auto& param : params_) {
     if (param.fp8_meta) {
       param.fp8_meta->main_grad().set_ready_hook(nullptr);

@@ -55,11 +55,12 @@ struct DistributedOptimizerOptions {
   /// overlap_param_gather): the step launches every bucket's all-gather, in the order the
   /// forward pass uses the parameters, and returns without waiting; the model waits for each
   /// block's parameters with amp8::wait_for_params(block) just before it runs the block
-  /// (GptModel and LlamaModel do). A model that does not would compute with stale parameters:
-  /// the first gradient of a parameter that no wait reached is an error naming the function.
+  /// (GptModel and LlamaModel do). A model that does not computes with stale parameters: the
+  /// first gradient of a parameter whose bucket no wait reached is an error naming the function.
   /// A forward pass without gradients (evaluation) is not checked: it must run a model that
   /// waits, or call DistributedOptimizer::finish_param_gather() first. The Trainer finishes them
-  /// before a checkpoint, a load and the end of fit. Default: false (Megatron's default).
+  /// before a checkpoint, a load and when fit ends (on an error too); so does the buffer's
+  /// destructor. Default: false (Megatron's default).
   TORCH_ARG(bool, overlap_param_gather) = false;
 
  public:
@@ -129,7 +130,8 @@ class ParamAndGradBuffer {
   /// `reduce_ms` from the end of the backward pass until every gradient bucket is reduced
   /// (with overlap_grad_reduce, what the backward pass did not hide), `gather_ms` from the
   /// all-gather's launch until the parameters are in (with overlap_param_gather: the time the
-  /// compute stream stood in wait_for_params, what the forward pass did not hide),
+  /// compute stream stood in the waits for that step's gathers, what the forward pass did not
+  /// hide, including an evaluation's waits and the finish at the end of fit),
   /// `reduce_bytes` / `gather_bytes` what each
   /// rank put into those collectives (whole buckets, padding included).
   struct StepCommunication {

@@ -186,6 +186,17 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
   for (auto& callback : callbacks) callback->on_train_start(*this);
 
   auto& precision = *plugins;
+  // However fit ends (a step that throws, too), the model leaves it with its parameters final;
+  // the normal end waits below, where an error surfaces instead of being swallowed here.
+  struct ParamGatherFinisher {
+    PrecisionPlugin& precision;
+    ~ParamGatherFinisher() {
+      try {
+        precision.finish_param_gather();
+      } catch (...) {  // already unwinding from the step's own error
+      }
+    }
+  } finisher{precision};
   const int64_t micro_batches = options.accumulate_grad_batches();
   start_ = std::chrono::steady_clock::now();
   start_step_ = global_step_;
