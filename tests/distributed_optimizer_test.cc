@@ -441,6 +441,38 @@ TEST(DistributedOptimizerTest, OverlappedParamGatherTrainsExactlyAsTheGatherAtTh
   }
 }
 
+// FP8 weights (fp8_params) have no autograd gradient: their missing wait is caught where their
+// main_grad reports in. A model of FP8 weights only, whose forward pass never waits.
+TEST(DistributedOptimizerTest, AnFp8WeightReadBeforeItsAllGatherIsNamed) {
+  data();
+  const auto options = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  std::vector<torch::nn::Sequential> models;
+  for (int r = 0; r < 2; ++r) {
+    torch::manual_seed(kSeed);
+    Fp8ModelInit init;
+    models.push_back(torch::nn::Sequential(torch::nn::Linear(torch::nn::LinearOptions(32, 64).bias(false)),
+                                           torch::nn::ReLU(),
+                                           torch::nn::Linear(torch::nn::LinearOptions(64, 16).bias(false))));
+  }
+  const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+    testing::defer_allgathers(*group);
+    auto& model = models[rank];
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
+    plugin->set_process_group(group, DistributedOptimizerOptions().overlap_param_gather(true));
+    Trainer trainer(TrainerOptions().max_steps(2).log_every_n_steps(0), plugin);
+    trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+      auto [x, y] = data().batch(in.step);
+      x = x.narrow(0, rank * kGlobalRows / 2, kGlobalRows / 2), y = y.narrow(0, rank * kGlobalRows / 2, kGlobalRows / 2);
+      return torch::mse_loss(in.precision.convert_output(model->forward(in.precision.convert_input(x))), y);
+    });
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("before its all-gather was waited for"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
 // On the GPU the waits are the compute stream's and are timed: every step reports the all-gather
 // (the last one's finished by fit), with the bytes of the gather at the step.
 TEST(DistributedOptimizerTest, OverlappedParamGatherIsTimedByItsWaits_CUDA) {
