@@ -431,6 +431,7 @@ void ParamAndGradBuffer::gather_params() {
   finish_param_gather();
   record_event(2);
   auto& gathers = *gathers_;
+  gathers.timed_on.reset();
   for (size_t b : gather_order_) {
     const auto& bucket = buckets_[b];
     auto region = buffers_[bucket.buffer].params.narrow(0, bucket.begin, bucket.size);
@@ -443,20 +444,16 @@ void ParamAndGradBuffer::gather_params() {
   if (options_.overlap_param_gather()) {
     // Left in flight: the forward pass waits for each block's buckets (wait_for_params).
     const bool timed = timing_step_ && step_events_.back()->events[2].has_value();
-    gathers.timed_on.reset();
     if (timed) gathers.timed_on = buffers_.front().params.device();
     gathering_step_ = timing_step_ ? step_events_.back().get() : nullptr;
     detail::register_in_flight(gathers_);
   } else {
-    gathers.timed_on.reset();
     for (size_t b : gather_order_) gathers.wait(b);
     record_event(3);
     if (timing_step_) step_events_.back()->gathered = true;
   }
   timing_step_ = false;
 }
-
-void ParamAndGradBuffer::wait_for_params(at::ArrayRef<at::Tensor> params) { gathers_->wait_for(params); }
 
 void ParamAndGradBuffer::finish_param_gather() {
   for (size_t b : gather_order_) gathers_->wait(b);

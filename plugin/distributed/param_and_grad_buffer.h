@@ -111,9 +111,6 @@ class ParamAndGradBuffer {
   /// All-gathers every bucket of the parameter buffer in place (FP8 as bytes), in the order the
   /// forward pass uses the parameters; waits for them unless overlap_param_gather.
   void gather_params();
-  /// overlap_param_gather: makes the current stream (the host, on the CPU) wait for the
-  /// all-gathers of the buckets holding `params` (those not in this buffer are ignored).
-  void wait_for_params(at::ArrayRef<at::Tensor> params);
   /// Waits for every all-gather still in flight (none: returns at once).
   void finish_param_gather();
   /// A checkpoint load (torch's InputArchive) gives a parameter new storage: make it a view of
