@@ -272,7 +272,9 @@ TEST_P(LayerNormTest, HalfParamsGiveTheirFloatValuesResults_CUDA) {
 }
 
 // Shapes: odd and prime hidden sizes (scalar path), 16-byte rows (vector path), rows with a
-// single element, and hidden sizes beyond the fused kernels' register budget (ATen path).
+// single element, hidden sizes beyond the fused kernels' register budget (ATen path), and more
+// rows than resident blocks, with partly idle warps (each block of the backward walks several
+// rows through its ring of cp.async stages, wrapping around it).
 INSTANTIATE_TEST_SUITE_P(
     Shapes, LayerNormTest,
     ::testing::Combine(::testing::Values(Normalization::kLayerNorm, Normalization::kRMSNorm),
@@ -280,6 +282,8 @@ INSTANTIATE_TEST_SUITE_P(
                                          Case{at::kHalf, 2333, 1}, Case{at::kFloat, 37, 64},
                                          Case{at::kBFloat16, 129, 4096}, Case{at::kHalf, 64, 1024},
                                          Case{at::kBFloat16, 7, 12288},
+                                         Case{at::kBFloat16, 4099, 1032},
+                                         Case{at::kFloat, 3001, 520},
                                          Case{at::kFloat, 5, 20000})),
     [](const ::testing::TestParamInfo<std::tuple<Normalization, Case>>& info) {
       const Case& c = std::get<1>(info.param);
