@@ -186,42 +186,6 @@ int main(int argc, char** argv) {
           .set("default_parts", static_cast<double>(default_parts))
           .print();
     }
-    // Rows in flight per block (the ring of cp.async stages; 0: loads into registers), each at
-    // its own one wave of blocks. The depth changes where the loads wait, not the arithmetic:
-    // at the default's number of blocks, dx, dgamma and dbeta must equal the default's bit for
-    // bit, or the bench stops.
-    const auto reference = layer_norm_backward(bdy, bx, stats, bgamma, bbeta);
-    for (int stages : {0, 2, 3, 4}) {
-      auto run_with = [&](int parts) {
-        auto part = torch::empty({2, parts, h}, cuda);
-        return [&, parts, part] {
-          cuda::launch_layer_norm_bwd(
-              bdy.const_data_ptr(), bx.const_data_ptr(), cuda::InputType::kBFloat16,
-              /*rms_norm=*/false, stats.mean.const_data_ptr<float>(),
-              stats.rstd.const_data_ptr<float>(), bgamma.const_data_ptr<float>(),
-              cuda::InputType::kFloat, r, h, dx.mutable_data_ptr(), part.mutable_data_ptr<float>(),
-              parts, dgamma.mutable_data_ptr<float>(), dbeta.mutable_data_ptr<float>(),
-              at::cuda::getCurrentCUDAStream().stream(), stages);
-        };
-      };
-      run_with(default_parts)();
-      TORCH_CHECK(dx.equal(reference.grad_input) && dgamma.equal(reference.grad_gamma) &&
-                      dbeta.equal(reference.grad_beta),
-                  "layer_norm_bench: the backward with ", stages,
-                  " stages differs from the default's (", cuda::kDefaultLayerNormBwdStages, ")");
-      const int parts = cuda::layer_norm_bwd_parts(
-          bdy.const_data_ptr(), bx.const_data_ptr(), dx.const_data_ptr(),
-          bgamma.const_data_ptr<float>(), cuda::InputType::kBFloat16, cuda::InputType::kFloat, r,
-          h, /*rms_norm=*/false, stages);
-      const auto run = run_with(parts);
-      const double ms = bench::median_ms(run);
-      bench::Record("layer_norm_bwd_bf16_stages", bshape + " stages=" + std::to_string(stages), cmd)
-          .set("ours_ms", ms)
-          .set("fraction_of_copy", fraction(6 * belems, ms))
-          .set("parts", static_cast<double>(parts))
-          .set("default_stages", static_cast<double>(cuda::kDefaultLayerNormBwdStages))
-          .print();
-    }
   }
   // FP8 byte transpose: 1 B read + 1 B written.
   {

@@ -274,7 +274,7 @@ TEST_P(LayerNormTest, HalfParamsGiveTheirFloatValuesResults_CUDA) {
 // Shapes: odd and prime hidden sizes (scalar path), 16-byte rows (vector path), rows with a
 // single element, hidden sizes beyond the fused kernels' register budget (ATen path), and more
 // rows than resident blocks, with partly idle warps (each block of the backward walks several
-// rows through its ring of cp.async stages, wrapping around it).
+// rows, grid-strided, into the same dgamma/dbeta partial sums).
 INSTANTIATE_TEST_SUITE_P(
     Shapes, LayerNormTest,
     ::testing::Combine(::testing::Values(Normalization::kLayerNorm, Normalization::kRMSNorm),

@@ -111,22 +111,13 @@ int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, cons
                           float* scale_inv, float* amax, bool accumulate_amax, Stream stream,
                           int preferred_threads = kDefaultLayerNormThreads);
 
-// Rows of x and dy the backward keeps in flight per block: a ring of this many rows in shared
-// memory, filled this many rows minus one ahead with cp.async, when rows are 16-byte vectors
-// (2..kMaxLayerNormBwdStages; fewer when the ring would not fit; 0 or 1: no ring, each row
-// loaded into registers when the block starts it). Measured:
-// bench/results/layer_norm_bench.jsonl (layer_norm_bwd_bf16_stages).
-inline constexpr int kMaxLayerNormBwdStages = 4;
-inline constexpr int kDefaultLayerNormBwdStages = 3;
-
 // Rows of the float32 partial-sum workspace launch_layer_norm_bwd needs (its `part` holds
 // 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.
-// The pointers, rms_norm and stages are those launch_layer_norm_bwd will get (their alignment
-// picks the plan; rms_norm the kernel instance, whose registers, and stages its shared memory,
-// decide how many blocks are resident).
+// The pointers and rms_norm are those launch_layer_norm_bwd will get (their alignment picks the
+// plan; rms_norm the kernel instance, whose registers decide how many blocks are resident).
 int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
                          InputType type, InputType weight_type, int64_t rows, int64_t hidden,
-                         bool rms_norm, int stages = kDefaultLayerNormBwdStages);
+                         bool rms_norm);
 
 // dx (x's type) from dy (x's type); dgamma/dbeta ([hidden], either may be null). rms_norm:
 // RMSNorm's gradient (mean unread, may be null; dbeta must be null).
@@ -137,8 +128,7 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rm
                           const float* mean, const float* rstd, const void* gamma,
                           InputType weight_type,
                           int64_t rows, int64_t hidden, void* dx, float* part, int parts,
-                          void* dgamma, void* dbeta, Stream stream,
-                          int stages = kDefaultLayerNormBwdStages);
+                          void* dgamma, void* dbeta, Stream stream);
 
 // out [cols, rows] = in [rows, cols]ᵀ, bytes (byte_transpose_kernels.cu).
 int launch_byte_transpose(const void* in, void* out, int64_t rows, int64_t cols, Stream stream);

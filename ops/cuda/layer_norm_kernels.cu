@@ -194,84 +194,20 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
   if (kFp8 && amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
-// cp.async (sm_80 and later): 16 bytes from global to shared memory without passing through
-// registers. A thread may read what its own copies wrote once cp.async.wait_group reports their
-// group complete; no other thread reads them, so no barrier is needed.
-__device__ __forceinline__ void copy_async_16(void* dst_shared, const void* src_global) {
-  const auto dst = static_cast<unsigned>(__cvta_generic_to_shared(dst_shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global)
-               : "memory");
-}
-__device__ __forceinline__ void copy_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most `pending` (0..kMaxLayerNormBwdStages - 1) of this thread's newest groups
-// are still in flight (the PTX instruction takes a constant).
-__device__ __forceinline__ void copy_async_wait(int pending) {
-  static_assert(kMaxLayerNormBwdStages == 4, "copy_async_wait covers 0..3 pending groups");
-  switch (pending) {
-    case 0:
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      break;
-    case 1:
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      break;
-    case 2:
-      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-      break;
-    default:
-      asm volatile("cp.async.wait_group 3;\n" ::: "memory");
-      break;
-  }
-}
-
 // dx per row; dgamma/dbeta partial sums per block (rows strided by gridDim.x), reduced later.
 // RMSNorm is a template parameter here, not a runtime flag as in the forward: as a flag it
 // slowed the LayerNorm backward from 0.61 to 0.50 of the copy rate
 // (bench/results/layer_norm_bwd_rms_template/).
-//
-// Where a row's x and dy come from: with kStaged false, straight into registers when the block
-// starts the row, so a block has one row's loads in flight and none while it reduces. With
-// kStaged (16-byte vectors only), from a ring of `stages` rows in dynamic shared memory that
-// cp.async fills `stages - 1` rows ahead: the loads of the next rows are in flight while the
-// block reduces this one, and they hold no registers (loads ahead into registers cost more
-// occupancy than they gained: bench/results/layer_norm_bwd_prefetch/). The arithmetic is the
-// same either way, bit for bit.
-template <typename T, typename W, int kVec, int kIters, bool kRmsNorm, bool kStaged>
+template <typename T, typename W, int kVec, int kIters, bool kRmsNorm>
 __global__ void __launch_bounds__(kMaxThreads)
     layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                           const float* __restrict__ mean, const float* __restrict__ rstd,
-                          const W* __restrict__ gamma, int64_t rows, int hidden, int stages,
+                          const W* __restrict__ gamma, int64_t rows, int hidden,
                           T* __restrict__ dx, float* __restrict__ dgamma_part,
                           float* __restrict__ dbeta_part) {
-  static_assert(!kStaged || kVec * sizeof(T) == 16, "cp.async stages 16-byte vectors");
-  using RowVec = Vec<T, kVec>;
-  // The ring: [stages][x, dy][kIters][blockDim.x] vectors; each thread owns its column of it.
-  extern __shared__ uint4 ring[];
-  auto ring_slot = [&](int stage, int tensor, int it) {
-    return reinterpret_cast<RowVec*>(ring) + ((stage * 2 + tensor) * kIters + it) * blockDim.x +
-           threadIdx.x;
-  };
-  const int nvec = hidden / kVec;
-  // Issues the copies of `row` into ring stage `stage`, as one group; the group is empty past
-  // the last row, so that every row of the loop has exactly one group behind it.
-  auto stage_row = [&](int64_t row, int stage) {
-    if (row < rows) {
-#pragma unroll
-      for (int it = 0; it < kIters; ++it) {
-        const int i = threadIdx.x + it * blockDim.x;
-        if (i < nvec) {
-          const int64_t offset = row * hidden + static_cast<int64_t>(i) * kVec;
-          copy_async_16(ring_slot(stage, 0, it), x + offset);
-          copy_async_16(ring_slot(stage, 1, it), dy + offset);
-        }
-      }
-    }
-    copy_async_commit();
-  };
-
   // Two slot sets, alternating row by row (see block_sum2).
   __shared__ float2 smem[2 * kReduceSlots];
+  const int nvec = hidden / kVec;
   const float inv_hidden = 1.0f / static_cast<float>(hidden);
   float dg[kIters][kVec], db[kIters][kVec];
 #pragma unroll
@@ -287,20 +223,10 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int j = 0; j < kVec; ++j) g[j] = 1.0f;
     }
   };
-  if constexpr (kStaged) {
-    for (int s = 0; s + 1 < stages; ++s) stage_row(blockIdx.x + static_cast<int64_t>(s) * gridDim.x, s);
-  }
-  int slots = 0, stage = 0;
-  for (int64_t row = blockIdx.x; row < rows;
-       row += gridDim.x, slots ^= kReduceSlots, stage = kStaged && stage + 1 < stages ? stage + 1 : 0) {
-    if constexpr (kStaged) {
-      // The stage this refills held the previous row, whose values this thread has consumed.
-      stage_row(row + static_cast<int64_t>(stages - 1) * gridDim.x,
-                stage == 0 ? stages - 1 : stage - 1);
-      copy_async_wait(stages - 1);
-    }
-    const auto* xr = reinterpret_cast<const RowVec*>(x + row * hidden);
-    const auto* dyr = reinterpret_cast<const RowVec*>(dy + row * hidden);
+  int slots = 0;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x, slots ^= kReduceSlots) {
+    const auto* xr = reinterpret_cast<const Vec<T, kVec>*>(x + row * hidden);
+    const auto* dyr = reinterpret_cast<const Vec<T, kVec>*>(dy + row * hidden);
     const float mu = kRmsNorm ? 0.0f : mean[row], rs = rstd[row];
     float xv[kIters][kVec], dv[kIters][kVec];
     float s1 = 0.0f, s2 = 0.0f;
@@ -308,8 +234,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int it = 0; it < kIters; ++it) {
       const int i = threadIdx.x + it * blockDim.x;
       if (i < nvec) {
-        const RowVec xp = kStaged ? *ring_slot(stage, 0, it) : xr[i];
-        const RowVec dp = kStaged ? *ring_slot(stage, 1, it) : dyr[i];
+        const Vec<T, kVec> xp = xr[i], dp = dyr[i];
         float g[kVec];
         gamma_at(i, g);
 #pragma unroll
@@ -335,13 +260,13 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (i >= nvec) continue;
       float g[kVec];
       gamma_at(i, g);
-      RowVec o;
+      Vec<T, kVec> o;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const float xhat = (xv[it][j] - mu) * rs;
         o.v[j] = from_float<T>(rs * (dv[it][j] * g[j] - mean_wdy - xhat * mean_wdy_xhat));
       }
-      reinterpret_cast<RowVec*>(dx + row * hidden)[i] = o;
+      reinterpret_cast<Vec<T, kVec>*>(dx + row * hidden)[i] = o;
     }
   }
 #pragma unroll
@@ -417,78 +342,28 @@ int dispatch_weight(InputType weight_type, InputType type, F&& f) {
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
-// The backward's ring (layer_norm_bwd_kernel): stages × (x, dy) × the row's 16-byte vectors.
-// `requested` stages shrink until the ring fits kMaxStagedBytes (two blocks per SM keep room);
-// 0, no ring, where fewer than two stages would fit, the rows are not 16-byte vectors, or 0 or
-// 1 was asked for.
-constexpr int kMaxStagedBytes = 96 * 1024;
-struct BwdStaging {
-  int stages = 0;
-  int bytes = 0;
-};
-BwdStaging bwd_staging(const RowPlan& plan, int elem_bytes, int requested) {
-  if (plan.vec * elem_bytes != 16) return {};
-  const int stage_bytes = 2 * plan.iters * plan.threads * 16;
-  for (int stages = std::min(requested, kMaxLayerNormBwdStages); stages >= 2; --stages) {
-    if (stages * stage_bytes <= kMaxStagedBytes) return {stages, stages * stage_bytes};
-  }
-  return {};
-}
-
-// Calls f(kernel) with the backward kernel instance for `plan`, rms_norm and whether it stages
-// through the ring; the ring's instances are allowed their dynamic shared memory (beyond the
-// default 48 KB) once per device.
-template <typename T, typename W, typename F>
-int with_bwd_kernel(const RowPlan& plan, bool rms_norm, bool staged, F&& f) {
-  constexpr int kWide = 16 / sizeof(T);
-  return dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
-    constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
-    if constexpr (kVec * kIters > kBwdMaxElems) {
-      return kUnsupportedShape;  // never planned
-    } else {
-      if constexpr (kVec * sizeof(T) == 16) {
-        if (staged) {
-          const auto kernel = rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true, true>
-                                       : layer_norm_bwd_kernel<T, W, kVec, kIters, false, true>;
-          // One bit per device: the opt-in is an attribute of the kernel on the current device.
-          static std::atomic<uint64_t> opted_in[2]{};
-          int device = 0;
-          if (auto e = cudaGetDevice(&device)) return static_cast<int>(e);
-          const uint64_t bit = uint64_t{1} << (device % 64);
-          auto& done = opted_in[rms_norm ? 1 : 0];
-          if ((done.load(std::memory_order_relaxed) & bit) == 0) {
-            if (auto e = cudaFuncSetAttribute(
-                    kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxStagedBytes)) {
-              return static_cast<int>(e);
-            }
-            done.fetch_or(bit, std::memory_order_relaxed);
-          }
-          return f(kernel);
-        }
-      }
-      return f(rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true, false>
-                        : layer_norm_bwd_kernel<T, W, kVec, kIters, false, false>);
-    }
-  });
-}
-
 // Blocks of the backward kernel for `plan` resident on one SM at once. The occupancy API, not
-// 2048 / threads: the kernel's registers (and the ring's shared memory) decide it (61 registers
-// per thread for bf16 rows of 8-element vectors: two blocks of 512 threads, not four). Cached
-// per instance and ring depth: this runs on every call.
+// 2048 / threads: the kernel's registers decide it (61 per thread for bf16 rows of 8-element
+// vectors: two blocks of 512 threads, not four). Cached per instance: this runs on every call.
 template <typename T, typename W>
-int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm, const BwdStaging& staging) {
-  // [rms_norm][vec is 1 or kWide][log2 iters][ring stages][threads / 32 - 1]; 0 = not asked.
-  static std::atomic<int> cache[2][2][4][kMaxLayerNormBwdStages + 1][kMaxThreads / 32];
+int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm) {
+  constexpr int kWide = 16 / sizeof(T);
+  // [rms_norm][vec is 1 or kWide][log2 iters][threads / 32 - 1]; 0 = not asked yet.
+  static std::atomic<int> cache[2][2][4][kMaxThreads / 32];
   const int iters_log2 = plan.iters == 1 ? 0 : plan.iters == 2 ? 1 : plan.iters == 4 ? 2 : 3;
-  std::atomic<int>& slot = cache[rms_norm ? 1 : 0][plan.vec == 1 ? 0 : 1][iters_log2]
-                                [staging.stages][plan.threads / 32 - 1];
+  std::atomic<int>& slot =
+      cache[rms_norm ? 1 : 0][plan.vec == 1 ? 0 : 1][iters_log2][plan.threads / 32 - 1];
   if (const int known = slot.load(std::memory_order_relaxed)) return known;
   int blocks = 0;
-  with_bwd_kernel<T, W>(plan, rms_norm, staging.stages > 0, [&](auto kernel) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads,
-                                                      staging.bytes) != cudaSuccess) {
-      blocks = 0;
+  dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
+    constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
+    if constexpr (kVec * kIters <= kBwdMaxElems) {
+      const auto kernel = rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true>
+                                   : layer_norm_bwd_kernel<T, W, kVec, kIters, false>;
+      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads, 0) !=
+          cudaSuccess) {
+        blocks = 0;
+      }
     }
     return 0;
   });
@@ -501,9 +376,9 @@ int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm, const BwdStaging& stag
 // dbeta partial sums: more blocks would add partial rows (written, then read by the column
 // sum) without adding rows in flight.
 template <typename T, typename W>
-int bwd_parts(int64_t rows, const RowPlan& plan, bool rms_norm, const BwdStaging& staging) {
+int bwd_parts(int64_t rows, const RowPlan& plan, bool rms_norm) {
   const int64_t resident =
-      static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan, rms_norm, staging);
+      static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan, rms_norm);
   return static_cast<int>(std::max<int64_t>(1, std::min(rows, resident)));
 }
 
@@ -576,15 +451,14 @@ RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const void* gamm
 
 int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
                          InputType type, InputType weight_type, int64_t rows, int64_t hidden,
-                         bool rms_norm, int stages) {
+                         bool rms_norm) {
   if (weight_type != InputType::kFloat && weight_type != type) return 0;
   return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
     const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
     if (!plan.ok()) return 0;
-    const BwdStaging staging = bwd_staging(plan, sizeof(T), stages);
     return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
-      return bwd_parts<T, decltype(weight_tag)>(rows, plan, rms_norm, staging);
+      return bwd_parts<T, decltype(weight_tag)>(rows, plan, rms_norm);
     });
   });
 }
@@ -592,8 +466,7 @@ int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const vo
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rms_norm,
                           const float* mean, const float* rstd, const void* gamma,
                           InputType weight_type, int64_t rows, int64_t hidden, void* dx,
-                          float* part, int parts, void* dgamma, void* dbeta, Stream stream,
-                          int stages) {
+                          float* part, int parts, void* dgamma, void* dbeta, Stream stream) {
   if ((rms_norm && dbeta != nullptr) || (!rms_norm && mean == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -601,18 +474,25 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rm
     using T = decltype(tag);
     return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
       using W = decltype(weight_tag);
+      constexpr int kWide = 16 / sizeof(T);
       const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
       if (!plan.ok()) return kUnsupportedShape;
       if (parts < 1) return static_cast<int>(cudaErrorInvalidValue);
-      const BwdStaging staging = bwd_staging(plan, sizeof(T), stages);
       float* dgamma_part = dgamma != nullptr ? part : nullptr;
       float* dbeta_part = dbeta != nullptr ? part + static_cast<int64_t>(parts) * hidden : nullptr;
-      const int err = with_bwd_kernel<T, W>(plan, rms_norm, staging.stages > 0, [&](auto kernel) {
-        kernel<<<parts, plan.threads, staging.bytes, stream>>>(
-            static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd,
-            static_cast<const W*>(gamma), rows, static_cast<int>(hidden), staging.stages,
-            static_cast<T*>(dx), dgamma_part, dbeta_part);
-        return static_cast<int>(cudaGetLastError());
+      const int err = dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
+        constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
+        if constexpr (kVec * kIters > kBwdMaxElems) {
+          return kUnsupportedShape;  // never planned
+        } else {
+          const auto kernel = rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true>
+                                       : layer_norm_bwd_kernel<T, W, kVec, kIters, false>;
+          kernel<<<parts, plan.threads, 0, stream>>>(
+              static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd,
+              static_cast<const W*>(gamma), rows, static_cast<int>(hidden), static_cast<T*>(dx),
+              dgamma_part, dbeta_part);
+          return static_cast<int>(cudaGetLastError());
+        }
       });
       if (err != 0) return err;
       if (dgamma != nullptr) {
