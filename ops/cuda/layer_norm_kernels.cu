@@ -61,28 +61,37 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, blockDim.y == 1) in a fixed order, through
+// Sums over the block (blockDim.x a multiple of 32, blockDim.y == 1) in a fixed order, through
 // `smem` (32 slots). One barrier: the slots are not reused until every thread has passed the
 // barrier of a reduction that uses other slots, so callers alternate between two sets
 // (kReduceSlots apart) and there is no trailing barrier.
 constexpr int kReduceSlots = 32;
 
-__device__ __forceinline__ float2 block_sum2(float a, float b, float2* smem) {
+__device__ __forceinline__ void write_warp_sums(float a, float b, float2* smem) {
   a = warp_sum(a);
   b = warp_sum(b);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  if (lane == 0) smem[warp] = make_float2(a, b);
+  if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = make_float2(a, b);
   __syncthreads();
-  float2 total = make_float2(0.0f, 0.0f);
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
-    total.x += smem[w].x;
-    total.y += smem[w].y;
-  }
+}
+
+// The forward's: each thread adds the warps' sums in a loop.
+__device__ __forceinline__ float block_sum(float a, float2* smem) {
+  write_warp_sums(a, 0.0f, smem);
+  float total = 0.0f;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += smem[w].x;
   return total;
 }
 
-__device__ __forceinline__ float block_sum(float a, float2* smem) {
-  return block_sum2(a, 0.0f, smem).x;
+// The backward's two sums: each lane reads one warp's sums and the warp adds them with
+// warp_sum's butterfly (each step adds the same pair on both lanes, so every lane gets the same
+// bits): one shared load per thread instead of one load and add per warp, a shorter chain on
+// the way to each row's dx. The forward keeps the loop: with the butterfly its 32-element
+// instance (hidden 4096, 128 threads) spilled.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float2* smem) {
+  write_warp_sums(a, b, smem);
+  const int lane = threadIdx.x % 32;
+  const float2 mine = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : make_float2(0.0f, 0.0f);
+  return make_float2(warp_sum(mine.x), warp_sum(mine.y));
 }
 
 // kOut: 0 = x's dtype, 1 = E4M3, 2 = E5M2.
