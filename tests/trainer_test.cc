@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <cstdlib>
 #include <limits>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -179,6 +181,56 @@ TEST_F(TrainerTest, PrintsProgressLines) {
   EXPECT_EQ(trainer.global_step(), 20);
   ASSERT_EQ(trainer.history().size(), 20u);
   EXPECT_LT(trainer.history().back().loss, trainer.history().front().loss);
+}
+
+// deterministic: fit turns on PyTorch's deterministic algorithms and cuDNN's and sets
+// CUBLAS_WORKSPACE_CONFIG where it is unset; without it, fit leaves them as they are. The
+// process-wide settings are restored afterwards.
+TEST_F(TrainerTest, DeterministicTurnsOnPyTorchsDeterministicAlgorithms) {
+  auto& context = at::globalContext();
+  const bool algorithms = context.deterministicAlgorithms(), warn_only = context.deterministicAlgorithmsWarnOnly(),
+             cudnn = context.deterministicCuDNN(), benchmark = context.benchmarkCuDNN();
+  const char* env = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  const std::optional<std::string> saved_env = env ? std::optional<std::string>(env) : std::nullopt;
+  const auto fit_once = [](bool deterministic) {
+    auto model = testing::make_mlp();
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    Trainer trainer(TrainerOptions().max_steps(1).log_every_n_steps(0).deterministic(deterministic));
+    testing::MlpData data(1);
+    trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
+      auto [x, y] = data.batch(in.step, in.micro_batch);
+      return torch::mse_loss(model->forward(x), y);
+    });
+  };
+  context.setDeterministicAlgorithms(false, false);
+  context.setDeterministicCuDNN(false);
+  context.setBenchmarkCuDNN(true);
+  unsetenv("CUBLAS_WORKSPACE_CONFIG");
+  fit_once(false);
+  EXPECT_FALSE(context.deterministicAlgorithms());
+  EXPECT_TRUE(context.benchmarkCuDNN());
+  EXPECT_EQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), nullptr);
+
+  fit_once(true);
+  EXPECT_TRUE(context.deterministicAlgorithms());
+  EXPECT_FALSE(context.deterministicAlgorithmsWarnOnly()) << "an op without a deterministic variant must be an error";
+  EXPECT_TRUE(context.deterministicCuDNN());
+  EXPECT_FALSE(context.benchmarkCuDNN());
+  ASSERT_NE(std::getenv("CUBLAS_WORKSPACE_CONFIG"), nullptr);
+  EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":4096:8");
+
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8", 1);  // a user's own setting stands
+  fit_once(true);
+  EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":16:8");
+
+  context.setDeterministicAlgorithms(algorithms, warn_only);
+  context.setDeterministicCuDNN(cudnn);
+  context.setBenchmarkCuDNN(benchmark);
+  if (saved_env) {
+    setenv("CUBLAS_WORKSPACE_CONFIG", saved_env->c_str(), 1);
+  } else {
+    unsetenv("CUBLAS_WORKSPACE_CONFIG");
+  }
 }
 
 // A NaN loss at step 4: "error" stops before the weights take it; "skip" drops the step.

@@ -4,6 +4,7 @@
 // trainer_checkpoint.cc.
 
 #include <signal.h>
+#include <stdlib.h>
 
 #include <atomic>
 #include <cmath>
@@ -12,6 +13,8 @@
 #include <filesystem>
 #include <iostream>
 #include <limits>
+
+#include <ATen/Context.h>
 
 #include "plugin/training/checkpoint.h"
 #include "plugin/training/cuda_graph.h"
@@ -31,6 +34,16 @@ std::string format_duration(double seconds) {
                   static_cast<long long>(total % 60));
   }
   return buf;
+}
+
+// TrainerOptions::deterministic.
+void use_deterministic_algorithms() {
+  // Not overwritten: a user's own setting (e.g. ":16:8") stands.
+  setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  auto& context = at::globalContext();
+  context.setDeterministicAlgorithms(true, /*warn_only=*/false);
+  context.setDeterministicCuDNN(true);
+  context.setBenchmarkCuDNN(false);
 }
 
 }  // namespace
@@ -153,6 +166,7 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
   TORCH_CHECK(options.nonfinite_loss() == "error" || options.nonfinite_loss() == "skip",
               "nonfinite_loss must be \"error\" or \"skip\", got \"", options.nonfinite_loss(), "\"");
 
+  if (options.deterministic()) use_deterministic_algorithms();
   connect(model, optimizer);
   if (!ckpt_path.empty()) {
     std::string path = ckpt_path;

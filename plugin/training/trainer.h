@@ -73,6 +73,14 @@ struct TrainerOptions {
   /// scales' first updates. Counted from where fit starts (a resumed run warms up too).
   /// Default: 3 (as make_graphed_callables' num_warmup_iters).
   TORCH_ARG(int64_t, cuda_graph_warmup_steps) = 3;
+  /// Runs that repeat bit for bit on a GPU (Lightning's Trainer(deterministic=True), Megatron's
+  /// --deterministic-mode): fit turns on PyTorch's deterministic algorithms, process-wide and
+  /// left on (at::Context::setDeterministicAlgorithms: ops with a deterministic variant use it,
+  /// an op with none is an error that names it) and cuDNN's (no autotuning), and sets
+  /// CUBLAS_WORKSPACE_CONFIG=:4096:8 where it is unset (set it before the first GEMM of the
+  /// process to be sure cuBLAS's workspace follows it). amp8's own kernels reduce in a fixed
+  /// order either way. Default: false.
+  TORCH_ARG(bool, deterministic) = false;
 };
 
 /// What one optimizer step did.

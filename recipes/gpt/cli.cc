@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
+#include <stdlib.h>
+
 #include <algorithm>
 #include <cctype>
 #include <charconv>
@@ -155,7 +157,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   std::string profile_dir;
   std::string attention_backend = "auto";
-  bool cuda_graph = false;
+  bool cuda_graph = false, deterministic = false;
   int64_t profile_first_step = 10, profile_steps = 3;
   int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
   double lr = -1;
@@ -269,6 +271,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                  "steps and replay it: one launch instead of thousands, for models too small to keep "
                  "the GPU busy from the host; one GPU, bf16-mixed or 32, with or without FP8")
       ->capture_default_str()->transform(boolean());
+  app.add_option("--deterministic", deterministic,
+                 "runs that repeat bit for bit on a GPU: PyTorch's deterministic algorithms (an op "
+                 "without one is an error naming it) and CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                 "(Lightning's Trainer(deterministic=True))")
+      ->capture_default_str()->transform(boolean());
   app.add_option("--profile", profile_dir,
                  "record a few steps with the Kineto profiler into this folder: trace.json "
                  "(chrome://tracing, ui.perfetto.dev) and the device time by category "
@@ -300,7 +307,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     if (lr > 0) recipe.lr = lr, recipe.min_lr = std::min(recipe.min_lr, lr);
     if (steps > 0) recipe.trainer.max_steps(steps);
     recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every).save_last(save_last)
-        .cuda_graph(cuda_graph);
+        .cuda_graph(cuda_graph).deterministic(deterministic);
+    // Before the first GEMM, so that cuBLAS's workspace follows it (the Trainer sets it too,
+    // where it is still unset, when fit starts).
+    if (deterministic) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
     if (log_every >= 0) recipe.trainer.log_every_n_steps(log_every);
     recipe.data = data;
     recipe.data_prefix = data_prefix;
