@@ -481,9 +481,13 @@ TEST(DistributedOptimizerTest, AnFp8WeightReadBeforeItsAllGatherIsNamed) {
 
 // On the GPU the waits are the compute stream's and are timed: every step reports the all-gather
 // (the last one's finished by fit), with the bytes of the gather at the step.
+// bf16-mixed, not FP8: the in-process ranks share autograd's one CUDA device thread, and delayed
+// scaling reduces the backward pass's amaxes across ranks at the end of each backward pass, on
+// that thread, where rank 0's reduction would wait for a rank whose backward pass cannot run.
+// (OverlappedParamGatherTrainsExactlyAsTheGatherAtTheStep covers FP8 on the CPU.)
 TEST(DistributedOptimizerTest, OverlappedParamGatherIsTimedByItsWaits_CUDA) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "needs a GPU";
-  const auto options = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0);
+  const auto options = recipes::bf16_mixed();
   const auto [at_step, at_step_errors] = train_deferred(options, 2, ParamGather::kAfterStep, torch::kCUDA);
   const auto [overlapped, overlapped_errors] = train_deferred(options, 2, ParamGather::kOverlapped, torch::kCUDA);
   for (int r = 0; r < 2; ++r) {  // every rank's error, not only the first one's
