@@ -36,7 +36,8 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
-// TrainerOptions::deterministic.
+}  // namespace
+
 void use_deterministic_algorithms() {
   // Not overwritten: a user's own setting (e.g. ":16:8") stands.
   setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
@@ -45,8 +46,6 @@ void use_deterministic_algorithms() {
   context.setDeterministicCuDNN(true);
   context.setBenchmarkCuDNN(false);
 }
-
-}  // namespace
 
 PluginHandle::PluginHandle(std::shared_ptr<PrecisionPlugin> plugin) : plugin_(std::move(plugin)) {
   TORCH_CHECK(plugin_ != nullptr, "Trainer: plugins must not be null");

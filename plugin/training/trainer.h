@@ -77,11 +77,16 @@ struct TrainerOptions {
   /// --deterministic-mode): fit turns on PyTorch's deterministic algorithms, process-wide and
   /// left on (at::Context::setDeterministicAlgorithms: ops with a deterministic variant use it,
   /// an op with none is an error that names it) and cuDNN's (no autotuning), and sets
-  /// CUBLAS_WORKSPACE_CONFIG=:4096:8 where it is unset (set it before the first GEMM of the
-  /// process to be sure cuBLAS's workspace follows it). amp8's own kernels reduce in a fixed
-  /// order either way. Default: false.
+  /// CUBLAS_WORKSPACE_CONFIG=:4096:8 where it is unset: use_deterministic_algorithms(). Call
+  /// that yourself before the first GEMM of the process to be sure cuBLAS's workspace follows
+  /// it. amp8's own kernels reduce in a fixed order either way. Default: false.
   TORCH_ARG(bool, deterministic) = false;
 };
+
+/// What TrainerOptions::deterministic turns on, process-wide: PyTorch's deterministic
+/// algorithms (an error for an op without one), cuDNN's without autotuning, and
+/// CUBLAS_WORKSPACE_CONFIG=:4096:8 unless the environment already sets it.
+void use_deterministic_algorithms();
 
 /// What one optimizer step did.
 struct StepMetrics {

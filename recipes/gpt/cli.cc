@@ -5,8 +5,6 @@
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
-#include <stdlib.h>
-
 #include <algorithm>
 #include <cctype>
 #include <charconv>
@@ -22,6 +20,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "plugin/training/trainer.h"
 #include "recipes/gpt/loss_plot.h"
 #include "recipes/gpt/pretrain.h"
 
@@ -308,9 +307,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     if (steps > 0) recipe.trainer.max_steps(steps);
     recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every).save_last(save_last)
         .cuda_graph(cuda_graph).deterministic(deterministic);
-    // Before the first GEMM, so that cuBLAS's workspace follows it (the Trainer sets it too,
-    // where it is still unset, when fit starts).
-    if (deterministic) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+    // Now, before the first GEMM, so that cuBLAS's workspace follows it (fit does it again).
+    if (deterministic) use_deterministic_algorithms();
     if (log_every >= 0) recipe.trainer.log_every_n_steps(log_every);
     recipe.data = data;
     recipe.data_prefix = data_prefix;
