@@ -77,15 +77,19 @@ void check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const at:
   if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, op, "amax_out");
 }
 
-void check_dbias_out(const at::Tensor& dbias_out, const at::Tensor& x, std::string_view op) {
-  const int64_t cols = x.size(1);
+void check_dbias_out(const at::Tensor& dbias_out, int64_t cols, const at::Device& device,
+                     std::string_view op) {
   const auto dtype = dbias_out.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                   dbias_out.dim() == 1 && dbias_out.size(0) == cols &&
-                  dbias_out.is_contiguous() && dbias_out.device() == x.device(),
+                  dbias_out.is_contiguous() && dbias_out.device() == device,
               op, ": dbias_out must be a contiguous float32, bfloat16 or float16 [", cols,
-              "] tensor on ", x.device(), ", got ", dtype, " ", dbias_out.sizes(), " on ",
+              "] tensor on ", device, ", got ", dtype, " ", dbias_out.sizes(), " on ",
               dbias_out.device());
+}
+
+void check_dbias_out(const at::Tensor& dbias_out, const at::Tensor& x, std::string_view op) {
+  check_dbias_out(dbias_out, x.size(1), x.device(), op);
 }
 
 void record_amax(const at::Tensor& amax_out, float value, bool accumulate) {
@@ -200,6 +204,36 @@ void quantize_many(const std::vector<at::Tensor>& xs, const at::Tensor& scales,
   }
 }
 
+namespace {
+
+// The cast_transpose of a checked 2-D x into out [rows, cols] (unit column stride, rows
+// out.stride(0) apart: a column block of a wider matrix, or all of one) and out_t [cols, rows]
+// (contiguous), scale_inv ← 1 / scale; amax_out and dbias_out as cast_transpose's.
+void cast_transpose_into(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
+                         const at::Tensor& out, const at::Tensor& out_t,
+                         const at::Tensor& scale_inv, const at::Tensor& amax_out,
+                         bool accumulate_amax, const at::Tensor& dbias_out) {
+  if (x.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::cast_transpose_cuda(x, scale, format, out, out_t, scale_inv, amax_ptr(amax_out),
+                                accumulate_amax, dbias_out);
+#else
+    detail::no_cuda("cast_transpose");
+#endif
+    return;
+  }
+  const float s = scale.item<float>();
+  const at::Tensor codes = out.is_contiguous() ? out : at::empty(x.sizes(), out.options());
+  const float m = quantize_cpu(x, s, format, codes);
+  if (!codes.is_same(out)) out.copy_(codes);
+  out_t.copy_(codes.t());
+  scale_inv.fill_(1.0f / s);
+  record_amax(amax_out, m, accumulate_amax);
+  if (dbias_out.defined()) detail::sum_rows_into(dbias_out, x);
+}
+
+}  // namespace
+
 Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                                 const at::Tensor& amax_out, bool accumulate_amax,
                                 const at::Tensor& dbias_out) {
@@ -209,24 +243,58 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
   if (dbias_out.defined()) check_dbias_out(dbias_out, x, "cast_transpose");
   auto options = x.options().dtype(fp8_dtype(format));
   auto out = at::empty({rows, cols}, options);
+  auto out_t = at::empty({cols, rows}, options);
   auto scale_inv = at::empty({1}, scale.options());
-  at::Tensor out_t;
-  if (x.is_cuda()) {
-#ifdef AMP8_WITH_CUDA
-    out_t = at::empty({cols, rows}, options);
-    detail::cast_transpose_cuda(x, scale, format, out, out_t, scale_inv, amax_ptr(amax_out),
-                                accumulate_amax, dbias_out);
-#else
-    detail::no_cuda("cast_transpose");
-#endif
-  } else {
-    const float s = scale.item<float>();
-    const float m = quantize_cpu(x, s, format, out);
-    out_t = out.t().contiguous();
-    scale_inv.fill_(1.0f / s);
-    record_amax(amax_out, m, accumulate_amax);
-    if (dbias_out.defined()) detail::sum_rows_into(dbias_out, x);
+  cast_transpose_into(x, scale, format, out, out_t, scale_inv, amax_out, accumulate_amax,
+                      dbias_out);
+  return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
+}
+
+Fp8CastTranspose cast_transpose_columns(const std::vector<at::Tensor>& pieces,
+                                        const at::Tensor& scale, Fp8Format format,
+                                        const at::Tensor& amax_out, bool accumulate_amax,
+                                        const at::Tensor& dbias_out) {
+  TORCH_CHECK(!pieces.empty(), "cast_transpose_columns: pieces must hold at least one tensor");
+  const auto& first = pieces.front();
+  int64_t cols = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto& piece = pieces[i];
+    const auto name = "pieces[" + std::to_string(i) + "]";
+    detail::check_high_precision_input(piece, "cast_transpose_columns", name);
+    TORCH_CHECK(piece.dim() == 2 && piece.size(0) == first.size(0) &&
+                    piece.scalar_type() == first.scalar_type() &&
+                    piece.device() == first.device(),
+                "cast_transpose_columns: ", name, " must be 2-D with pieces[0]'s ",
+                first.size(0), " rows, dtype ", first.scalar_type(), " and device ",
+                first.device(), ", got ", piece.scalar_type(), " ", piece.sizes(), " on ",
+                piece.device());
+    cols += piece.size(1);
   }
+  check_quantize_args(first, scale, amax_out, "cast_transpose_columns");
+  if (dbias_out.defined()) {
+    check_dbias_out(dbias_out, cols, first.device(), "cast_transpose_columns");
+  }
+  const int64_t rows = first.size(0);
+  auto options = first.options().dtype(fp8_dtype(format));
+  auto out = at::empty({rows, cols}, options);
+  auto out_t = at::empty({cols, rows}, options);
+  auto scale_inv = at::empty({1}, scale.options());
+  // The CUDA kernels sum each column in an order that does not depend on the matrix's width, so
+  // each piece's column block of dbias_out comes with its cast. ATen's CPU column sum orders
+  // by the width (vector chunks): the CPU reference sums the concatenation once, as
+  // cast_transpose of it does.
+  const bool dbias_per_piece = dbias_out.defined() && first.is_cuda();
+  int64_t col = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const int64_t width = pieces[i].size(1);
+    // The first piece sets amax_out as the caller asked; the others max-merge into it.
+    cast_transpose_into(pieces[i], scale, format, out.narrow(1, col, width),
+                        out_t.narrow(0, col, width), scale_inv, amax_out,
+                        accumulate_amax || i > 0,
+                        dbias_per_piece ? dbias_out.narrow(0, col, width) : at::Tensor());
+    col += width;
+  }
+  if (dbias_out.defined() && !dbias_per_piece) detail::sum_rows_into(dbias_out, at::cat(pieces, 1));
   return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
 }
 

@@ -59,6 +59,18 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
                                 const at::Tensor& amax_out = {}, bool accumulate_amax = false,
                                 const at::Tensor& dbias_out = {});
 
+/// cast_transpose of the column-wise concatenation [x_0 | x_1 | …] of `pieces` (2-D, one row
+/// count, dtype and device, each contiguous) without writing the concatenation: each piece is
+/// quantized into its column block of `data` [rows, Σ cols_i] and its row block of
+/// `transposed.data`. The same bytes, amax and dbias as cast_transpose(at::cat(pieces, 1), …):
+/// a layer's output gradient that arrives in pieces (attention's dq, dk and dv, for the QKV
+/// projection) goes into the FP8 GEMMs without a concatenating copy. dbias_out is [Σ cols_i].
+Fp8CastTranspose cast_transpose_columns(const std::vector<at::Tensor>& pieces,
+                                        const at::Tensor& scale, Fp8Format format,
+                                        const at::Tensor& amax_out = {},
+                                        bool accumulate_amax = false,
+                                        const at::Tensor& dbias_out = {});
+
 /// cast_transpose of gelu(x), GELU's tanh approximation computed in float32 from x (TE's
 /// GELU-fused cast): the FP8 input of an MLP's second GEMM and its transpose straight from the
 /// first GEMM's output, with no high-precision GELU output written. amax_out receives

@@ -187,6 +187,79 @@ TEST_F(Fp8LayerNormTest, FusedEqualsUnfusedPairInFp8) {
   }
 }
 
+// forward_split's pieces are forward's output split, and their gradients, arriving apart (one
+// piece unused: autograd hands the backward zeros for it), give the bytes the concatenated
+// gradient gives: input, every parameter, FP8 metadata. In each recipe; blockwise runs the
+// modules unfused and concatenates as split_with_sizes does. A piece's gradient at the wrong
+// columns, or one piece's gradient standing for all, shows.
+void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t rows) {
+  for (const std::string recipe_kind : {"delayed", "tensorwise", "blockwise"}) {
+    SCOPED_TRACE(recipe_kind + " " + c10::toString(dtype));
+    auto whole = make_layer_norm_linear(device, 128, 96);
+    auto split = make_layer_norm_linear(device, 128, 96);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : split->named_parameters()) p.value().copy_(whole->named_parameters()[p.key()]);
+    }
+    const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind);
+    for (int step = 0; step < 3; ++step) {
+      auto x = (torch::randn({rows, 128}) * (step + 1)).to(device).to(dtype);
+      std::vector<torch::Tensor> grads = {torch::randn({rows, 40}), torch::randn({rows, 16}) * 9,
+                                          torch::randn({rows, 40})};
+      if (step == 1) grads[1].zero_();  // step 1: piece 1 unused
+      for (auto& g : grads) g = g.to(device).to(dtype);
+      auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+      torch::Tensor y;
+      std::vector<torch::Tensor> pieces;
+      {
+        Fp8Autocast region(recipe);
+        y = whole->forward(x1);
+        pieces = split->forward_split(x2, {40, 16, 40});
+      }
+      ASSERT_EQ(pieces.size(), 3u);
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_TRUE(BytesEqual(pieces[i], y.split_with_sizes({40, 16, 40}, -1)[i])) << i;
+      }
+      y.backward(at::cat(grads, -1));
+      if (step == 1) {
+        torch::autograd::backward({pieces[0], pieces[2]}, {grads[0], grads[2]});
+      } else {
+        torch::autograd::backward(pieces, grads);
+      }
+      EXPECT_TRUE(BytesEqual(x1.grad(), x2.grad())) << "step " << step;
+      for (auto& p : whole->named_parameters()) {
+        EXPECT_TRUE(BytesEqual(p.value().grad(), split->named_parameters()[p.key()].grad()))
+            << p.key() << " step " << step;
+      }
+      for (auto& b : whole->named_buffers()) {
+        EXPECT_TRUE(BytesEqual(b.value(), split->named_buffers()[b.key()])) << b.key();
+      }
+    }
+  }
+}
+
+TEST_F(Fp8LayerNormTest, ForwardSplitGradientsAreTheConcatenatedGradients) {
+  forward_split_case(torch::kCPU, torch::kFloat, 45);
+}
+
+TEST_F(Fp8LayerNormTest, ForwardSplitGradientsAreTheConcatenatedGradients_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  forward_split_case(torch::kCUDA, torch::kBFloat16, 48);   // the fused kernels
+  forward_split_case(torch::kCUDA, torch::kFloat, 45);      // padded rows
+}
+
+TEST_F(Fp8LayerNormTest, ForwardSplitNamesBadSizes) {
+  auto layer = make_layer_norm_linear(torch::kCPU, 64, 48);
+  auto x = torch::randn({4, 64});
+  ExpectErrorContaining([&] { layer->forward_split(x, {16, 16}); },
+                        "Fp8LayerNormLinear::forward_split: split_sizes must sum to "
+                        "out_features=48, got [16, 16]");
+  ExpectErrorContaining([&] { layer->forward_split(x, {}); }, "must sum to out_features=48");
+  ExpectErrorContaining([&] { layer->forward_split(x, {56, -8}); },
+                        "Fp8LayerNormLinear::forward_split: split_sizes must be positive, got "
+                        "[56, -8]");
+}
+
 // The fused module in an FP8 region against LayerNorm + Linear in fp64 on the same
 // parameters, within the bounds FP8 rounding allows.
 void fused_fp64_case(torch::Device device, const std::string& fp8, torch::ScalarType dtype,

@@ -343,6 +343,56 @@ TEST_F(QuantizeTest, CastTransposeOnCpuMatchesQuantizeAndItsTranspose) {
   }
 }
 
+// Column pieces of awkward widths (one of them a single column) cast as their concatenation is:
+// the same bytes in both layouts, amax (set, then accumulated into a slot holding more), scale_inv
+// and column sums. A piece written at the wrong offset, or the amax of the last piece only, shows.
+TEST_F(QuantizeTest, CastTransposeColumnsIsTheCastOfTheConcatenation) {
+  for (int64_t rows : {1, 37, 160}) {
+    std::vector<at::Tensor> pieces = {testing::random_wide({rows, 24}, at::kBFloat16),
+                                      testing::random_wide({rows, 1}, at::kBFloat16) * 4,
+                                      testing::random_wide({rows, 43}, at::kBFloat16)};
+    const auto whole = at::cat(pieces, 1);
+    auto amax = at::full({1}, -1.0f), amax_whole = at::zeros({1});
+    auto dbias = at::full({68}, NAN), dbias_whole = at::empty({68});
+    auto ct = cast_transpose_columns(pieces, scalar(3.0f), Fp8Format::kE4M3, amax, false, dbias);
+    auto expected =
+        cast_transpose(whole, scalar(3.0f), Fp8Format::kE4M3, amax_whole, false, dbias_whole);
+    EXPECT_TRUE(BytesEqual(ct.data.data, expected.data.data)) << rows;
+    EXPECT_TRUE(BytesEqual(ct.transposed.data, expected.transposed.data)) << rows;
+    EXPECT_TRUE(SameFloat(item(amax), item(amax_whole))) << rows;
+    EXPECT_EQ(item(amax), whole.to(at::kFloat).abs().max().item<float>());
+    EXPECT_TRUE(BytesEqual(dbias, dbias_whole)) << rows;
+    EXPECT_EQ(item(ct.transposed.scale_inv), 1.0f / 3.0f);
+    const float m = item(amax_whole);
+    for (float before : {m / 2, m * 2}) {
+      auto slot = at::full({1}, before);
+      cast_transpose_columns(pieces, scalar(3.0f), Fp8Format::kE4M3, slot, true);
+      EXPECT_EQ(item(slot), std::max(before, m)) << rows;
+    }
+  }
+}
+
+TEST_F(QuantizeTest, CastTransposeColumnsNamesTheBadPiece) {
+  auto x = at::ones({4, 8});
+  const std::vector<std::pair<std::vector<at::Tensor>, std::string>> bad = {
+      {{}, "cast_transpose_columns: pieces must hold at least one tensor"},
+      {{x, at::ones({5, 8})},
+       "cast_transpose_columns: pieces[1] must be 2-D with pieces[0]'s 4 rows, dtype Float and "
+       "device cpu, got Float [5, 8]"},
+      {{x, at::ones({4, 8}, at::kBFloat16)}, "pieces[1] must be 2-D with pieces[0]'s 4 rows"},
+      {{x, at::ones({8, 4}).t()}, "cast_transpose_columns: pieces[1] must be contiguous"},
+      {{x, at::ones({4, 8}, at::kInt)}, "pieces[1] must be float32, bfloat16 or float16"}};
+  for (const auto& [pieces, what] : bad) {
+    testing::ExpectErrorContaining(
+        [&] { cast_transpose_columns(pieces, scalar(1.0f), Fp8Format::kE4M3); }, what);
+  }
+  testing::ExpectErrorContaining(
+      [&] {
+        cast_transpose_columns({x, x}, scalar(1.0f), Fp8Format::kE4M3, {}, false, at::zeros({8}));
+      },
+      "cast_transpose_columns: dbias_out must be a contiguous float32, bfloat16 or float16 [16]");
+}
+
 // dbias_out: the column sums (the bias gradient of a gradient), beside the unchanged cast.
 TEST_F(QuantizeTest, CastTransposeDbiasIsTheColumnSum) {
   auto x = testing::random_wide({77, 45}, at::kBFloat16);
@@ -556,6 +606,34 @@ TEST_P(QuantizeGpuTest, CastTransposeMatchesCpu_CUDA) {
     EXPECT_TRUE(SameFloat(item(slot_gpu), item(slot_cpu)));
     EXPECT_TRUE(SameFloat(item(slot_gpu), std::max(before, m)));
   }
+}
+
+// Three column pieces (widths cols, 8 and cols, cast into a wider matrix: rows 3·cols + 8 bytes
+// apart, the fast kernel where the widths allow and the general one elsewhere) against the CPU's
+// cast of their concatenation: identical bytes in both layouts and amax, and the fused dbias
+// within the bound of the test below. A kernel that ignores the row stride overwrites the
+// other pieces' rows.
+TEST_P(QuantizeGpuTest, CastTransposeColumnsMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  if (p.rows * p.cols > (1 << 24)) GTEST_SKIP() << "the larger shapes add nothing here";
+  std::vector<at::Tensor> pieces = {at::randn({p.rows, p.cols}).to(p.dtype),
+                                    (at::randn({p.rows, 8}) * 5).to(p.dtype),
+                                    at::randn({p.rows, p.cols}).to(p.dtype)};
+  const auto whole = at::cat(pieces, 1);
+  std::vector<at::Tensor> on_gpu;
+  for (const auto& piece : pieces) on_gpu.push_back(piece.cuda());
+  auto scale = scalar(fp8_max(p.format) / whole.to(at::kFloat).abs().max().item<float>() * 4.0f);
+  const int64_t width = whole.size(1);
+  auto amax_cpu = at::zeros({1}), amax_gpu = at::full({1}, -1.0f, at::kCUDA);
+  auto dbias_cpu = at::empty({width}), dbias_gpu = at::full({width}, NAN, at::kCUDA);
+  auto cpu = cast_transpose(whole, scale, p.format, amax_cpu, false, dbias_cpu);
+  auto gpu = cast_transpose_columns(on_gpu, scale.cuda(), p.format, amax_gpu, false, dbias_gpu);
+  EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data));
+  EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data));
+  EXPECT_TRUE(SameFloat(item(amax_gpu), item(amax_cpu)));
+  const auto bound = whole.to(at::kFloat).abs().sum(0) * 1e-5f + 1e-6f;
+  EXPECT_TRUE(((dbias_gpu.cpu() - dbias_cpu).abs() <= bound).all().item<bool>());
 }
 
 // The fused dbias (per-tile column sums, then a fixed-order sum over the tiles) against the CPU's

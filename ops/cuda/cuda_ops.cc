@@ -188,7 +188,8 @@ bool cast_transpose_fused_cuda(const at::Tensor& x, const at::Tensor& gate,
       scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(), amax,
       accumulate_amax, format == Fp8Format::kE5M2,
       part.defined() ? part.mutable_data_ptr<float>() : nullptr, optional_mutable_ptr(dbias_out),
-      dbias_out.defined() ? input_type(dbias_out) : cuda::InputType::kFloat, current_stream());
+      dbias_out.defined() ? input_type(dbias_out) : cuda::InputType::kFloat, current_stream(),
+      out.stride(0));
   if (err == cuda::kUnsupportedShape) return false;
   AMP8_CUDA_CHECK(err);
   return true;
@@ -211,7 +212,7 @@ void cast_transpose_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format
   AMP8_CUDA_CHECK(cuda::launch_cast_transpose(
       x.const_data_ptr(), input_type(x), out.mutable_data_ptr(), out_t.mutable_data_ptr(),
       x.size(0), x.size(1), scale.const_data_ptr<float>(), scale_inv_out.mutable_data_ptr<float>(),
-      amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream()));
+      amax, accumulate_amax, format == Fp8Format::kE5M2, current_stream(), out.stride(0)));
 }
 
 bool cast_transpose_gelu_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,

@@ -21,16 +21,19 @@ enum class InputType { kFloat, kBFloat16, kHalf };
 int launch_quantize(const void* x, InputType type, void* out, int64_t n, const float* scale,
                     float* scale_inv, float* amax, bool accumulate_amax, bool e5m2, Stream stream);
 
+// out [rows, cols] has rows out_stride bytes apart (0: cols; more where out is a column block
+// of a wider FP8 matrix, as cast_transpose_columns writes); out_t [cols, rows] is contiguous.
 int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                           int64_t cols, const float* scale, float* scale_inv, float* amax,
-                          bool accumulate_amax, bool e5m2, Stream stream);
+                          bool accumulate_amax, bool e5m2, Stream stream, int64_t out_stride = 0);
 
 // The same with an explicit tile width (64 or 128 columns) for tuning; launch_cast_transpose
 // uses kDefaultCastTransposeTileCols.
 inline constexpr int kDefaultCastTransposeTileCols = 128;  // measured: bench/results
 int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
-                                bool accumulate_amax, bool e5m2, int tile_cols, Stream stream);
+                                bool accumulate_amax, bool e5m2, int tile_cols, Stream stream,
+                                int64_t out_stride = 0);
 
 // Rows of the float32 partial-sum workspace launch_cast_transpose_fused's dbias needs ([parts, cols]).
 int64_t cast_transpose_dbias_parts(int64_t rows);
@@ -50,18 +53,18 @@ enum class CastActivation { kNone, kGelu, kDGelu, kSwiGlu, kDSwiGlu };
 
 // launch_cast_transpose of activation(x), with the amax of those values; with `dbias` non-null
 // also dbias[c] = Σ_r activation(x)[r, c] ([cols] in dbias_type, summed in float32) from the
-// same read (TE's
-// cast_transpose_dbias / cast_transpose_dbias_dgelu): per-tile column sums into `part`
-// [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast shape
-// (cols % 8 == 0, rows % 16 == 0, 16-byte aligned pointers) and the variants the layers use
-// (kNone with dbias, kGelu, kSwiGlu and kDSwiGlu without, kDGelu either way); otherwise it
-// launches nothing and returns kUnsupportedShape. `cols` is the output's: half of x's for kSwiGlu,
-// twice x's for kDSwiGlu.
+// same read (TE's cast_transpose_dbias / cast_transpose_dbias_dgelu): per-tile column sums into
+// `part` [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast
+// shape (cols % 8 == 0, rows % 16 == 0, out_stride % 8 == 0, 16-byte aligned pointers) and the
+// variants the layers use (kNone with dbias, kGelu, kSwiGlu and kDSwiGlu without, kDGelu either
+// way); otherwise it launches nothing and returns kUnsupportedShape. `cols` is the output's: half
+// of x's for kSwiGlu, twice x's for kDSwiGlu. out_stride as launch_cast_transpose's (kDSwiGlu:
+// cols only).
 int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 CastActivation activation, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
                                 bool accumulate_amax, bool e5m2, float* part, void* dbias,
-                                InputType dbias_type, Stream stream);
+                                InputType dbias_type, Stream stream, int64_t out_stride = 0);
 
 // out[c] = Σ_p part[p, c] over `parts` rows of float32 partial sums [parts, cols], in a fixed
 // order, summed in float32 and rounded once to out_type (column_sum_kernels.cu).

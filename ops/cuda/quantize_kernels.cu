@@ -148,7 +148,8 @@ __device__ __forceinline__ void activate8(const Pack8<T>& x, const Pack8<T>& gat
 // kAct: what is quantized (and summed, and its amax taken) is activation(x), not x (TE's
 // activation-fused casts): gelu(x), x · gelu'(gate), or swiglu(x, gate).
 // x and gate rows are x_stride elements apart (cols, but 2·cols for kSwiGlu, whose gate/up rows
-// hold both halves).
+// hold both halves); out's rows out_stride bytes (cols, or more where out is a column block of a
+// wider matrix: cast_transpose_columns).
 template <CastActivation kAct>
 constexpr bool kTwoInputs = kAct == CastActivation::kDGelu || kAct == CastActivation::kSwiGlu;
 
@@ -159,7 +160,8 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
                           float* __restrict__ amax, float* __restrict__ dbias_part = nullptr,
-                          const T* __restrict__ gate = nullptr, int64_t x_stride = 0) {
+                          const T* __restrict__ gate = nullptr, int64_t x_stride = 0,
+                          int64_t out_stride = 0) {
   constexpr int kChunksPerRow = kTileCols / 8;
   constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   constexpr int kLoadPasses = kTileRows / kRowsPerPass;
@@ -175,6 +177,7 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
   const int64_t gc = col0 + chunk * 8;
   constexpr bool kGated = kTwoInputs<kAct>;
   const int64_t stride = x_stride > 0 ? x_stride : cols;
+  const int64_t ostride = out_stride > 0 ? out_stride : cols;
   Pack8<T> packs[kLoadPasses];
   Pack8<T> gates[kGated ? kLoadPasses : 1];
 #pragma unroll
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
         for (int j = 0; j < 8; ++j) sums[j] += v[j];
       }
       packed = saturating_cast8<kE5M2>(v, scale, max_bits);
-      *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
+      *reinterpret_cast<uint64_t*>(out + gr * ostride + gc) = packed;
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -297,13 +300,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
-// Any shape: 32x32 tiles, one element per thread-iteration.
+// Any shape: 32x32 tiles, one element per thread-iteration; out's rows out_stride bytes apart.
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads)
     cast_transpose_general_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                                   uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                                   const float* __restrict__ scale_ptr,
-                                  float* __restrict__ scale_inv, float* __restrict__ amax) {
+                                  float* __restrict__ scale_inv, float* __restrict__ amax,
+                                  int64_t out_stride) {
   __shared__ uint8_t tile[32][33];
   const float scale = load_scale(scale_ptr, scale_inv);
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * 32;
@@ -315,7 +319,7 @@ __global__ void __launch_bounds__(kThreads)
       const float v = to_float(x[gr * cols + gc]);
       max_bits = max(max_bits, abs_bits(v));
       const uint8_t q = saturating_cast<kE5M2>(v, scale);
-      out[gr * cols + gc] = q;
+      out[gr * out_stride + gc] = q;
       tile[r][threadIdx.x] = q;
     }
   }
@@ -383,7 +387,9 @@ int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream st
 
 int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
-                                bool accumulate_amax, bool e5m2, int tile_cols, Stream stream) {
+                                bool accumulate_amax, bool e5m2, int tile_cols, Stream stream,
+                                int64_t out_stride) {
+  if (out_stride == 0) out_stride = cols;
   if (amax != nullptr && !accumulate_amax) {
     if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
   }
@@ -392,18 +398,18 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
     const auto* in = static_cast<const T*>(x);
     auto* o = static_cast<uint8_t*>(out);
     auto* ot = static_cast<uint8_t*>(out_t);
-    const bool fast =
-        cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) && aligned16(out_t);
+    const bool fast = cols % 8 == 0 && rows % 16 == 0 && out_stride % 8 == 0 && aligned16(x) &&
+                      aligned16(out) && aligned16(out_t);
     if (fast) {
       auto launch = [&](auto tile_tag) {
         constexpr int kCols = decltype(tile_tag)::value;
         const dim3 grid((cols + kCols - 1) / kCols, (rows + kTileRows - 1) / kTileRows);
         if (e5m2) {
-          cast_transpose_kernel<T, true, kCols>
-              <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+          cast_transpose_kernel<T, true, kCols><<<grid, kThreads, 0, stream>>>(
+              in, o, ot, rows, cols, scale, scale_inv, amax, nullptr, nullptr, 0, out_stride);
         } else {
-          cast_transpose_kernel<T, false, kCols>
-              <<<grid, kThreads, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+          cast_transpose_kernel<T, false, kCols><<<grid, kThreads, 0, stream>>>(
+              in, o, ot, rows, cols, scale, scale_inv, amax, nullptr, nullptr, 0, out_stride);
         }
       };
       if (tile_cols == 128) {
@@ -416,10 +422,10 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
       const dim3 block(32, kThreads / 32);
       if (e5m2) {
         cast_transpose_general_kernel<T, true>
-            <<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+            <<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, out_stride);
       } else {
         cast_transpose_general_kernel<T, false>
-            <<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax);
+            <<<grid, block, 0, stream>>>(in, o, ot, rows, cols, scale, scale_inv, amax, out_stride);
       }
     }
     return static_cast<int>(cudaGetLastError());
@@ -468,8 +474,10 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 CastActivation activation, void* out, void* out_t, int64_t rows,
                                 int64_t cols, const float* scale, float* scale_inv, float* amax,
                                 bool accumulate_amax, bool e5m2, float* part, void* dbias,
-                                InputType dbias_type, Stream stream) {
+                                InputType dbias_type, Stream stream, int64_t out_stride) {
+  if (out_stride == 0) out_stride = cols;
   if (activation == CastActivation::kDSwiGlu) {
+    if (out_stride != cols) return kUnsupportedShape;
     return launch_cast_transpose_dswiglu(x, gate, type, out, out_t, rows, cols, scale, scale_inv,
                                          amax, accumulate_amax, e5m2, dbias != nullptr, stream);
   }
@@ -477,8 +485,8 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
   const bool gated = activation == CastActivation::kDGelu;
   const bool swiglu = activation == CastActivation::kSwiGlu;
   const bool with_dbias = dbias != nullptr;
-  if (!(cols % 8 == 0 && rows % 16 == 0 && aligned16(x) && aligned16(out) && aligned16(out_t) &&
-        (!gated || aligned16(gate)))) {
+  if (!(cols % 8 == 0 && rows % 16 == 0 && out_stride % 8 == 0 && aligned16(x) &&
+        aligned16(out) && aligned16(out_t) && (!gated || aligned16(gate)))) {
     return kUnsupportedShape;
   }
   // The variants instantiated: what the layers use (a gradient's cast with its bias gradient;
@@ -505,7 +513,7 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
       const dim3 grid((cols + kTile - 1) / kTile, static_cast<unsigned>(parts));
       cast_transpose_kernel<T, decltype(e5m2_tag)::value, kTile, decltype(dbias_tag)::value,
                             decltype(act_tag)::value><<<grid, kThreads, 0, stream>>>(
-          in, o, ot, rows, cols, scale, scale_inv, amax, part, g, x_stride);
+          in, o, ot, rows, cols, scale, scale_inv, amax, part, g, x_stride, out_stride);
     };
     auto with_format = [&](auto dbias_tag, auto act_tag) {
       if (e5m2) {
@@ -537,9 +545,10 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
 
 int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t, int64_t rows,
                           int64_t cols, const float* scale, float* scale_inv, float* amax,
-                          bool accumulate_amax, bool e5m2, Stream stream) {
+                          bool accumulate_amax, bool e5m2, Stream stream, int64_t out_stride) {
   return launch_cast_transpose_tiled(x, type, out, out_t, rows, cols, scale, scale_inv, amax,
-                                     accumulate_amax, e5m2, kDefaultCastTransposeTileCols, stream);
+                                     accumulate_amax, e5m2, kDefaultCastTransposeTileCols, stream,
+                                     out_stride);
 }
 
 int launch_current_scale(const float* amax, float* scale, int64_t n, float fp8_max,

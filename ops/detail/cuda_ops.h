@@ -27,7 +27,8 @@ void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format forma
 void quantize_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& scales,
                         const std::vector<int64_t>& scale_index, Fp8Format format,
                         const std::vector<at::Tensor>& outs);
-// The same plus out_t = outᵀ for a 2-D x, from one read of x.
+// The same plus out_t = outᵀ for a 2-D x, from one read of x. `out` may be a column block of a
+// wider matrix (unit column stride, rows out.stride(0) apart); out_t is contiguous.
 // With dbias_out ([cols]; float32, bfloat16 or float16) also dbias_out = Σ_rows x (summed in
 // float32), from the same read where the fused
 // kernel takes the shape, else by ATen after the cast.

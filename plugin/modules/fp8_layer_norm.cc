@@ -187,12 +187,14 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     }
   };
 
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
-                               const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
-                               const torch::Tensor& weight, const torch::Tensor& bias,
-                               const torch::Tensor& grad_anchor, bool has_bias,
-                               const Fp8LinearImpl::Fp8Call& call, double eps,
-                               Normalization norm) {
+  // The output, or with split_sizes its column pieces (views of it), whose gradients the
+  // backward quantizes without concatenating them.
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+      const torch::Tensor& ln_weight, const torch::Tensor& ln_bias, const torch::Tensor& weight,
+      const torch::Tensor& bias, const torch::Tensor& grad_anchor, bool has_bias,
+      const Fp8LinearImpl::Fp8Call& call, double eps, Normalization norm,
+      const std::vector<int64_t>& split_sizes) {
     const int64_t hidden = ln_weight.size(0);
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0);
@@ -214,7 +216,9 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, x2d, weight, bias,
                                                   input.sizes().vec());
     saved.save(ctx);
-    return saved.unflatten(y);
+    y = saved.unflatten(y);
+    if (split_sizes.empty()) return {y};
+    return y.split_with_sizes(split_sizes, -1);
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -225,15 +229,20 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     const bool need_weight = ctx->needs_input_grad(3) || saved.meta->fp8_params();
     Fp8Tensor x_t;
     if (need_weight) x_t = tensors.output_transpose(saved.recipe.forward_format);
-    const auto& grad_output = grad_outputs[0];
+    // One gradient per output: [..., out_features], or one per piece (autograd materializes
+    // the gradient of a piece nobody used as zeros).
+    std::vector<at::Tensor> columns;
+    columns.reserve(grad_outputs.size());
+    for (const auto& grad : grad_outputs) columns.push_back(grad.reshape({-1, grad.size(-1)}));
     auto grads = detail::fp8_linear_backward(
-        saved, grad_output.reshape({-1, grad_output.size(-1)}), std::move(x_t),
+        saved, columns, std::move(x_t),
         saved.dgrad_weight(tensors.weight_fp8, tensors.weight_scale_inv), need_ln,
         ctx->needs_input_grad(3), ctx->needs_input_grad(4));
     std::array<torch::Tensor, 3> ln;
     if (need_ln) ln = tensors.grads(ctx, saved, grads.input);
-    return {ln[0],           ln[1],           ln[2],           grads.weight,   grads.bias,
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {ln[0],           ln[1],           ln[2],           grads.weight,
+            grads.bias,      torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -458,13 +467,37 @@ void Fp8LayerNormLinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
+  return forward_pieces(input, {}).front();
+}
+
+std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_split(const torch::Tensor& input,
+                                                                 at::IntArrayRef split_sizes) {
+  int64_t total = 0;
+  for (const auto size : split_sizes) {
+    TORCH_CHECK(size > 0, "Fp8LayerNormLinear::forward_split: split_sizes must be positive, got ",
+                split_sizes);
+    total += size;
+  }
+  TORCH_CHECK(!split_sizes.empty() && total == options.out_features(),
+              "Fp8LayerNormLinear::forward_split: split_sizes must sum to out_features=",
+              options.out_features(), ", got ", split_sizes);
+  return forward_pieces(input, split_sizes);
+}
+
+std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_pieces(const torch::Tensor& input,
+                                                                  at::IntArrayRef split_sizes) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
               "Fp8LayerNormLinear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
   auto& lin = *linear;
-  if (in_blockwise_region()) return lin.forward(layer_norm->forward(input));
+  // Unfused: the two modules in sequence, split as split_with_sizes splits.
+  auto unfused = [&] {
+    auto y = lin.forward(layer_norm->forward(input));
+    return split_sizes.empty() ? std::vector<torch::Tensor>{y} : y.split_with_sizes(split_sizes, -1);
+  };
+  if (in_blockwise_region()) return unfused();
   auto call = lin.prepare_fp8_call(input, input.numel() / options.in_features());
-  if (!call) return lin.forward(layer_norm->forward(input));
+  if (!call) return unfused();
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                   input.scalar_type() == at::kHalf,
               "Fp8LayerNormLinear: input must be float32, bfloat16 or float16, got ",
@@ -474,7 +507,7 @@ torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
   return LayerNormLinearFunction::apply(
       input, layer_norm->weight, ln_bias.defined() ? ln_bias : anchor.detach().new_empty({0}),
       lin.weight, lin.bias.defined() ? lin.bias : anchor.detach(), anchor, lin.options.bias(),
-      *call, options.eps(), options.normalization());
+      *call, options.eps(), options.normalization(), split_sizes.vec());
 }
 
 }  // namespace amp8

@@ -125,9 +125,23 @@ class Fp8LayerNormLinearImpl : public torch::nn::Cloneable<Fp8LayerNormLinearImp
   /// Input [..., in_features] → output [..., out_features].
   torch::Tensor forward(const torch::Tensor& input);
 
+  /// forward(input).split_with_sizes(split_sizes, -1), whose pieces' gradients the FP8 backward
+  /// quantizes where they are instead of concatenating them first (cast_transpose_columns;
+  /// TE's _SplitAlongDim does the same with an attention that writes one dqkv buffer): a fused
+  /// QKV projection's q, k and v, whose gradients attention returns as three tensors.
+  /// split_sizes: positive, summing to out_features. Outside FP8 (and in the blockwise recipe)
+  /// autograd concatenates the gradients as split_with_sizes' backward does.
+  std::vector<torch::Tensor> forward_split(const torch::Tensor& input,
+                                           at::IntArrayRef split_sizes);
+
   Fp8LayerNormLinearOptions options;
   Fp8LayerNorm layer_norm{nullptr};
   Fp8Linear linear{nullptr};
+
+ private:
+  // forward's pieces: split_sizes empty → the whole output as one.
+  std::vector<torch::Tensor> forward_pieces(const torch::Tensor& input,
+                                            at::IntArrayRef split_sizes);
 };
 
 TORCH_MODULE(Fp8LayerNormLinear);

@@ -95,9 +95,14 @@ GptBlockImpl::GptBlockImpl(const GptConfig& config) : config_(config) {
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   const int64_t b = x.size(0), t = x.size(1), h = config_.hidden(), heads = config_.heads();
   const double dropout = is_training() ? config_.dropout() : 0.0;
-  auto qkv = ln_qkv->forward(x).view({b, t, 3, heads, h / heads}).unbind(2);
-  auto attn = at::scaled_dot_product_attention(qkv[0].transpose(1, 2), qkv[1].transpose(1, 2),
-                                               qkv[2].transpose(1, 2), {}, dropout,
+  // q, k and v as views of the projection's output; under FP8 their three gradients are
+  // quantized where attention leaves them, not concatenated first.
+  auto qkv = ln_qkv->forward_split(x, {h, h, h});
+  auto heads_first = [&](const torch::Tensor& part) {
+    return part.view({b, t, heads, h / heads}).transpose(1, 2);
+  };
+  auto attn = at::scaled_dot_product_attention(heads_first(qkv[0]), heads_first(qkv[1]),
+                                               heads_first(qkv[2]), {}, dropout,
                                                /*is_causal=*/true);
   namespace F = torch::nn::functional;
   auto out = x + F::dropout(proj->forward(attn.transpose(1, 2).reshape({b, t, h})),

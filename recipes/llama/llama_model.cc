@@ -139,7 +139,8 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& config) : config_(conf
 torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& rotary) {
   const int64_t b = x.size(0), t = x.size(1), d = config_.head_dim();
   const int64_t heads = config_.heads(), kv_heads = config_.kv_heads();
-  auto parts = qkv->forward(x).split({heads * d, kv_heads * d, kv_heads * d}, -1);
+  // Under FP8 the three gradients are quantized where they arrive, not concatenated first.
+  auto parts = qkv->forward_split(x, {heads * d, kv_heads * d, kv_heads * d});
   const auto q = apply_rotary(parts[0].view({b, t, heads, d}), rotary);
   const auto k = apply_rotary(parts[1].view({b, t, kv_heads, d}), rotary);
   const auto v = parts[2].view({b, t, kv_heads, d});

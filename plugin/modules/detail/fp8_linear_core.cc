@@ -36,14 +36,41 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
   return input.scalar_type();
 }
 
+namespace {
+
+Fp8Format format_of(const Fp8Recipe& recipe, Fp8Slot slot) {
+  return slot == Fp8Slot::kGradOutput ? recipe.backward_format : recipe.forward_format;
+}
+
+}  // namespace
+
+Fp8CastTranspose quantize_columns_for(const std::vector<at::Tensor>& columns,
+                                      const Fp8Recipe& recipe, Fp8Meta& meta, Fp8Slot slot,
+                                      const at::Tensor& dbias_out) {
+  const auto format = format_of(recipe, slot);
+  const auto& amax_slot = meta.amax(slot);
+  if (recipe.delayed()) {
+    return cast_transpose_columns(columns, meta.scale(slot), format, amax_slot,
+                                  /*accumulate_amax=*/true, dbias_out);
+  }
+  // Current scaling needs the values' amax before their scale: all pieces measured first.
+  auto amax = compute_amax(columns.front());
+  for (size_t i = 1; i < columns.size(); ++i) amax = at::maximum(amax, compute_amax(columns[i]));
+  amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
+  return cast_transpose_columns(columns, compute_current_scale(amax, format, recipe.margin),
+                                format, {}, /*accumulate_amax=*/false, dbias_out);
+}
+
 Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8Meta& meta,
                               Fp8Slot slot, const at::Tensor& dbias_out,
                               const QuantizeActivation& activation) {
-  const auto format =
-      slot == Fp8Slot::kGradOutput ? recipe.backward_format : recipe.forward_format;
-  const auto& amax_slot = meta.amax(slot);
+  if (activation.kind == QuantizeActivation::kNone) {
+    return quantize_columns_for({x}, recipe, meta, slot, dbias_out);
+  }
+  const auto format = format_of(recipe, slot);
   if (recipe.delayed()) {
     const auto& scale = meta.scale(slot);
+    const auto& amax_slot = meta.amax(slot);
     switch (activation.kind) {
       case QuantizeActivation::kGelu:
         TORCH_INTERNAL_ASSERT(!dbias_out.defined(), "quantize_for: GELU's cast has no dbias");
@@ -57,12 +84,11 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
       case QuantizeActivation::kNone:
         break;
     }
-    return cast_transpose(x, scale, format, amax_slot, /*accumulate_amax=*/true, dbias_out);
+    TORCH_INTERNAL_ASSERT(false, "quantize_for: unknown activation");
   }
-  // Current scaling needs the values' amax before their scale: the activation is computed
-  // first (GELU's by LibTorch, SwiGLU's backward by amp8's kernel in float32, as the fused cast
-  // computes it), then measured and quantized.
-  at::Tensor values = x;
+  // Current scaling: the activation is computed first (GELU's by LibTorch, SwiGLU's backward by
+  // amp8's kernel in float32, as the fused cast computes it), then measured and quantized.
+  at::Tensor values;
   switch (activation.kind) {
     case QuantizeActivation::kGelu:
       values = at::gelu(x, "tanh");
@@ -76,10 +102,7 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
     case QuantizeActivation::kNone:
       break;
   }
-  auto amax = compute_amax(values);
-  amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
-  return cast_transpose(values, compute_current_scale(amax, format, recipe.margin), format, {},
-                        /*accumulate_amax=*/false, dbias_out);
+  return quantize_columns_for({values}, recipe, meta, slot, dbias_out);
 }
 
 Fp8LinearSaved Fp8LinearSaved::of(const Fp8LinearImpl::Fp8Call& call, int64_t rows,
@@ -199,14 +222,34 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias,
                                    const QuantizeActivation& activation_backward) {
+  return fp8_linear_backward(saved, std::vector<at::Tensor>{grad_output2d}, std::move(x_t), w,
+                             need_input, need_weight, need_bias, activation_backward);
+}
+
+Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
+                                   const std::vector<at::Tensor>& grad_output_columns,
+                                   Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
+                                   bool need_weight, bool need_bias,
+                                   const QuantizeActivation& activation_backward) {
   auto& meta = *saved.meta;
   const auto& recipe = saved.recipe;
   const int64_t rows = saved.rows;
+  TORCH_INTERNAL_ASSERT(!grad_output_columns.empty() &&
+                            (grad_output_columns.size() == 1 ||
+                             activation_backward.kind == QuantizeActivation::kNone),
+                        "fp8_linear_backward: one gradient, or column pieces without activation");
   Fp8LinearGrads grads;
-  auto g = pad_rows(grad_output2d, padded_rows(rows));
-  if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
-      g.scalar_type() != at::kHalf) {
-    g = g.to(at::kFloat);
+  std::vector<at::Tensor> g;
+  g.reserve(grad_output_columns.size());
+  int64_t columns = 0;
+  for (const auto& piece : grad_output_columns) {
+    auto padded = pad_rows(piece, padded_rows(rows));
+    if (padded.scalar_type() != at::kFloat && padded.scalar_type() != at::kBFloat16 &&
+        padded.scalar_type() != at::kHalf) {
+      padded = padded.to(at::kFloat);
+    }
+    columns += padded.size(1);
+    g.push_back(std::move(padded));
   }
   // The bias gradient comes from the read that quantizes the gradient (cast_transpose's dbias;
   // the zero rows of the padding add nothing), with a workspace of one float per 128 rows and
@@ -223,11 +266,14 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
     // The layer's output features: twice the gradient's columns where SwiGLU's backward (d gate,
     // d up) happens in the cast.
     const int64_t features =
-        activation_backward.kind == QuantizeActivation::kDSwiGlu ? 2 * g.size(1) : g.size(1);
-    dbias = at::empty({features}, g.options().dtype(direct ? b : at::kFloat));
+        activation_backward.kind == QuantizeActivation::kDSwiGlu ? 2 * columns : columns;
+    dbias = at::empty({features}, g.front().options().dtype(direct ? b : at::kFloat));
   }
-  auto g_q = quantize_for(g, recipe, meta, Fp8Slot::kGradOutput, dbias, activation_backward);
-  g = at::Tensor();
+  auto g_q = activation_backward.kind == QuantizeActivation::kNone
+                 ? quantize_columns_for(g, recipe, meta, Fp8Slot::kGradOutput, dbias)
+                 : quantize_for(g.front(), recipe, meta, Fp8Slot::kGradOutput, dbias,
+                                activation_backward);
+  g.clear();
   if (dbias.defined()) {
     grads.bias = dbias.scalar_type() == saved.bias_dtype ? dbias : dbias.to(saved.bias_dtype);
   }

@@ -44,6 +44,14 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
                               Fp8Slot slot, const at::Tensor& dbias_out = {},
                               const QuantizeActivation& activation = {});
 
+/// quantize_for of the column-wise concatenation [x_0 | x_1 | …] of `columns` (2-D, one row
+/// count; no activation) through cast_transpose_columns: each piece quantized where it is, with
+/// the same bytes, amax and dbias as quantize_for(at::cat(columns, 1), …). Current scaling takes
+/// the amax over all pieces before the scale.
+Fp8CastTranspose quantize_columns_for(const std::vector<at::Tensor>& columns,
+                                      const Fp8Recipe& recipe, Fp8Meta& meta, Fp8Slot slot,
+                                      const at::Tensor& dbias_out = {});
+
 /// The FP8 weight operand dgrad needs: the call's transpose Wᵀ [in, out], or under fp8_params,
 /// whose call carries no transpose, the stored FP8 weight W [out, in] itself (detached).
 struct Fp8DgradWeight {
@@ -135,6 +143,14 @@ Saved load_tensors(torch::autograd::AutogradContext* ctx) {
 /// layer): the gradient quantized is grad_output2d · gelu'(input) or
 /// swiglu_backward(grad_output2d, input).
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
+                                   Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
+                                   bool need_weight, bool need_bias,
+                                   const QuantizeActivation& activation_backward = {});
+/// The same for an output gradient given as column pieces [rows, cols_i] (their concatenation
+/// is grad_output2d; no activation_backward with more than one): quantized without
+/// concatenating them (quantize_columns_for), as the layer's split outputs' gradients arrive.
+Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
+                                   const std::vector<at::Tensor>& grad_output_columns,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias,
                                    const QuantizeActivation& activation_backward = {});
