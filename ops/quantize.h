@@ -62,9 +62,12 @@ Fp8CastTranspose cast_transpose(const at::Tensor& x, const at::Tensor& scale, Fp
 /// cast_transpose of the column-wise concatenation [x_0 | x_1 | …] of `pieces` (2-D, one row
 /// count, dtype and device, each contiguous) without writing the concatenation: each piece is
 /// quantized into its column block of `data` [rows, Σ cols_i] and its row block of
-/// `transposed.data`. The same bytes, amax and dbias as cast_transpose(at::cat(pieces, 1), …):
-/// a layer's output gradient that arrives in pieces (attention's dq, dk and dv, for the QKV
-/// projection) goes into the FP8 GEMMs without a concatenating copy. dbias_out is [Σ cols_i].
+/// `transposed.data`. The same bytes and amax as cast_transpose(at::cat(pieces, 1), …): a
+/// layer's output gradient that arrives in pieces (attention's dq, dk and dv, for the QKV
+/// projection) goes into the FP8 GEMMs without a concatenating copy. dbias_out ([Σ cols_i]):
+/// the column sums, bit for bit cast_transpose's of the concatenation on the CPU and on the
+/// GPU where every piece takes the fused kernel (rows % 16 == 0, each piece's columns and column
+/// offset multiples of 8); a piece that does not is summed by ATen, in another order.
 Fp8CastTranspose cast_transpose_columns(const std::vector<at::Tensor>& pieces,
                                         const at::Tensor& scale, Fp8Format format,
                                         const at::Tensor& amax_out = {},

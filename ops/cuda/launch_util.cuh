@@ -25,6 +25,7 @@ inline int num_sms() {
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 
 // Blocks for `work` items of `threads`-thread blocks, one item per thread, capped at a few
 // waves: elementwise kernels walk the rest grid-stride.

@@ -117,8 +117,9 @@ __global__ void __launch_bounds__(multi_tensor::kThreads)
 // into a transposed shared tile; the transposed output then leaves as whole 128-byte lines
 // (8 threads per output row, 16 bytes each). The shared tile is XOR-swizzled in 16-byte
 // chunks so that neither the byte stores nor the 16-byte reads conflict on banks.
-// Needs cols % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers; partial tiles are
-// handled chunk by chunk. The transposed tile's layout and store: transposed_tile.cuh.
+// Needs cols % 8 == 0, rows % 16 == 0, 16-byte aligned x and out_t and an 8-byte aligned out
+// (rows out_stride bytes apart, a multiple of 8); partial tiles are handled chunk by chunk.
+// The transposed tile's layout and store: transposed_tile.cuh.
 // The value the cast quantizes, from x (and, for kDGelu, the GELU's input `gate`; for kSwiGlu,
 // the up projection), in float32.
 template <CastActivation kAct, typename T>
@@ -398,8 +399,10 @@ int launch_cast_transpose_tiled(const void* x, InputType type, void* out, void* 
     const auto* in = static_cast<const T*>(x);
     auto* o = static_cast<uint8_t*>(out);
     auto* ot = static_cast<uint8_t*>(out_t);
+    // The row-major bytes leave in 8-byte stores: out needs 8-byte alignment only (a column
+    // block of a wider matrix starts at any multiple of 8 columns).
     const bool fast = cols % 8 == 0 && rows % 16 == 0 && out_stride % 8 == 0 && aligned16(x) &&
-                      aligned16(out) && aligned16(out_t);
+                      aligned8(out) && aligned16(out_t);
     if (fast) {
       auto launch = [&](auto tile_tag) {
         constexpr int kCols = decltype(tile_tag)::value;
@@ -486,7 +489,7 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
   const bool swiglu = activation == CastActivation::kSwiGlu;
   const bool with_dbias = dbias != nullptr;
   if (!(cols % 8 == 0 && rows % 16 == 0 && out_stride % 8 == 0 && aligned16(x) &&
-        aligned16(out) && aligned16(out_t) && (!gated || aligned16(gate)))) {
+        aligned8(out) && aligned16(out_t) && (!gated || aligned16(gate)))) {
     return kUnsupportedShape;
   }
   // The variants instantiated: what the layers use (a gradient's cast with its bias gradient;
