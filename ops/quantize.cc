@@ -121,6 +121,53 @@ void check_activation_input(const at::Tensor& x, const at::Tensor& scale,
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [rows, cols], got shape ", x.sizes());
 }
 
+// gate_up: SwiGLU's input, its gate and up halves side by side.
+void check_gate_up(const at::Tensor& gate_up, std::string_view op) {
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, op, ": gate_up must have an even number ",
+              "of columns (gate and up halves), got shape ", gate_up.sizes());
+}
+
+// gelu_input: the GELU input whose derivative multiplies grad.
+void check_gelu_input(const at::Tensor& grad, const at::Tensor& gelu_input, std::string_view op) {
+  TORCH_CHECK(gelu_input.defined(), op, ": gelu_input must be defined");
+  TORCH_CHECK(gelu_input.sizes() == grad.sizes() && gelu_input.scalar_type() == grad.scalar_type() &&
+                  gelu_input.device() == grad.device() && gelu_input.is_contiguous(),
+              op, ": gelu_input must be a contiguous ", grad.scalar_type(), " ", grad.sizes(),
+              " tensor on ", grad.device(), " (as grad), got ", gelu_input.scalar_type(), " ",
+              gelu_input.sizes(), " on ", gelu_input.device(),
+              gelu_input.is_contiguous() ? "" : ", not contiguous");
+}
+
+// gate_up: the SwiGLU input of the gradient grad of its output.
+void check_gate_up_of(const at::Tensor& grad, const at::Tensor& gate_up, std::string_view op) {
+  TORCH_CHECK(gate_up.defined() && gate_up.dim() == 2 && gate_up.size(0) == grad.size(0) &&
+                  gate_up.size(1) == 2 * grad.size(1) &&
+                  gate_up.scalar_type() == grad.scalar_type() &&
+                  gate_up.device() == grad.device() && gate_up.is_contiguous(),
+              op, ": gate_up must be a contiguous ", grad.scalar_type(), " [", grad.size(0), ", ",
+              2 * grad.size(1), "] tensor on ", grad.device(),
+              " (grad's rows, twice its columns), got ",
+              gate_up.defined() ? c10::str(gate_up.scalar_type(), " ", gate_up.sizes(), " on ",
+                                           gate_up.device(),
+                                           gate_up.is_contiguous() ? "" : ", not contiguous")
+                                : std::string("an undefined tensor"));
+}
+
+// The CPU reference values of SwiGLU and of its backward, in float32 and not rounded to the
+// inputs' dtype: what the fused kernels quantize.
+at::Tensor swiglu_values(const at::Tensor& gate_up) {
+  return swiglu(gate_up.to(at::kFloat).contiguous());
+}
+at::Tensor dswiglu_values(const at::Tensor& grad, const at::Tensor& gate_up) {
+  return swiglu_backward(grad.to(at::kFloat).contiguous(), gate_up.to(at::kFloat));
+}
+
+// The checks every 2-D input of an amax op passes.
+void check_amax_input(const at::Tensor& x, std::string_view op, std::string_view name = "x") {
+  detail::check_high_precision_input(x, op, name);
+  TORCH_CHECK(x.dim() == 2, op, ": ", name, " must be 2-D [rows, cols], got shape ", x.sizes());
+}
+
 #ifdef AMP8_WITH_CUDA
 float* amax_ptr(const at::Tensor& amax_out) {
   return amax_out.defined() ? amax_out.mutable_data_ptr<float>() : nullptr;
@@ -325,10 +372,7 @@ Fp8CastTranspose cast_transpose_swiglu(const at::Tensor& gate_up, const at::Tens
                                        Fp8Format format, const at::Tensor& amax_out,
                                        bool accumulate_amax) {
   check_activation_input(gate_up, scale, amax_out, "cast_transpose_swiglu");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "cast_transpose_swiglu: gate_up must have an even number ",
-              "of columns (gate and up halves), got shape ", gate_up.sizes());
-  // SwiGLU in float32, not rounded to gate_up's dtype: what the fused kernel quantizes.
-  auto values = [&] { return swiglu(gate_up.to(at::kFloat).contiguous()); };
+  check_gate_up(gate_up, "cast_transpose_swiglu");
   if (gate_up.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
     const int64_t rows = gate_up.size(0), ffn = gate_up.size(1) / 2;
@@ -345,7 +389,7 @@ Fp8CastTranspose cast_transpose_swiglu(const at::Tensor& gate_up, const at::Tens
     detail::no_cuda("cast_transpose_swiglu");
 #endif
   }
-  return cast_transpose(values(), scale, format, amax_out, accumulate_amax);
+  return cast_transpose(swiglu_values(gate_up), scale, format, amax_out, accumulate_amax);
 }
 
 Fp8CastTranspose cast_transpose_dswiglu(const at::Tensor& grad, const at::Tensor& gate_up,
@@ -353,22 +397,8 @@ Fp8CastTranspose cast_transpose_dswiglu(const at::Tensor& grad, const at::Tensor
                                         const at::Tensor& amax_out, bool accumulate_amax,
                                         const at::Tensor& dbias_out) {
   check_activation_input(grad, scale, amax_out, "cast_transpose_dswiglu");
-  TORCH_CHECK(gate_up.defined() && gate_up.dim() == 2 && gate_up.size(0) == grad.size(0) &&
-                  gate_up.size(1) == 2 * grad.size(1) &&
-                  gate_up.scalar_type() == grad.scalar_type() &&
-                  gate_up.device() == grad.device() && gate_up.is_contiguous(),
-              "cast_transpose_dswiglu: gate_up must be a contiguous ", grad.scalar_type(), " [",
-              grad.size(0), ", ", 2 * grad.size(1), "] tensor on ", grad.device(),
-              " (grad's rows, twice its columns), got ",
-              gate_up.defined() ? c10::str(gate_up.scalar_type(), " ", gate_up.sizes(), " on ",
-                                           gate_up.device(),
-                                           gate_up.is_contiguous() ? "" : ", not contiguous")
-                                : std::string("an undefined tensor"));
+  check_gate_up_of(grad, gate_up, "cast_transpose_dswiglu");
   if (dbias_out.defined()) check_dbias_out(dbias_out, gate_up, "cast_transpose_dswiglu");
-  // SwiGLU's backward in float32, not rounded to grad's dtype: what the fused kernel quantizes.
-  auto values = [&] {
-    return swiglu_backward(grad.to(at::kFloat).contiguous(), gate_up.to(at::kFloat));
-  };
   if (grad.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
     const int64_t rows = grad.size(0), cols = gate_up.size(1);
@@ -385,7 +415,8 @@ Fp8CastTranspose cast_transpose_dswiglu(const at::Tensor& grad, const at::Tensor
     detail::no_cuda("cast_transpose_dswiglu");
 #endif
   }
-  return cast_transpose(values(), scale, format, amax_out, accumulate_amax, dbias_out);
+  return cast_transpose(dswiglu_values(grad, gate_up), scale, format, amax_out, accumulate_amax,
+                        dbias_out);
 }
 
 Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input,
@@ -393,13 +424,7 @@ Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& 
                                       const at::Tensor& amax_out, bool accumulate_amax,
                                       const at::Tensor& dbias_out) {
   check_activation_input(grad, scale, amax_out, "cast_transpose_dgelu");
-  TORCH_CHECK(gelu_input.defined(), "cast_transpose_dgelu: gelu_input must be defined");
-  TORCH_CHECK(gelu_input.sizes() == grad.sizes() && gelu_input.scalar_type() == grad.scalar_type() &&
-                  gelu_input.device() == grad.device() && gelu_input.is_contiguous(),
-              "cast_transpose_dgelu: gelu_input must be a contiguous ", grad.scalar_type(), " ",
-              grad.sizes(), " tensor on ", grad.device(), " (as grad), got ",
-              gelu_input.scalar_type(), " ", gelu_input.sizes(), " on ", gelu_input.device(),
-              gelu_input.is_contiguous() ? "" : ", not contiguous");
+  check_gelu_input(grad, gelu_input, "cast_transpose_dgelu");
   if (dbias_out.defined()) check_dbias_out(dbias_out, grad, "cast_transpose_dgelu");
   if (grad.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
@@ -434,6 +459,57 @@ at::Tensor compute_amax(const at::Tensor& x) {
   } else {
     result.fill_(amax_cpu(x));
   }
+  return result;
+}
+
+at::Tensor compute_amax_gelu(const at::Tensor& x) {
+  check_amax_input(x, "compute_amax_gelu");
+  if (!x.is_cuda()) return compute_amax(gelu_values_cpu(x, {}));
+  auto result = at::empty({1}, x.options().dtype(at::kFloat));
+#ifdef AMP8_WITH_CUDA
+  detail::gelu_amax_cuda(x, result);
+#else
+  detail::no_cuda("compute_amax_gelu");
+#endif
+  return result;
+}
+
+at::Tensor compute_amax_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input) {
+  check_amax_input(grad, "compute_amax_dgelu", "grad");
+  check_gelu_input(grad, gelu_input, "compute_amax_dgelu");
+  if (!grad.is_cuda()) return compute_amax(gelu_values_cpu(grad, gelu_input));
+  auto result = at::empty({1}, grad.options().dtype(at::kFloat));
+#ifdef AMP8_WITH_CUDA
+  detail::dgelu_amax_cuda(grad, gelu_input, result);
+#else
+  detail::no_cuda("compute_amax_dgelu");
+#endif
+  return result;
+}
+
+at::Tensor compute_amax_swiglu(const at::Tensor& gate_up) {
+  check_amax_input(gate_up, "compute_amax_swiglu", "gate_up");
+  check_gate_up(gate_up, "compute_amax_swiglu");
+  if (!gate_up.is_cuda()) return compute_amax(swiglu_values(gate_up));
+  auto result = at::empty({1}, gate_up.options().dtype(at::kFloat));
+#ifdef AMP8_WITH_CUDA
+  detail::swiglu_amax_cuda(gate_up, result);
+#else
+  detail::no_cuda("compute_amax_swiglu");
+#endif
+  return result;
+}
+
+at::Tensor compute_amax_dswiglu(const at::Tensor& grad, const at::Tensor& gate_up) {
+  check_amax_input(grad, "compute_amax_dswiglu", "grad");
+  check_gate_up_of(grad, gate_up, "compute_amax_dswiglu");
+  if (!grad.is_cuda()) return compute_amax(dswiglu_values(grad, gate_up));
+  auto result = at::empty({1}, grad.options().dtype(at::kFloat));
+#ifdef AMP8_WITH_CUDA
+  detail::dswiglu_amax_cuda(grad, gate_up, result);
+#else
+  detail::no_cuda("compute_amax_dswiglu");
+#endif
   return result;
 }
 

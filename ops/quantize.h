@@ -122,6 +122,16 @@ Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& 
 /// max|x| as a float32 tensor of one element on x's device (NaN if x holds a NaN).
 at::Tensor compute_amax(const at::Tensor& x);
 
+/// max|v| over the values cast_transpose_gelu / _dgelu / _swiglu / _dswiglu quantize for the
+/// same inputs (their float32 formula; a float32 tensor of one element on the inputs' device),
+/// computed from the inputs without writing the values: current scaling's amax before the
+/// fused cast. Measuring and casting then read the inputs twice, where computing the activation
+/// first writes it in high precision and reads it twice more.
+at::Tensor compute_amax_gelu(const at::Tensor& x);
+at::Tensor compute_amax_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input);
+at::Tensor compute_amax_swiglu(const at::Tensor& gate_up);
+at::Tensor compute_amax_dswiglu(const at::Tensor& grad, const at::Tensor& gate_up);
+
 /// The current-scaling scale for a measured amax (float32 on any device, one value or a 1-D
 /// tensor of n, e.g. one per weight; the result is [n]): (fp8_max / amax) / 2^margin, 1 when
 /// amax is 0 or not finite, FLT_MAX on overflow. One launch for all n on the GPU.

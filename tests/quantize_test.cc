@@ -532,6 +532,77 @@ TEST_F(QuantizeTest, CastTransposeDgeluIsTheCastOfLibTorchsGeluBackward) {
       "tensor");
 }
 
+// The four inputs of one activation-fused cast on `device`: x, and GELU's input / gate-up.
+struct ActivationInputs {
+  std::string name;
+  at::Tensor x, second;
+};
+std::vector<ActivationInputs> activation_inputs(int64_t rows, int64_t cols, at::ScalarType dtype,
+                                                at::Device device) {
+  auto make = [&](std::vector<int64_t> sizes, double scale) {
+    return (at::randn(sizes) * scale).to(dtype).to(device);
+  };
+  return {{"gelu", make({rows, cols}, 3), {}},
+          {"dgelu", make({rows, cols}, 1), make({rows, cols}, 3)},
+          {"swiglu", make({rows, 2 * cols}, 3), {}},
+          {"dswiglu", make({rows, cols}, 1), make({rows, 2 * cols}, 3)}};
+}
+
+at::Tensor activation_amax(const ActivationInputs& in) {
+  if (in.name == "gelu") return compute_amax_gelu(in.x);
+  if (in.name == "dgelu") return compute_amax_dgelu(in.x, in.second);
+  if (in.name == "swiglu") return compute_amax_swiglu(in.x);
+  return compute_amax_dswiglu(in.x, in.second);
+}
+
+// The amax the fused cast records for the same inputs (a fresh slot).
+at::Tensor fused_cast_amax(const ActivationInputs& in, const at::Tensor& scale) {
+  auto slot = at::full({1}, -1.0f, in.x.options().dtype(at::kFloat));
+  if (in.name == "gelu") cast_transpose_gelu(in.x, scale, Fp8Format::kE4M3, slot);
+  if (in.name == "dgelu") cast_transpose_dgelu(in.x, in.second, scale, Fp8Format::kE4M3, slot);
+  if (in.name == "swiglu") cast_transpose_swiglu(in.x, scale, Fp8Format::kE4M3, slot);
+  if (in.name == "dswiglu") cast_transpose_dswiglu(in.x, in.second, scale, Fp8Format::kE4M3, slot);
+  return slot;
+}
+
+// LibTorch's own float32 formulas of the same values (tanh GELU; SwiGLU's backward by autograd).
+at::Tensor libtorch_values(const ActivationInputs& in) {
+  const auto x = in.x.to(at::kFloat);
+  if (in.name == "gelu") return at::gelu(x, "tanh");
+  if (in.name == "dgelu") return at::gelu_backward(x, in.second.to(at::kFloat), "tanh");
+  const auto gate_up = (in.name == "swiglu" ? in.x : in.second).to(at::kFloat);
+  const int64_t ffn = gate_up.size(1) / 2;
+  auto gu = gate_up.detach().requires_grad_(true);
+  auto y = at::silu(gu.narrow(1, 0, ffn)) * gu.narrow(1, ffn, ffn);
+  if (in.name == "swiglu") return y.detach();
+  y.backward(x);
+  return gu.grad();
+}
+
+// compute_amax_gelu / _dgelu / _swiglu / _dswiglu: the amax the fused cast of the same inputs
+// records, and LibTorch's formula's within float32 rounding; a NaN among the inputs gives NaN.
+// An amax of the inputs instead of the values, or of one SwiGLU half, misses by far more.
+TEST_F(QuantizeTest, ActivationAmaxIsTheAmaxOfTheValuesTheFusedCastQuantizes) {
+  for (const auto& in : activation_inputs(37, 24, at::kBFloat16, at::kCPU)) {
+    const float amax = item(activation_amax(in));
+    EXPECT_TRUE(SameFloat(amax, item(fused_cast_amax(in, scalar(4.0f))))) << in.name;
+    const float expected = libtorch_values(in).abs().max().item<float>();
+    EXPECT_NEAR(amax, expected, 2e-6 * expected) << in.name;
+    auto with_nan = in;
+    with_nan.x = in.x.clone();
+    with_nan.x[5][3] = NAN;
+    EXPECT_TRUE(std::isnan(item(activation_amax(with_nan)))) << in.name;
+  }
+  testing::ExpectErrorContaining([] { compute_amax_dgelu(at::ones({4, 8}), at::ones({4, 9})); },
+                        "compute_amax_dgelu: gelu_input must be a contiguous Float [4, 8] tensor");
+  testing::ExpectErrorContaining([] { compute_amax_dswiglu(at::ones({4, 8}), at::ones({4, 8})); },
+                        "compute_amax_dswiglu: gate_up must be a contiguous Float [4, 16] tensor");
+  testing::ExpectErrorContaining([] { compute_amax_swiglu(at::ones({4, 7})); },
+                        "compute_amax_swiglu: gate_up must have an even number of columns");
+  testing::ExpectErrorContaining([] { compute_amax_gelu(at::ones({4, 8, 2})); },
+                        "compute_amax_gelu: x must be 2-D [rows, cols], got shape [4, 8, 2]");
+}
+
 }  // namespace
 }  // namespace amp8
 
@@ -634,6 +705,27 @@ TEST_P(QuantizeGpuTest, CastTransposeColumnsMatchesCpu_CUDA) {
   EXPECT_TRUE(SameFloat(item(amax_gpu), item(amax_cpu)));
   const auto bound = whole.to(at::kFloat).abs().sum(0) * 1e-5f + 1e-6f;
   EXPECT_TRUE(((dbias_gpu.cpu() - dbias_cpu).abs() <= bound).all().item<bool>());
+}
+
+// compute_amax_gelu / ... on the GPU: the CPU's within a float32 rounding (expf and tanhf of each
+// side's library), and, where the fused cast takes the shape (rows % 16 == 0, cols % 8 == 0),
+// bit for bit the amax that cast records from the same device formula.
+TEST_P(QuantizeGpuTest, ActivationAmaxMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto& p = GetParam();
+  if (p.format == Fp8Format::kE5M2 || p.rows * p.cols > (1 << 24)) {
+    GTEST_SKIP() << "no format here; the larger shapes add nothing";
+  }
+  const bool fused_shape = p.rows % 16 == 0 && p.cols % 8 == 0;
+  for (const auto& cpu : activation_inputs(p.rows, p.cols, p.dtype, at::kCPU)) {
+    ActivationInputs gpu{cpu.name, cpu.x.cuda(),
+                         cpu.second.defined() ? cpu.second.cuda() : at::Tensor()};
+    const float on_gpu = item(activation_amax(gpu)), on_cpu = item(activation_amax(cpu));
+    EXPECT_NEAR(on_gpu, on_cpu, 1e-6 * on_cpu) << cpu.name;
+    if (fused_shape) {
+      EXPECT_TRUE(SameFloat(on_gpu, item(fused_cast_amax(gpu, scalar(4.0f).cuda())))) << cpu.name;
+    }
+  }
 }
 
 // The fused dbias (per-tile column sums, then a fixed-order sum over the tiles) against the CPU's

@@ -253,6 +253,39 @@ void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
                                     amax_out.mutable_data_ptr<float>(), current_stream()));
 }
 
+namespace {
+
+// launch_activation_amax on tensors: `cols` the output's columns, as launch_cast_transpose_fused's.
+void activation_amax_cuda(const at::Tensor& x, const at::Tensor& gate,
+                          cuda::CastActivation activation, int64_t cols,
+                          const at::Tensor& amax_out) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  AMP8_CUDA_CHECK(cuda::launch_activation_amax(
+      x.const_data_ptr(), gate.defined() ? gate.const_data_ptr() : nullptr, input_type(x),
+      activation, x.size(0), cols, amax_out.mutable_data_ptr<float>(), current_stream()));
+}
+
+}  // namespace
+
+void gelu_amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
+  activation_amax_cuda(x, {}, cuda::CastActivation::kGelu, x.size(1), amax_out);
+}
+
+void dgelu_amax_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,
+                     const at::Tensor& amax_out) {
+  activation_amax_cuda(grad, gelu_input, cuda::CastActivation::kDGelu, grad.size(1), amax_out);
+}
+
+void swiglu_amax_cuda(const at::Tensor& gate_up, const at::Tensor& amax_out) {
+  activation_amax_cuda(gate_up, {}, cuda::CastActivation::kSwiGlu, gate_up.size(1) / 2,
+                       amax_out);
+}
+
+void dswiglu_amax_cuda(const at::Tensor& grad, const at::Tensor& gate_up,
+                       const at::Tensor& amax_out) {
+  activation_amax_cuda(grad, gate_up, cuda::CastActivation::kDSwiGlu, gate_up.size(1), amax_out);
+}
+
 void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,
                         const at::Tensor& scale_out) {
   const c10::cuda::CUDAGuard guard(amax.device());

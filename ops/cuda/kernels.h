@@ -66,6 +66,14 @@ int launch_cast_transpose_fused(const void* x, const void* gate, InputType type,
                                 bool accumulate_amax, bool e5m2, float* part, void* dbias,
                                 InputType dbias_type, Stream stream, int64_t out_stride = 0);
 
+// amax ← max|activation(x)| over the values launch_cast_transpose_fused would quantize for the
+// same arguments (kGelu, kDGelu, kSwiGlu, kDSwiGlu; any shape), from one read of the inputs and
+// nothing else written: current scaling's amax before the fused cast, without the activation
+// written in high precision and read back. kNone: kUnsupportedShape (launch_amax measures x).
+int launch_activation_amax(const void* x, const void* gate, InputType type,
+                           CastActivation activation, int64_t rows, int64_t cols, float* amax,
+                           Stream stream);
+
 // out[c] = Σ_p part[p, c] over `parts` rows of float32 partial sums [parts, cols], in a fixed
 // order, summed in float32 and rounded once to out_type (column_sum_kernels.cu).
 int launch_column_sum(const float* part, int parts, int64_t cols, void* out, InputType out_type,

@@ -301,6 +301,62 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
+// max|activation values| of what cast_transpose_kernel (kGelu, kDGelu, kSwiGlu) or
+// cast_transpose_dswiglu_kernel (kDSwiGlu) would quantize, from one read of their inputs and
+// nothing written but the amax: current scaling's measuring pass before the fused cast. Each
+// row of the inputs holds `width` positions: x's columns (kGelu, kDGelu with `gate` GELU's
+// input), the output's (kSwiGlu: x is gate/up [rows, 2·width]) or dy's (kDSwiGlu: x is dy
+// [rows, width], `gate` gate/up [rows, 2·width], two values per position). Blocks take rows
+// grid-stride, their threads the row's positions, 8 at a time where `vectorized` (width % 8 == 0,
+// 16-byte aligned inputs).
+template <typename T, CastActivation kAct>
+__global__ void __launch_bounds__(kThreads)
+    activation_amax_kernel(const T* __restrict__ x, const T* __restrict__ gate, int64_t rows,
+                           int64_t width, bool vectorized, float* __restrict__ amax) {
+  const int64_t x_row = kAct == CastActivation::kSwiGlu ? 2 * width : width;
+  const int64_t gate_row = kAct == CastActivation::kDSwiGlu ? 2 * width : width;
+  uint32_t max_bits = 0;
+  // The value(s) at one position, from x, the second input b (GELU's input, the up half, or
+  // the gate half) and the third u (the up half, kDSwiGlu).
+  auto measure = [&](float xv, float b, float u) {
+    if constexpr (kAct == CastActivation::kGelu) {
+      max_bits = max(max_bits, abs_bits(detail::gelu_tanh(xv)));
+    } else if constexpr (kAct == CastActivation::kDGelu) {
+      max_bits = max(max_bits, abs_bits(detail::gelu_tanh_backward(xv, b)));
+    } else if constexpr (kAct == CastActivation::kSwiGlu) {
+      max_bits = max(max_bits, abs_bits(detail::swiglu(xv, b)));
+    } else {
+      const auto d = detail::swiglu_backward(xv, b, u);
+      max_bits = max(max_bits, max(abs_bits(d.gate), abs_bits(d.up)));
+    }
+  };
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * x_row;
+    // kDGelu: GELU's input; kSwiGlu: the up half; kDSwiGlu: the gate half (the up half after it).
+    const T* br = kAct == CastActivation::kSwiGlu ? xr + width
+                                                   : (gate != nullptr ? gate + r * gate_row : xr);
+    const T* ur = kAct == CastActivation::kDSwiGlu ? br + width : br;
+    if (vectorized) {
+      for (int64_t c = int64_t{threadIdx.x} * 8; c < width; c += int64_t{kThreads} * 8) {
+        const Pack8<T> a = *reinterpret_cast<const Pack8<T>*>(xr + c);
+        Pack8<T> b = a, u = a;
+        if constexpr (kAct != CastActivation::kGelu) b = *reinterpret_cast<const Pack8<T>*>(br + c);
+        if constexpr (kAct == CastActivation::kDSwiGlu) u = *reinterpret_cast<const Pack8<T>*>(ur + c);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) measure(to_float(a.v[j]), to_float(b.v[j]), to_float(u.v[j]));
+      }
+    } else {
+      for (int64_t c = threadIdx.x; c < width; c += kThreads) {
+        const float a = to_float(xr[c]);
+        const float b = kAct == CastActivation::kGelu ? a : to_float(br[c]);
+        const float u = kAct == CastActivation::kDSwiGlu ? to_float(ur[c]) : a;
+        measure(a, b, u);
+      }
+    }
+  }
+  block_amax_to_global(max_bits, amax);
+}
+
 // Any shape: 32x32 tiles, one element per thread-iteration; out's rows out_stride bytes apart.
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads)
@@ -552,6 +608,41 @@ int launch_cast_transpose(const void* x, InputType type, void* out, void* out_t,
   return launch_cast_transpose_tiled(x, type, out, out_t, rows, cols, scale, scale_inv, amax,
                                      accumulate_amax, e5m2, kDefaultCastTransposeTileCols, stream,
                                      out_stride);
+}
+
+int launch_activation_amax(const void* x, const void* gate, InputType type,
+                           CastActivation activation, int64_t rows, int64_t cols, float* amax,
+                           Stream stream) {
+  if (activation == CastActivation::kNone) return kUnsupportedShape;
+  if (auto err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return err;
+  // Positions per row: the output's columns, but dy's (half of them) for kDSwiGlu.
+  const int64_t width = activation == CastActivation::kDSwiGlu ? cols / 2 : cols;
+  const bool vectorized = width % 8 == 0 && aligned16(x) && (gate == nullptr || aligned16(gate));
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, max_resident_blocks())));
+  return dispatch_input(type, [&](auto tag) {
+    using T = decltype(tag);
+    const auto* in = static_cast<const T*>(x);
+    const auto* g = static_cast<const T*>(gate);
+    switch (activation) {
+      case CastActivation::kGelu:
+        activation_amax_kernel<T, CastActivation::kGelu>
+            <<<grid, kThreads, 0, stream>>>(in, nullptr, rows, width, vectorized, amax);
+        break;
+      case CastActivation::kDGelu:
+        activation_amax_kernel<T, CastActivation::kDGelu>
+            <<<grid, kThreads, 0, stream>>>(in, g, rows, width, vectorized, amax);
+        break;
+      case CastActivation::kSwiGlu:
+        activation_amax_kernel<T, CastActivation::kSwiGlu>
+            <<<grid, kThreads, 0, stream>>>(in, nullptr, rows, width, vectorized, amax);
+        break;
+      default:
+        activation_amax_kernel<T, CastActivation::kDSwiGlu>
+            <<<grid, kThreads, 0, stream>>>(in, g, rows, width, vectorized, amax);
+        break;
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
 }
 
 int launch_current_scale(const float* amax, float* scale, int64_t n, float fp8_max,

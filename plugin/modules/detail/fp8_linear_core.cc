@@ -67,42 +67,50 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
   if (activation.kind == QuantizeActivation::kNone) {
     return quantize_columns_for({x}, recipe, meta, slot, dbias_out);
   }
+  TORCH_INTERNAL_ASSERT(activation.kind != QuantizeActivation::kGelu || !dbias_out.defined(),
+                        "quantize_for: GELU's cast has no dbias");
   const auto format = format_of(recipe, slot);
+  const auto& amax_slot = meta.amax(slot);
+  // Delayed scaling: the slot's scale, and the values' amax max-merged into the slot by the
+  // fused cast itself. Current scaling: the values' amax measured first from the activation's
+  // inputs (compute_amax_gelu / ...: one read, nothing written), then the same fused cast with
+  // the scale it gives, so the activation is never written in high precision.
+  at::Tensor scale, cast_amax;
   if (recipe.delayed()) {
-    const auto& scale = meta.scale(slot);
-    const auto& amax_slot = meta.amax(slot);
+    scale = meta.scale(slot);
+    cast_amax = amax_slot;
+  } else {
+    at::Tensor amax;
     switch (activation.kind) {
       case QuantizeActivation::kGelu:
-        TORCH_INTERNAL_ASSERT(!dbias_out.defined(), "quantize_for: GELU's cast has no dbias");
-        return cast_transpose_gelu(x, scale, format, amax_slot, /*accumulate_amax=*/true);
+        amax = compute_amax_gelu(x);
+        break;
       case QuantizeActivation::kDGelu:
-        return cast_transpose_dgelu(x, activation.input, scale, format, amax_slot,
-                                    /*accumulate_amax=*/true, dbias_out);
+        amax = compute_amax_dgelu(x, activation.input);
+        break;
       case QuantizeActivation::kDSwiGlu:
-        return cast_transpose_dswiglu(x, activation.input, scale, format, amax_slot,
-                                      /*accumulate_amax=*/true, dbias_out);
+        amax = compute_amax_dswiglu(x, activation.input);
+        break;
       case QuantizeActivation::kNone:
         break;
     }
-    TORCH_INTERNAL_ASSERT(false, "quantize_for: unknown activation");
+    amax_slot.copy_(at::maximum(amax_slot, amax.reshape(amax_slot.sizes())));
+    scale = compute_current_scale(amax, format, recipe.margin);
   }
-  // Current scaling: the activation is computed first (GELU's by LibTorch, SwiGLU's backward by
-  // amp8's kernel in float32, as the fused cast computes it), then measured and quantized.
-  at::Tensor values;
+  const bool accumulate = cast_amax.defined();
   switch (activation.kind) {
     case QuantizeActivation::kGelu:
-      values = at::gelu(x, "tanh");
-      break;
+      return cast_transpose_gelu(x, scale, format, cast_amax, accumulate);
     case QuantizeActivation::kDGelu:
-      values = at::gelu_backward(x, activation.input, "tanh");
-      break;
+      return cast_transpose_dgelu(x, activation.input, scale, format, cast_amax, accumulate,
+                                  dbias_out);
     case QuantizeActivation::kDSwiGlu:
-      values = swiglu_backward(x.to(at::kFloat).contiguous(), activation.input.to(at::kFloat));
-      break;
+      return cast_transpose_dswiglu(x, activation.input, scale, format, cast_amax, accumulate,
+                                    dbias_out);
     case QuantizeActivation::kNone:
       break;
   }
-  return quantize_columns_for({values}, recipe, meta, slot, dbias_out);
+  TORCH_INTERNAL_ASSERT(false, "quantize_for: unknown activation");
 }
 
 Fp8LinearSaved Fp8LinearSaved::of(const Fp8LinearImpl::Fp8Call& call, int64_t rows,
