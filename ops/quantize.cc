@@ -303,6 +303,9 @@ Fp8CastTranspose cast_transpose_columns(const std::vector<at::Tensor>& pieces,
                                         const at::Tensor& dbias_out) {
   TORCH_CHECK(!pieces.empty(), "cast_transpose_columns: pieces must hold at least one tensor");
   const auto& first = pieces.front();
+  detail::check_high_precision_input(first, "cast_transpose_columns", "pieces[0]");
+  TORCH_CHECK(first.dim() == 2, "cast_transpose_columns: pieces[0] must be 2-D [rows, cols], got shape ",
+              first.sizes());
   int64_t cols = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const auto& piece = pieces[i];
@@ -317,7 +320,11 @@ Fp8CastTranspose cast_transpose_columns(const std::vector<at::Tensor>& pieces,
                 piece.device());
     cols += piece.size(1);
   }
-  check_quantize_args(first, scale, amax_out, "cast_transpose_columns");
+  TORCH_CHECK(scale.defined(), "cast_transpose_columns: scale must be a defined tensor");
+  detail::check_scalar_slot(scale, first, "cast_transpose_columns", "scale", "pieces[0]");
+  if (amax_out.defined()) {
+    detail::check_scalar_slot(amax_out, first, "cast_transpose_columns", "amax_out", "pieces[0]");
+  }
   if (dbias_out.defined()) {
     check_dbias_out(dbias_out, cols, first.device(), "cast_transpose_columns");
   }
@@ -341,7 +348,9 @@ Fp8CastTranspose cast_transpose_columns(const std::vector<at::Tensor>& pieces,
                         dbias_per_piece ? dbias_out.narrow(0, col, width) : at::Tensor());
     col += width;
   }
-  if (dbias_out.defined() && !dbias_per_piece) detail::sum_rows_into(dbias_out, at::cat(pieces, 1));
+  if (dbias_out.defined() && !dbias_per_piece) {
+    detail::sum_rows_into(dbias_out, pieces.size() == 1 ? first : at::cat(pieces, 1));
+  }
   return {Fp8Tensor(out, scale_inv, format), Fp8Tensor(out_t, scale_inv, format)};
 }
 

@@ -123,10 +123,12 @@ Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& 
 at::Tensor compute_amax(const at::Tensor& x);
 
 /// max|v| over the values cast_transpose_gelu / _dgelu / _swiglu / _dswiglu quantize for the
-/// same inputs (their float32 formula; a float32 tensor of one element on the inputs' device),
-/// computed from the inputs without writing the values: current scaling's amax before the
-/// fused cast. Measuring and casting then read the inputs twice, where computing the activation
-/// first writes it in high precision and reads it twice more.
+/// same inputs (the fused kernels' float32 formula; a float32 tensor of one element on the
+/// inputs' device), computed from the inputs without writing the values: current scaling's amax
+/// before the fused cast. Where the fused kernel takes the shape, measuring and casting read the
+/// inputs twice, where computing the activation first writes it in high precision and reads it
+/// twice more; where it does not, the cast computes the values with LibTorch's formula (GELU) or
+/// writes them in float32 first, and this amax may differ from theirs in the last float32 place.
 at::Tensor compute_amax_gelu(const at::Tensor& x);
 at::Tensor compute_amax_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input);
 at::Tensor compute_amax_swiglu(const at::Tensor& gate_up);

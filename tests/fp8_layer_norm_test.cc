@@ -188,8 +188,8 @@ TEST_F(Fp8LayerNormTest, FusedEqualsUnfusedPairInFp8) {
 }
 
 // forward_split's pieces are forward's output split, and their gradients, arriving apart (one
-// piece unused: autograd hands the backward zeros for it), give the bytes the concatenated
-// gradient gives: input, every parameter, FP8 metadata. In each recipe; blockwise runs the
+// piece unused: autograd hands the backward zeros for it) or as views of one buffer, give the
+// bytes the concatenated gradient gives: input, every parameter, FP8 metadata. In each recipe; blockwise runs the
 // modules unfused and concatenates as split_with_sizes does. A piece's gradient at the wrong
 // columns, or one piece's gradient standing for all, shows.
 void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t rows) {
@@ -223,6 +223,10 @@ void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t r
       y.backward(at::cat(grads, -1));
       if (step == 1) {
         torch::autograd::backward({pieces[0], pieces[2]}, {grads[0], grads[2]});
+      } else if (step == 2) {
+        // Gradients that are adjacent column blocks of one buffer (an attention backward that
+        // fills one dq|dk|dv buffer): cast as that buffer.
+        torch::autograd::backward(pieces, at::cat(grads, -1).split_with_sizes({40, 16, 40}, -1));
       } else {
         torch::autograd::backward(pieces, grads);
       }

@@ -56,7 +56,8 @@ enum class CastActivation { kNone, kGelu, kDGelu, kSwiGlu, kDSwiGlu };
 // same read (TE's cast_transpose_dbias / cast_transpose_dbias_dgelu): per-tile column sums into
 // `part` [cast_transpose_dbias_parts(rows), cols], then launch_column_sum. Only for the fast
 // shape (cols % 8 == 0, rows % 16 == 0, out_stride % 8 == 0, 16-byte aligned pointers but an
-// 8-byte aligned out) and the variants the layers use (kNone with dbias, kGelu, kSwiGlu and
+// 8-byte aligned out; kDSwiGlu: cols % 16 == 0 and every pointer 16-byte aligned) and the
+// variants the layers use (kNone with dbias, kGelu, kSwiGlu and
 // kDSwiGlu without, kDGelu either way); otherwise it launches nothing and returns
 // kUnsupportedShape. `cols` is the output's: half of x's for kSwiGlu, twice x's for kDSwiGlu.
 // out_stride as launch_cast_transpose's (kDSwiGlu: cols only).

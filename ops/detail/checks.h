@@ -30,13 +30,13 @@ inline void check_high_precision_input(const at::Tensor& x, std::string_view op,
 }
 
 inline void check_scalar_slot(const at::Tensor& t, const at::Tensor& x, std::string_view op,
-                              std::string_view name) {
+                              std::string_view name, std::string_view x_name = "x") {
   TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
               t.scalar_type());
   TORCH_CHECK(t.numel() == 1, op, ": ", name, " must hold exactly one element, got shape ",
               t.sizes());
-  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x.device(), " like x, got ",
-              t.device());
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x.device(), " like ",
+              x_name, ", got ", t.device());
 }
 
 // ---- The fused optimizer steps' entries (fused_adam_step, fused_sgd_step) ----

@@ -226,6 +226,31 @@ Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
   return {Fp8Tensor(w.data.detach(), w.scale_inv, w.format), false};
 }
 
+namespace {
+
+// The row-major buffer whose adjacent column blocks `pieces` are (2-D, one dtype, unit column
+// stride, rows one buffer width apart, each starting where the one before ends), as one
+// [rows, Σ cols_i] view of it; undefined when they are not.
+at::Tensor adjacent_columns_as_one(const std::vector<at::Tensor>& pieces) {
+  const auto& first = pieces.front();
+  if (pieces.size() < 2 || first.dim() != 2) return {};
+  int64_t width = 0;
+  for (const auto& piece : pieces) width += piece.dim() == 2 ? piece.size(1) : 0;
+  int64_t offset = first.storage_offset();
+  for (const auto& piece : pieces) {
+    const bool adjacent = piece.dim() == 2 && piece.is_alias_of(first) &&
+                          piece.scalar_type() == first.scalar_type() &&
+                          piece.size(0) == first.size(0) && piece.stride(1) == 1 &&
+                          (piece.size(0) == 1 || piece.stride(0) == width) &&
+                          piece.storage_offset() == offset;
+    if (!adjacent) return {};
+    offset += piece.size(1);
+  }
+  return first.as_strided({first.size(0), width}, {width, 1}, first.storage_offset());
+}
+
+}  // namespace
+
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias,
@@ -247,10 +272,11 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
                              activation_backward.kind == QuantizeActivation::kNone),
                         "fp8_linear_backward: one gradient, or column pieces without activation");
   Fp8LinearGrads grads;
+  const auto whole = adjacent_columns_as_one(grad_output_columns);
   std::vector<at::Tensor> g;
   g.reserve(grad_output_columns.size());
   int64_t columns = 0;
-  for (const auto& piece : grad_output_columns) {
+  for (const auto& piece : whole.defined() ? std::vector<at::Tensor>{whole} : grad_output_columns) {
     auto padded = pad_rows(piece, padded_rows(rows));
     if (padded.scalar_type() != at::kFloat && padded.scalar_type() != at::kBFloat16 &&
         padded.scalar_type() != at::kHalf) {

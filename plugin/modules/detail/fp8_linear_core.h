@@ -46,8 +46,9 @@ Fp8CastTranspose quantize_for(const at::Tensor& x, const Fp8Recipe& recipe, Fp8M
 
 /// quantize_for of the column-wise concatenation [x_0 | x_1 | …] of `columns` (2-D, one row
 /// count; no activation) through cast_transpose_columns: each piece quantized where it is, with
-/// the same bytes, amax and dbias as quantize_for(at::cat(columns, 1), …). Current scaling takes
-/// the amax over all pieces before the scale.
+/// the same bytes and amax as quantize_for(at::cat(columns, 1), …), and its dbias under
+/// cast_transpose_columns' conditions. Current scaling takes the amax over all pieces before the
+/// scale.
 Fp8CastTranspose quantize_columns_for(const std::vector<at::Tensor>& columns,
                                       const Fp8Recipe& recipe, Fp8Meta& meta, Fp8Slot slot,
                                       const at::Tensor& dbias_out = {});
@@ -148,7 +149,10 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor
                                    const QuantizeActivation& activation_backward = {});
 /// The same for an output gradient given as column pieces [rows, cols_i] (their concatenation
 /// is grad_output2d; no activation_backward with more than one): quantized without
-/// concatenating them (quantize_columns_for), as the layer's split outputs' gradients arrive.
+/// concatenating them (quantize_columns_for), as the layer's split outputs' gradients arrive;
+/// pieces that are adjacent column blocks of one buffer (an attention backward that fills one
+/// dq|dk|dv buffer) are cast as that buffer. A piece with rows that are not contiguous in
+/// memory, or a row count to pad, is copied first.
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
                                    const std::vector<at::Tensor>& grad_output_columns,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
