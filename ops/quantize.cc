@@ -471,55 +471,50 @@ at::Tensor compute_amax(const at::Tensor& x) {
   return result;
 }
 
-at::Tensor compute_amax_gelu(const at::Tensor& x) {
-  check_amax_input(x, "compute_amax_gelu");
-  if (!x.is_cuda()) return compute_amax(gelu_values_cpu(x, {}));
+namespace {
+
+// An activation's amax: on the CPU the reference values `cpu_values()` measured, on CUDA
+// activation_amax_cuda into a new float32 [1] tensor on x's device.
+template <typename CpuValues>
+at::Tensor activation_amax(detail::AmaxActivation activation, const at::Tensor& x,
+                           const at::Tensor& gate, std::string_view op, CpuValues&& cpu_values) {
+  if (!x.is_cuda()) return compute_amax(cpu_values());
   auto result = at::empty({1}, x.options().dtype(at::kFloat));
 #ifdef AMP8_WITH_CUDA
-  detail::gelu_amax_cuda(x, result);
+  detail::activation_amax_cuda(activation, x, gate, result);
 #else
-  detail::no_cuda("compute_amax_gelu");
+  detail::no_cuda(op);
 #endif
   return result;
+}
+
+}  // namespace
+
+at::Tensor compute_amax_gelu(const at::Tensor& x) {
+  check_amax_input(x, "compute_amax_gelu");
+  return activation_amax(detail::AmaxActivation::kGelu, x, {}, "compute_amax_gelu",
+                         [&] { return gelu_values_cpu(x, {}); });
 }
 
 at::Tensor compute_amax_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input) {
   check_amax_input(grad, "compute_amax_dgelu", "grad");
   check_gelu_input(grad, gelu_input, "compute_amax_dgelu");
-  if (!grad.is_cuda()) return compute_amax(gelu_values_cpu(grad, gelu_input));
-  auto result = at::empty({1}, grad.options().dtype(at::kFloat));
-#ifdef AMP8_WITH_CUDA
-  detail::dgelu_amax_cuda(grad, gelu_input, result);
-#else
-  detail::no_cuda("compute_amax_dgelu");
-#endif
-  return result;
+  return activation_amax(detail::AmaxActivation::kDGelu, grad, gelu_input, "compute_amax_dgelu",
+                         [&] { return gelu_values_cpu(grad, gelu_input); });
 }
 
 at::Tensor compute_amax_swiglu(const at::Tensor& gate_up) {
   check_amax_input(gate_up, "compute_amax_swiglu", "gate_up");
   check_gate_up(gate_up, "compute_amax_swiglu");
-  if (!gate_up.is_cuda()) return compute_amax(swiglu_values(gate_up));
-  auto result = at::empty({1}, gate_up.options().dtype(at::kFloat));
-#ifdef AMP8_WITH_CUDA
-  detail::swiglu_amax_cuda(gate_up, result);
-#else
-  detail::no_cuda("compute_amax_swiglu");
-#endif
-  return result;
+  return activation_amax(detail::AmaxActivation::kSwiGlu, gate_up, {}, "compute_amax_swiglu",
+                         [&] { return swiglu_values(gate_up); });
 }
 
 at::Tensor compute_amax_dswiglu(const at::Tensor& grad, const at::Tensor& gate_up) {
   check_amax_input(grad, "compute_amax_dswiglu", "grad");
   check_gate_up_of(grad, gate_up, "compute_amax_dswiglu");
-  if (!grad.is_cuda()) return compute_amax(dswiglu_values(grad, gate_up));
-  auto result = at::empty({1}, grad.options().dtype(at::kFloat));
-#ifdef AMP8_WITH_CUDA
-  detail::dswiglu_amax_cuda(grad, gate_up, result);
-#else
-  detail::no_cuda("compute_amax_dswiglu");
-#endif
-  return result;
+  return activation_amax(detail::AmaxActivation::kDSwiGlu, grad, gate_up, "compute_amax_dswiglu",
+                         [&] { return dswiglu_values(grad, gate_up); });
 }
 
 at::Tensor compute_current_scale(const at::Tensor& amax, Fp8Format format, int margin) {

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "ops/cuda/kernels.h"
@@ -253,37 +254,26 @@ void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
                                     amax_out.mutable_data_ptr<float>(), current_stream()));
 }
 
-namespace {
-
-// launch_activation_amax on tensors: `cols` the output's columns, as launch_cast_transpose_fused's.
-void activation_amax_cuda(const at::Tensor& x, const at::Tensor& gate,
-                          cuda::CastActivation activation, int64_t cols,
+void activation_amax_cuda(AmaxActivation activation, const at::Tensor& x, const at::Tensor& gate,
                           const at::Tensor& amax_out) {
   const c10::cuda::CUDAGuard guard(x.device());
+  // The kernel's activation, and the output's columns as launch_cast_transpose_fused counts them.
+  auto [kind, cols] = [&]() -> std::pair<cuda::CastActivation, int64_t> {
+    switch (activation) {
+      case AmaxActivation::kGelu:
+        return {cuda::CastActivation::kGelu, x.size(1)};
+      case AmaxActivation::kDGelu:
+        return {cuda::CastActivation::kDGelu, x.size(1)};
+      case AmaxActivation::kSwiGlu:
+        return {cuda::CastActivation::kSwiGlu, x.size(1) / 2};
+      case AmaxActivation::kDSwiGlu:
+        return {cuda::CastActivation::kDSwiGlu, gate.size(1)};
+    }
+    TORCH_INTERNAL_ASSERT(false, "activation_amax_cuda: unknown activation");
+  }();
   AMP8_CUDA_CHECK(cuda::launch_activation_amax(
-      x.const_data_ptr(), gate.defined() ? gate.const_data_ptr() : nullptr, input_type(x),
-      activation, x.size(0), cols, amax_out.mutable_data_ptr<float>(), current_stream()));
-}
-
-}  // namespace
-
-void gelu_amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
-  activation_amax_cuda(x, {}, cuda::CastActivation::kGelu, x.size(1), amax_out);
-}
-
-void dgelu_amax_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,
-                     const at::Tensor& amax_out) {
-  activation_amax_cuda(grad, gelu_input, cuda::CastActivation::kDGelu, grad.size(1), amax_out);
-}
-
-void swiglu_amax_cuda(const at::Tensor& gate_up, const at::Tensor& amax_out) {
-  activation_amax_cuda(gate_up, {}, cuda::CastActivation::kSwiGlu, gate_up.size(1) / 2,
-                       amax_out);
-}
-
-void dswiglu_amax_cuda(const at::Tensor& grad, const at::Tensor& gate_up,
-                       const at::Tensor& amax_out) {
-  activation_amax_cuda(grad, gate_up, cuda::CastActivation::kDSwiGlu, gate_up.size(1), amax_out);
+      x.const_data_ptr(), gate.defined() ? gate.const_data_ptr() : nullptr, input_type(x), kind,
+      x.size(0), cols, amax_out.mutable_data_ptr<float>(), current_stream()));
 }
 
 void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,

@@ -59,15 +59,15 @@ bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_in
                                const at::Tensor& out_t, const at::Tensor& scale_inv_out,
                                float* amax, bool accumulate_amax, const at::Tensor& dbias_out);
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
-// max|values| that cast_transpose_gelu_cuda / _dgelu_cuda / _swiglu_cuda / _dswiglu_cuda
-// quantize for the same inputs, into amax_out (float32 [1] on the inputs' device), from one
-// read of the inputs, the values themselves not written.
-void gelu_amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
-void dgelu_amax_cuda(const at::Tensor& grad, const at::Tensor& gelu_input,
-                     const at::Tensor& amax_out);
-void swiglu_amax_cuda(const at::Tensor& gate_up, const at::Tensor& amax_out);
-void dswiglu_amax_cuda(const at::Tensor& grad, const at::Tensor& gate_up,
-                       const at::Tensor& amax_out);
+// The activation whose values activation_amax_cuda measures: what cast_transpose_gelu_cuda /
+// _dgelu_cuda / _swiglu_cuda / _dswiglu_cuda quantize.
+enum class AmaxActivation { kGelu, kDGelu, kSwiGlu, kDSwiGlu };
+// max|values| that the activation-fused cast of the same inputs quantizes (x: GELU's input, the
+// gradient, gate/up, the gradient; `gate`: GELU's input for kDGelu, gate/up for kDSwiGlu, else
+// undefined), into amax_out (float32 [1] on x's device), from one read of the inputs, the values
+// themselves not written.
+void activation_amax_cuda(AmaxActivation activation, const at::Tensor& x, const at::Tensor& gate,
+                          const at::Tensor& amax_out);
 // scale_out[i] = scale_from_amax(amax[i], 1, fp8_max, 2^margin) for every i (1-D, contiguous).
 void current_scale_cuda(const at::Tensor& amax, float fp8_max, float margin_divisor,
                         const at::Tensor& scale_out);

@@ -13,7 +13,6 @@
 #include "ops/fp8_gemm.h"
 #include "ops/layer_norm.h"
 #include "ops/quantize.h"
-#include "ops/swiglu.h"
 #include "plugin/fp8/detail/fp8_state.h"
 #include "plugin/compat/torch_internals.h"
 
