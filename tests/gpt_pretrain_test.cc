@@ -192,6 +192,30 @@ TEST(GptPretrainTest, ValidatesOnHeldOutTextDeterministically) {
   EXPECT_NE(svg.find("(circles: validation)"), std::string::npos);
 }
 
+// --recompute-method reaches the model (the run says so) and changes nothing of the training:
+// loss for loss the run that keeps its activations, GPT and Llama, in FP8 too.
+TEST(GptPretrainTest, RecomputeTrainsAsWithoutIt) {
+  for (const auto* config : {"tiny", "llama_tiny"}) {
+    SCOPED_TRACE(config);
+    const std::vector<std::string> common = {"--config", config, "--device", "cpu", "--seq", "32", "--micro-batch",
+                                             "4", "--steps", "6", "--log-every", "0", "--precision", "bf16-mixed",
+                                             "--fp8", "hybrid", "--fp8-min-gemm-size", "0"};
+    const auto kept_dir = scratch(std::string("recompute_kept_") + config);
+    const auto recomputed_dir = scratch(std::string("recompute_") + config);
+    const auto kept = gpt_pretrain(with(common, {"--save-dir", kept_dir.string()}));
+    ASSERT_EQ(kept.code, 0) << kept.err;
+    EXPECT_EQ(kept.out.find("activations recomputed"), std::string::npos);
+    const auto recomputed = gpt_pretrain(with(common, {"--save-dir", recomputed_dir.string(), "--recompute-method",
+                                                       "block", "--recompute-num-layers", "2"}));
+    ASSERT_EQ(recomputed.code, 0) << recomputed.err;
+    EXPECT_NE(recomputed.out.find(", activations recomputed (block, 2 layers)"), std::string::npos) << recomputed.out;
+    const auto a = metrics(kept_dir), b = metrics(recomputed_dir);
+    ASSERT_EQ(a.size(), 6u);
+    ASSERT_EQ(b.size(), 6u);
+    for (size_t i = 0; i < 6; ++i) EXPECT_EQ(b[i]["loss"].get<double>(), a[i]["loss"].get<double>()) << "step " << i + 1;
+  }
+}
+
 TEST(GptPretrainTest, HelpListsTheFlagsWithDefaults) {
   const auto run = gpt_pretrain({"--help"});
   EXPECT_EQ(run.code, 0);
@@ -199,7 +223,8 @@ TEST(GptPretrainTest, HelpListsTheFlagsWithDefaults) {
                            "--fp8-amax-compute-algo", "--fp8-params", "--config", "--steps",
                            "--micro-batch", "--grad-accum", "--seq", "--lr", "--data", "--device",
                            "--save-dir", "--resume", "--seed", "--compare", "--overlap-grad-reduce",
-                           "--overlap-param-gather", "--bucket-size"}) {
+                           "--overlap-param-gather", "--bucket-size", "--recompute-method",
+                           "--recompute-num-layers"}) {
     EXPECT_NE(run.out.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(run.out.find("1024"), std::string::npos) << "defaults are shown";
@@ -236,6 +261,10 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--attention-backend", "fa9"}, "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"fa9\""},
       {{"--cuda-graph", "true"}, "--cuda-graph needs a CUDA GPU; the run is on --device cpu"},
       {{"--cuda-graph", "maybe"}, "--cuda-graph"},
+      {{"--recompute-method", "full"}, "recompute method must be \"none\", \"uniform\" or \"block\", got \"full\""},
+      {{"--recompute-num-layers", "2"}, "--recompute-num-layers needs --recompute-method uniform or block"},
+      {{"--recompute-method", "block", "--recompute-num-layers", "3"}, "recompute num_layers must be in [1, 2]"},
+      {{"--recompute-method", "uniform", "--cuda-graph", "true"}, "--recompute-method and --cuda-graph cannot be combined"},
   };
   for (const auto& c : cases) {
     auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);

@@ -29,6 +29,7 @@ struct Fp8Autocast::Region {
 namespace {
 
 thread_local std::vector<Fp8Autocast::Region*> region_stack;
+thread_local std::vector<detail::ForwardGroupRecorder*> recorders;
 
 // Backward groups wait here, per backward pass (autograd graph task) and per (format, margin,
 // algo, reduction group), until that backward pass ends. The autograd engine may run backward
@@ -153,6 +154,7 @@ void reduce_amaxes(const std::vector<DelayedScalingGroup>& groups, c10d::Process
 }
 
 void register_forward_group(const void* owner, const DelayedScalingGroup& group) {
+  for (auto* recorder : recorders) recorder->add(owner, group);
   if (region_stack.empty()) return;
   auto* region = region_stack.back();
   if (region->owners.insert(owner).second) region->forward_groups.push_back(group);
@@ -179,6 +181,38 @@ void register_backward_group(const void* owner, const DelayedScalingGroup& group
   if (queue) {
     at_end_of_backward_pass([graph_task] { run_backward_updates(graph_task); });
   }
+}
+
+std::optional<RegionSetting> current_region_setting() {
+  if (region_stack.empty()) return std::nullopt;
+  const auto* region = region_stack.back();
+  return RegionSetting{region->enabled, region->recipe, region->group};
+}
+
+ReplayedRegion::ReplayedRegion(const std::optional<RegionSetting>& setting) {
+  if (!setting) return;
+  region_ = std::make_unique<Fp8Autocast::Region>(Fp8Autocast::Region{
+      setting->enabled, setting->recipe, setting->group, {}, {}, std::uncaught_exceptions(), false});
+  region_stack.push_back(region_.get());
+}
+
+ReplayedRegion::~ReplayedRegion() {
+  if (!region_) return;
+  TORCH_INTERNAL_ASSERT(!region_stack.empty() && region_stack.back() == region_.get(),
+                        "a replayed FP8 region must close before the regions opened inside it");
+  region_stack.pop_back();
+}
+
+ForwardGroupRecorder::ForwardGroupRecorder() { recorders.push_back(this); }
+
+ForwardGroupRecorder::~ForwardGroupRecorder() {
+  TORCH_INTERNAL_ASSERT(!recorders.empty() && recorders.back() == this,
+                        "ForwardGroupRecorders must end in reverse order of starting");
+  recorders.pop_back();
+}
+
+void ForwardGroupRecorder::add(const void* owner, const DelayedScalingGroup& group) {
+  if (owners_.insert(owner).second) groups_.push_back(group);
 }
 
 }  // namespace detail

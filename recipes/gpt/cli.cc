@@ -19,7 +19,9 @@
 #include <optional>
 #include <ostream>
 #include <sstream>
+#include <variant>
 
+#include "plugin/modules/recompute.h"
 #include "plugin/training/trainer.h"
 #include "recipes/gpt/loss_plot.h"
 #include "recipes/gpt/pretrain.h"
@@ -38,7 +40,8 @@ bool is_cpu_allocation_failure(const c10::Error& error) {
 
 std::string out_of_memory_advice(const std::string& batch_shape) {
   return "out of memory with micro-batches of " + batch_shape +
-         " tokens; lower --micro-batch (and raise --grad-accum for the same batch): ";
+         " tokens; lower --micro-batch (and raise --grad-accum for the same batch), or keep fewer "
+         "activations with --recompute-method uniform: ";
 }
 
 std::vector<std::string> split(const std::string& list) {
@@ -156,6 +159,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   std::string profile_dir;
   std::string attention_backend = "auto";
+  std::string recompute_method = "none";
+  int64_t recompute_num_layers = 1;
   bool cuda_graph = false, deterministic = false;
   int64_t profile_first_step = 10, profile_steps = 3;
   int64_t fp8_min_gemm_size = MixedPrecisionOptions("bf16-mixed").fp8_min_gemm_size();
@@ -262,6 +267,15 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                  "each block's MLP as one Fp8LayerNormMLP call: in FP8, GELU inside the FP8 casts "
                  "(TE's LayerNormMLP); false: its modules one after the other")
       ->capture_default_str()->transform(boolean());
+  app.add_option("--recompute-method", recompute_method,
+                 "activation recomputation (Megatron's full recompute granularity): none; uniform, the "
+                 "blocks in chunks of --recompute-num-layers, each keeping only its input and run again "
+                 "in the backward pass; block, the first --recompute-num-layers blocks each so, the "
+                 "others keeping their activations")
+      ->capture_default_str()->transform(lower_case());
+  auto* recompute_layers_flag = app.add_option("--recompute-num-layers", recompute_num_layers,
+                 "with --recompute-method: the chunk length (uniform) or how many blocks from the first "
+                 "(block)")->capture_default_str()->check(whole_number(1, kMaxCount));
   app.add_option("--attention-backend", attention_backend,
                  "the fused attention kernel tried first: auto (PyTorch's order: flash, memory-efficient, "
                  "math, cuDNN), cudnn, flash or efficient")->capture_default_str()->transform(lower_case());
@@ -332,6 +346,15 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       TORCH_CHECK(fused_mlp_flag->count() == 0, "--fused-mlp applies to the GPT configs (LayerNorm and "
                   "GELU MLPs); config ", config, " is a Llama");
     }
+    const auto recompute = RecomputeOptions()
+                               .method(recompute_method_from_string(recompute_method))
+                               .num_layers(recompute_num_layers);
+    TORCH_CHECK(recompute.method() != RecomputeMethod::kNone || recompute_layers_flag->count() == 0,
+                "--recompute-num-layers needs --recompute-method uniform or block");
+    TORCH_CHECK(recompute.method() == RecomputeMethod::kNone || !cuda_graph,
+                "--recompute-method and --cuda-graph cannot be combined: the recomputation runs a "
+                "backward pass of its own inside the captured one");
+    std::visit([&](auto& model) { model.recompute(recompute); }, recipe.model);
     recipe.profile_dir = profile_dir;
     recipe.profile_first_step = profile_first_step;
     recipe.profile_steps = profile_steps;

@@ -31,6 +31,10 @@ void set_vocab_size(DecoderConfig& config, int64_t vocab_size) {
   std::visit([&](auto& c) { c.vocab_size(vocab_size); }, config);
 }
 
+const RecomputeOptions& recompute(const DecoderConfig& config) {
+  return std::visit([](const auto& c) -> const RecomputeOptions& { return c.recompute(); }, config);
+}
+
 void validate(const DecoderConfig& config) {
   std::visit([](const auto& c) { c.validate(); }, config);
 }

@@ -25,6 +25,7 @@ std::vector<std::string> decoder_config_names();
 int64_t max_seq_len(const DecoderConfig& config);
 int64_t vocab_size(const DecoderConfig& config);
 void set_vocab_size(DecoderConfig& config, int64_t vocab_size);
+const RecomputeOptions& recompute(const DecoderConfig& config);
 /// Throws naming the field and what was expected.
 void validate(const DecoderConfig& config);
 

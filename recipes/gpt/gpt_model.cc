@@ -80,6 +80,7 @@ void GptConfig::validate() const {
               ") must be a positive multiple of heads (", heads_, ")");
   TORCH_CHECK(mlp_ratio_ >= 1, "mlp_ratio must be >= 1, got ", mlp_ratio_);
   TORCH_CHECK(dropout_ >= 0 && dropout_ < 1, "dropout must be in [0, 1), got ", dropout_);
+  recompute_.validate(layers_);
 }
 
 GptBlockImpl::GptBlockImpl(const GptConfig& config) : config_(config) {
@@ -143,10 +144,14 @@ torch::Tensor GptModelImpl::forward(const torch::Tensor& tokens) {
   namespace F = torch::nn::functional;
   x = F::dropout(x, F::DropoutFuncOptions().p(is_training() ? config_.dropout() : 0.0)
                         .training(is_training()));
-  for (const auto& block : *blocks) {
-    amp8::wait_for_params(*block);
-    x = block->as<GptBlockImpl>()->forward(x);
-  }
+  x = forward_layers(
+      config_.layers(), config_.recompute(),
+      [blocks = blocks](int64_t i, const torch::Tensor& input) {
+        const auto block = blocks->ptr(static_cast<size_t>(i));
+        amp8::wait_for_params(*block);
+        return block->as<GptBlockImpl>()->forward(input);
+      },
+      x);
   amp8::wait_for_params(*final_norm);
   // The output head is the token embedding, tied (GPT-2); computed in the activations' dtype.
   return F::linear(final_norm->forward(x), token_embedding->weight.to(x.scalar_type()));

@@ -17,6 +17,7 @@
 
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
+#include "plugin/modules/recompute.h"
 
 namespace amp8::recipes {
 
@@ -44,6 +45,9 @@ struct GptConfig {
   /// false runs its modules one after the other (Fp8LayerNormLinear, GELU, Fp8Linear). The
   /// parameters and their names are the same either way. Default: true.
   TORCH_ARG(bool, fused_mlp) = true;
+  /// Which blocks recompute their activations in the backward pass instead of keeping them
+  /// (Megatron-Core's full recompute: recompute_method, recompute_num_layers). Default: none.
+  TORCH_ARG(RecomputeOptions, recompute) = {};
 
  public:
   /// tiny (~0.1 M parameters, CPU), small (~3 M), 125m (GPT-2 small shape, seq 1024),

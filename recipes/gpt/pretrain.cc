@@ -328,7 +328,12 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
       << ", " << trainer_options.max_steps()
       << " steps of " << trainer_options.accumulate_grad_batches() << " x " << recipe.micro_batch
       << " x " << recipe.seq << " tokens" << (world > 1 ? " on each of " + std::to_string(world) + " data-parallel ranks" : "")
-      << (resume.empty() ? "" : ", resuming from " + resume) << std::endl;
+      << (resume.empty() ? "" : ", resuming from " + resume);
+  if (const auto& r = recompute(model_config); r.method() != RecomputeMethod::kNone) {
+    out << ", activations recomputed (" << to_string(r.method()) << ", " << r.num_layers() << " layer"
+        << (r.num_layers() == 1 ? "" : "s") << ")";
+  }
+  out << std::endl;
 #ifdef AMP8_HAS_CUDA_ALLOCATOR
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
 #endif

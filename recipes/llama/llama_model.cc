@@ -52,6 +52,7 @@ void LlamaConfig::validate() const {
               ") must be a multiple of kv_heads (", kv_heads_, ")");
   TORCH_CHECK(rope_theta_ > 1, "rope_theta must be > 1, got ", rope_theta_);
   TORCH_CHECK(norm_eps_ > 0, "norm_eps must be > 0, got ", norm_eps_);
+  recompute_.validate(layers_);
   if (rope_scaling_) {
     const auto& s = *rope_scaling_;
     TORCH_CHECK(s.factor() >= 1, "rope_scaling.factor must be >= 1, got ", s.factor());
@@ -199,10 +200,14 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& tokens) {
   // Each module's parameters once their all-gather is in (overlap_param_gather; else a no-op).
   amp8::wait_for_params(*token_embedding);
   auto x = token_embedding->forward(tokens);
-  for (const auto& block : *blocks) {
-    amp8::wait_for_params(*block);
-    x = block->as<LlamaBlockImpl>()->forward(x, rotary);
-  }
+  x = forward_layers(
+      config_.layers(), config_.recompute(),
+      [blocks = blocks, rotary](int64_t i, const torch::Tensor& input) {
+        const auto block = blocks->ptr(static_cast<size_t>(i));
+        amp8::wait_for_params(*block);
+        return block->as<LlamaBlockImpl>()->forward(input, rotary);
+      },
+      x);
   amp8::wait_for_params(*final_norm);
   x = final_norm->forward(x);
   if (output) {

@@ -19,6 +19,7 @@
 
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
+#include "plugin/modules/recompute.h"
 
 namespace amp8::recipes {
 
@@ -64,6 +65,9 @@ struct LlamaConfig {
   /// The output head is the token embedding (Llama 3.2 1B / 3B) instead of a linear layer of its
   /// own. Default: false.
   TORCH_ARG(bool, tie_embeddings) = false;
+  /// Which blocks recompute their activations in the backward pass instead of keeping them
+  /// (Megatron-Core's full recompute: recompute_method, recompute_num_layers). Default: none.
+  TORCH_ARG(RecomputeOptions, recompute) = {};
 
  public:
   /// llama_tiny (CPU tests), llama32_1b (hidden 2048, 16 layers, 32 / 8 heads, FFN 8192),
