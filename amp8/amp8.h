@@ -13,6 +13,7 @@
 #include "plugin/modules/convert_module.h"
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
+#include "plugin/modules/recompute.h"
 #include "plugin/precision/mixed_precision_plugin.h"
 #include "plugin/training/export.h"
 #include "plugin/training/trainer.h"
