@@ -160,6 +160,23 @@ TEST(ByteDatasetTest, BatchesAreShiftedWindowsDrawnFromTheSeed) {
   EXPECT_TRUE((x >= 0).all().item<bool>() && (x < 256).all().item<bool>());
 }
 
+// On a GPU the batch goes through pinned memory without waiting for the device (copy_to_device):
+// the same tokens as on the CPU, once the stream has run the copies, even when the next batch
+// is drawn (and the pinned buffers of this one released) before that.
+TEST(ByteDatasetTest, GpuBatchesAreTheCpuBatches_CUDA) {
+  if (!testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const auto data = ByteDataset::builtin(1 << 16);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> on_gpu;
+  for (int64_t step = 0; step < 4; ++step) on_gpu.push_back(data.batch(7, step, 0, 8, 129, torch::kCUDA));
+  for (int64_t step = 0; step < 4; ++step) {
+    const auto [x, y] = data.batch(7, step, 0, 8, 129, torch::kCPU);
+    EXPECT_TRUE(on_gpu[step].first.is_cuda());
+    EXPECT_TRUE(on_gpu[step].first.is_contiguous());
+    EXPECT_TRUE(on_gpu[step].first.cpu().equal(x)) << "step " << step;
+    EXPECT_TRUE(on_gpu[step].second.cpu().equal(y)) << "step " << step;
+  }
+}
+
 TEST(ByteDatasetTest, FilesAreMappedAndBadOnesNamed) {
   const auto dir = std::filesystem::temp_directory_path() / ("amp8_gpt_data_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);

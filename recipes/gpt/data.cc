@@ -206,6 +206,12 @@ std::string ByteDataset::fingerprint() const {
   return text;
 }
 
+torch::Tensor copy_to_device(const torch::Tensor& host, const torch::Device& device) {
+  TORCH_CHECK(host.device().is_cpu(), "copy_to_device: host must be a CPU tensor, got one on ", host.device());
+  if (!device.is_cuda()) return host.contiguous().to(device);
+  return host.contiguous().pin_memory().to(device, /*non_blocking=*/true);
+}
+
 std::pair<torch::Tensor, torch::Tensor> ByteDataset::batch(uint64_t seed, int64_t step,
                                                            int64_t micro_batch, int64_t batch_size,
                                                            int64_t seq,
@@ -234,9 +240,7 @@ std::pair<torch::Tensor, torch::Tensor> ByteDataset::batch(uint64_t seed, int64_
   check_unchanged();
   TORCH_CHECK(copied, "data file ", source_, " could not be read (a bus error on its mapping: it "
               "was truncated or its storage failed while training); the run stops here");
-  auto inputs = window.narrow(1, 0, seq).contiguous().to(device);
-  auto targets = window.narrow(1, 1, seq).contiguous().to(device);
-  return {inputs, targets};
+  return {copy_to_device(window.narrow(1, 0, seq), device), copy_to_device(window.narrow(1, 1, seq), device)};
 }
 
 }  // namespace amp8::recipes

@@ -1,5 +1,7 @@
 #include "recipes/gpt/megatron_data.h"
 
+#include "recipes/gpt/data.h"
+
 #include <c10/util/Exception.h>
 
 #include <filesystem>
@@ -50,7 +52,7 @@ std::pair<torch::Tensor, torch::Tensor> MegatronData::batch(int64_t index, int64
   const int64_t largest = std::max(inputs.max().item<int64_t>(), targets.max().item<int64_t>());
   TORCH_CHECK(largest < vocab_size_, "data-prefix ", blend_, ": token id ", largest, " in micro-batch ", index,
               " is not below the vocabulary size ", vocab_size_, " (--vocab-size)");
-  return {inputs.to(device), targets.to(device)};
+  return {copy_to_device(inputs, device), copy_to_device(targets, device)};
 }
 
 int64_t MegatronData::size() const { return single_ ? single_->size() : blended_->size(); }
