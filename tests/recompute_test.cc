@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "plugin/fp8/fp8_autocast.h"
 #include "plugin/modules/fp8_linear.h"
 #include "plugin/precision/autocast_guard.h"
 #include "plugin/precision/mixed_precision_plugin.h"
@@ -113,6 +114,60 @@ TEST_F(RecomputeTest, AutocastIsReplayed) {
   }
   for (size_t i = 0; i < grads[0].size(); ++i)
     EXPECT_TRUE(grads[1][i].equal(grads[0][i])) << "gradient " << i;
+}
+
+// A function that opens its own FP8 region (delayed scaling): its end updates the scales after
+// the first run, so the second run must quantize with the scales from before that update, and
+// its own end must not update them (nor roll the histories) a second time. Three steps, the same
+// outputs, gradients and FP8 metadata as without recomputation.
+TEST_F(RecomputeTest, AFunctionsOwnFp8RegionIsReplayedWithoutAnUpdate) {
+  std::vector<Fp8Linear> linears;
+  for (int k = 0; k < 2; ++k) {
+    torch::manual_seed(21);
+    linears.push_back(
+        Fp8Linear(Fp8LinearOptions(32, 48).fp8_min_gemm_size(0).fp8_amax_history_len(3)));
+  }
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const auto x = (torch::randn({19, 32}) * (1 + step)).requires_grad_(true);
+    const auto grad_output = torch::randn({19, 48});
+    std::vector<torch::Tensor> outputs, input_grads;
+    for (int k = 0; k < 2; ++k) {
+      auto function = [linear = linears[k]](const torch::Tensor& input) mutable {
+        Fp8Autocast fp8;
+        auto y = linear->forward(input);
+        fp8.close();
+        return y;
+      };
+      const auto y = k == 0 ? function(x) : recompute_activations(function, x);
+      y.backward(grad_output);
+      outputs.push_back(y.detach());
+      input_grads.push_back(x.grad().clone());
+      x.mutable_grad().reset();
+    }
+    EXPECT_TRUE(outputs[1].equal(outputs[0]));
+    EXPECT_TRUE(input_grads[1].equal(input_grads[0]));
+    EXPECT_TRUE(linears[1]->weight.grad().equal(linears[0]->weight.grad()));
+    const auto kept = linears[0]->named_buffers();
+    for (const auto& buffer : linears[1]->named_buffers()) {
+      EXPECT_TRUE(buffer.value().equal(kept[buffer.key()])) << buffer.key();
+    }
+    for (auto& linear : linears) linear->zero_grad();
+  }
+}
+
+// Gradients reach the parameters through .backward(); autograd::grad, which reads only what it
+// returns, and a double backward are refused instead of silently missing the recomputed part.
+TEST_F(RecomputeTest, OnlyBackwardReachesTheParameters) {
+  SmallNet net;
+  const auto x = torch::randn({4, 24}).requires_grad_(true);
+  auto run = [&] {
+    return recompute_activations([&](const torch::Tensor& input) { return net(input); }, x).sum();
+  };
+  ExpectErrorContaining([&] { torch::autograd::grad({run()}, {x}); },
+                        "its gradients reach the parameters only through .backward()");
+  ExpectErrorContaining([&] { run().backward({}, /*retain_graph=*/true, /*create_graph=*/true); },
+                        "no double backward");
 }
 
 // What the autograd graph holds of a recomputed forward pass: one node, no node of its insides.
@@ -218,9 +273,11 @@ TEST_F(RecomputeTest, MethodsChooseTheRecomputedLayers) {
     for (int i = 0; i < 5; ++i)
       expected_y = torch::tanh(expected_y.matmul(weights[i])) + expected_y;
     EXPECT_TRUE(y.equal(expected_y.detach()));
+    const auto expected_grads = torch::autograd::grad({expected_y.sum()}, weights);
     y.sum().backward();
     EXPECT_EQ(calls, expected);
-    for (int i = 0; i < 5; ++i) EXPECT_TRUE(weights[i].grad().defined()) << "layer " << i;
+    for (int i = 0; i < 5; ++i)
+      EXPECT_TRUE(weights[i].grad().equal(expected_grads[i])) << "layer " << i;
   }
 }
 
@@ -386,12 +443,57 @@ TEST_F(RecomputeTest, DataParallelTrainsAsWithoutRecompute) {
 // training in bf16-mixed and FP8; and a step's peak memory falls: the blocks' activations are not
 // kept (hidden 512, 8 blocks, 8 × 512 tokens: ~40 MB of activations per block against ~2 MB
 // of its input).
+// PyTorch's deterministic settings for the life of the guard (use_deterministic_algorithms), the
+// previous ones back after it, so that the other tests of the binary run as they would alone.
+class DeterministicAlgorithms {
+ public:
+  DeterministicAlgorithms()
+      : algorithms_(context().deterministicAlgorithms()),
+        warn_only_(context().deterministicAlgorithmsWarnOnly()),
+        cudnn_(context().deterministicCuDNN()),
+        benchmark_(context().benchmarkCuDNN()) {
+    use_deterministic_algorithms();
+  }
+  ~DeterministicAlgorithms() {
+    context().setDeterministicAlgorithms(algorithms_, warn_only_);
+    context().setDeterministicCuDNN(cudnn_);
+    context().setBenchmarkCuDNN(benchmark_);
+  }
+
+ private:
+  static at::Context& context() { return at::globalContext(); }
+  bool algorithms_, warn_only_, cudnn_, benchmark_;
+};
+
+// The CUDA generator's state is replayed on the autograd engine's device thread: dropout on the
+// GPU draws the same mask twice.
+TEST_F(RecomputeTest, GradientsAreTheKeptActivationsGradients_CUDA) {
+  if (!testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  SmallNet net;
+  net.first->to(torch::kCUDA);
+  net.second->to(torch::kCUDA);
+  const auto x = torch::randn({33, 24}, torch::kCUDA).requires_grad_(true);
+  const auto grad_output = torch::randn({33, 24}, torch::kCUDA);
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (const bool recompute : {false, true}) {
+    torch::manual_seed(8);
+    const auto y =
+        recompute ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
+                  : net(x);
+    torch::randn({1000}, torch::kCUDA);  // the generator moves on before the backward pass
+    y.backward(grad_output);
+    grads.push_back(net.grads());
+    grads.back().push_back(x.grad().clone());
+    net.zero_grad();
+    x.mutable_grad().reset();
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_TRUE(grads[1][i].equal(grads[0][i])) << "gradient " << i;
+}
+
 TEST_F(RecomputeTest, GptTrainsAsWithoutRecompute_CUDA) {
   if (!testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
-  auto& context = at::globalContext();
-  const bool deterministic = context.deterministicAlgorithms();
-  const bool warn_only = context.deterministicAlgorithmsWarnOnly();
-  use_deterministic_algorithms();
+  DeterministicAlgorithms deterministic;
   const auto config = recipes::GptConfig().layers(3).hidden(128).heads(4).max_seq_len(32);
   for (const auto& [name, precision] : std::vector<std::pair<std::string, MixedPrecisionOptions>>{
            {"bf16-mixed", recipes::bf16_mixed()},
@@ -427,7 +529,6 @@ TEST_F(RecomputeTest, GptTrainsAsWithoutRecompute_CUDA) {
   const auto recomputed_bytes = peak_step_bytes(RecomputeMethod::kUniform);
   EXPECT_LT(recomputed_bytes, kept_bytes / 2)
       << "kept " << kept_bytes << " B, recomputed " << recomputed_bytes << " B";
-  context.setDeterministicAlgorithms(deterministic, warn_only);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -30,6 +31,8 @@ namespace {
 
 thread_local std::vector<Fp8Autocast::Region*> region_stack;
 thread_local std::vector<detail::ForwardGroupRecorder*> recorders;
+// ReplayedRegions alive on this thread: a forward pass run again, whose regions update nothing.
+thread_local int replays = 0;
 
 // Backward groups wait here, per backward pass (autograd graph task) and per (format, margin,
 // algo, reduction group), until that backward pass ends. The autograd engine may run backward
@@ -116,6 +119,7 @@ void Fp8Autocast::pop_region() {
 void Fp8Autocast::close() {
   if (region_->closed) return;
   pop_region();
+  if (replays > 0) return;  // the forward pass's first run updated these scales
   if (!region_->enabled || region_->forward_groups.empty() || !region_->recipe.delayed()) return;
   const auto& r = region_->recipe;
   if (region_->group) detail::reduce_amaxes(region_->forward_groups, *region_->group);
@@ -190,6 +194,7 @@ std::optional<RegionSetting> current_region_setting() {
 }
 
 ReplayedRegion::ReplayedRegion(const std::optional<RegionSetting>& setting) {
+  ++replays;
   if (!setting) return;
   region_ = std::make_unique<Fp8Autocast::Region>(Fp8Autocast::Region{
       setting->enabled, setting->recipe, setting->group, {}, {}, std::uncaught_exceptions(), false});
@@ -197,22 +202,25 @@ ReplayedRegion::ReplayedRegion(const std::optional<RegionSetting>& setting) {
 }
 
 ReplayedRegion::~ReplayedRegion() {
+  --replays;
   if (!region_) return;
-  TORCH_INTERNAL_ASSERT(!region_stack.empty() && region_stack.back() == region_.get(),
-                        "a replayed FP8 region must close before the regions opened inside it");
-  region_stack.pop_back();
+  // Regions nest (RAII); a destructor may not throw, so a region left open inside is dropped
+  // with this one rather than left on the stack.
+  const auto it = std::find(region_stack.begin(), region_stack.end(), region_.get());
+  if (it != region_stack.end()) region_stack.erase(it, region_stack.end());
 }
 
 ForwardGroupRecorder::ForwardGroupRecorder() { recorders.push_back(this); }
 
 ForwardGroupRecorder::~ForwardGroupRecorder() {
-  TORCH_INTERNAL_ASSERT(!recorders.empty() && recorders.back() == this,
-                        "ForwardGroupRecorders must end in reverse order of starting");
-  recorders.pop_back();
+  const auto it = std::find(recorders.begin(), recorders.end(), this);
+  if (it != recorders.end()) recorders.erase(it);
 }
 
 void ForwardGroupRecorder::add(const void* owner, const DelayedScalingGroup& group) {
-  if (owners_.insert(owner).second) groups_.push_back(group);
+  if (!owners_.insert(owner).second) return;
+  groups_.push_back(group);
+  scales_.emplace_back(group.scale.clone(), group.scale_inv.clone());
 }
 
 }  // namespace detail

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/custom_class.h>
 
 #include <algorithm>
@@ -132,18 +133,24 @@ class ReplayedScales {
                  const std::vector<std::pair<at::Tensor, at::Tensor>>& first_run)
       : groups_(groups) {
     now_.reserve(groups.size());
-    for (size_t i = 0; i < groups.size(); ++i) {
-      const auto& group = groups[i];
+    for (const auto& group : groups) {
       now_.push_back({group.scale.clone(), group.scale_inv.clone(), group.amax_history[0].clone()});
-      group.scale.copy_(first_run[i].first);
-      group.scale_inv.copy_(first_run[i].second);
+    }
+    for (size_t i = 0; i < groups.size(); ++i) {
+      groups[i].scale.copy_(first_run[i].first);
+      groups[i].scale_inv.copy_(first_run[i].second);
     }
   }
   ~ReplayedScales() {
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      groups_[i].scale.copy_(now_[i][0]);
-      groups_[i].scale_inv.copy_(now_[i][1]);
-      groups_[i].amax_history[0].copy_(now_[i][2]);
+    try {
+      for (size_t i = 0; i < groups_.size(); ++i) {
+        groups_[i].scale.copy_(now_[i][0]);
+        groups_[i].scale_inv.copy_(now_[i][1]);
+        groups_[i].amax_history[0].copy_(now_[i][2]);
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN("recompute_activations: restoring the FP8 scales after the recomputation failed: ",
+                 e.what());
     }
   }
   ReplayedScales(const ReplayedScales&) = delete;
@@ -181,9 +188,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
       detail::ForwardGroupRecorder recorder;
       output = function(input);
       state->fp8_groups = recorder.groups();
-    }
-    for (const auto& group : state->fp8_groups) {
-      state->fp8_scales.emplace_back(group.scale.clone(), group.scale_inv.clone());
+      state->fp8_scales = recorder.scales();
     }
     state->function = std::move(function);
     ctx->save_for_backward({input});
@@ -192,6 +197,16 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // As torch.utils.checkpoint (reentrant): the second run's backward pass accumulates into
+    // the parameters' .grad, which autograd::grad() and backward(inputs=...) never read, and it
+    // builds no graph of the gradients.
+    TORCH_CHECK(
+        torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+        "recompute_activations: its gradients reach the parameters only through .backward() "
+        "(not torch::autograd::grad, nor backward with `inputs`)");
+    TORCH_CHECK(
+        !torch::GradMode::is_enabled(),
+        "recompute_activations: no double backward (create_graph) through a recomputed function");
     const auto state = ctx->saved_data["state"].toCustomClass<RecomputeState>();
     const auto input = ctx->get_saved_variables()[0];
     auto replay_input = input.detach().requires_grad_(input.requires_grad());

@@ -45,15 +45,21 @@ struct RecomputeOptions {
 
 /// function(input), keeping for the backward pass only `input`, not what `function` computes
 /// on the way. The backward pass runs `function` again, as the first run ran it: with the same
-/// random-number state (CPU and input's GPU: dropout draws the same masks), the same
+/// random-number state (the CPU's and the input's GPU's: dropout draws the same masks), the same
 /// at::autocast setting, the same FP8 region (Fp8Autocast) and, under delayed scaling, the
-/// scales of the first run, whose region's end has updated them since; the second run records
-/// no amax. Then it back-propagates through the second run: the parameters `function` uses get
-/// their gradients there (autograd hooks and FP8 main_grad included), and the input gets its
-/// gradient.
+/// scales of the first run, which its region's end has updated since; the amaxes the second run
+/// measures do not reach the amax histories, and a region `function` opens itself updates
+/// nothing the second time. Then it back-propagates through the second run: the parameters
+/// `function` uses get their gradients there (autograd hooks and FP8 main_grad included), and
+/// the input gets its gradient.
 ///
-/// Without grad mode it is function(input). `function` is kept until the backward pass: what it
-/// captures must live as long. Not inside a CUDA graph capture.
+/// As PyTorch's reentrant checkpoint: the gradients come through `.backward()` (an error under
+/// torch::autograd::grad, backward with `inputs`, or create_graph); a parameter `function` uses
+/// must not be used by another recomputed function or elsewhere in the same forward pass (its
+/// gradient would arrive in two backward passes, and the data-parallel buckets and FP8
+/// main_grad expect one); random numbers drawn on another device than the CPU and the input's
+/// are not replayed. Without grad mode it is function(input). `function` is kept until the
+/// backward pass: what it captures must live as long. Not inside a CUDA graph capture.
 torch::Tensor recompute_activations(std::function<torch::Tensor(const torch::Tensor&)> function,
                                     const torch::Tensor& input);
 

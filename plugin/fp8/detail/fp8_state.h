@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "ops/scaling.h"
@@ -43,7 +44,8 @@ std::optional<RegionSetting> current_region_setting();
 
 // Opens a region with `setting` (none: no region) for as long as it lives. Its end updates no
 // scales: the forward groups registered in it belong to the region of the first run, which
-// updated them.
+// updated them. Nor does the end of any Fp8Autocast the replayed forward pass opens itself on
+// this thread meanwhile (its first run's end did).
 class ReplayedRegion {
  public:
   explicit ReplayedRegion(const std::optional<RegionSetting>& setting);
@@ -56,7 +58,9 @@ class ReplayedRegion {
 };
 
 // For as long as it lives, collects every forward group registered on this thread, once per
-// owner: the delayed-scaling state a forward pass used. Recorders nest; each collects.
+// owner, with a copy of its scale and scale_inv as they were then: the delayed-scaling state a
+// forward pass quantized with (before any region it opens itself updates them). Recorders nest;
+// each collects.
 class ForwardGroupRecorder {
  public:
   ForwardGroupRecorder();
@@ -64,10 +68,13 @@ class ForwardGroupRecorder {
   ForwardGroupRecorder(const ForwardGroupRecorder&) = delete;
   ForwardGroupRecorder& operator=(const ForwardGroupRecorder&) = delete;
   const std::vector<DelayedScalingGroup>& groups() const { return groups_; }
+  /// (scale, scale_inv) of groups()[i] when it was first registered.
+  const std::vector<std::pair<at::Tensor, at::Tensor>>& scales() const { return scales_; }
   void add(const void* owner, const DelayedScalingGroup& group);
 
  private:
   std::vector<DelayedScalingGroup> groups_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> scales_;
   std::unordered_set<const void*> owners_;
 };
 
