@@ -56,6 +56,8 @@ def main():
             "fp8_params": r.get("fp8_params", False), "steps": r.get("steps"),
             "final_loss": r.get("final_loss"), "tokens_per_s": r.get("steady_tokens_per_s"),
             "peak_mem_bytes": r.get("peak_memory_bytes"),
+            "resident_mem_bytes": r.get("resident_memory_bytes"),
+            "recompute": flag(args, "--recompute-method", "none"),
             "cuda_graph": flag(args, "--cuda-graph", "false").lower() in ("true", "1", "on", "yes"),
         }
         if config in CONFIGS and r.get("parameters"):

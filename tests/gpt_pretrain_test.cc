@@ -474,6 +474,7 @@ TEST(GptPretrainTest, TrainsOnTheGpuInEveryPrecision_CUDA) {
     ASSERT_EQ(lines.size(), 60u);
     EXPECT_LT(lines.back()["loss"].get<double>(), lines.front()["loss"].get<double>() - 1.0)
         << run.out;
+    EXPECT_NE(run.out.find(" GB between steps: weights, gradients, optimizer state"), std::string::npos) << run.out;
   }
 }
 

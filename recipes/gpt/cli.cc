@@ -44,6 +44,13 @@ std::string out_of_memory_advice(const std::string& batch_shape) {
          "activations with --recompute-method uniform: ";
 }
 
+// ", peak memory X GB (Y GB between steps ...)" on a GPU; "" on the CPU (no allocator statistics).
+std::string memory_summary(const PretrainResult& result) {
+  if (result.peak_memory_bytes <= 0) return "";
+  return c10::str(", peak memory ", result.peak_memory_bytes / 1e9, " GB (", result.resident_memory_bytes / 1e9,
+                  " GB between steps: weights, gradients, optimizer state; the rest activations and workspace)");
+}
+
 std::vector<std::string> split(const std::string& list) {
   std::vector<std::string> items;
   std::stringstream stream(list);
@@ -397,7 +404,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     if (compare.empty()) {
       recipe.precision = precision_for(precision, fp8, fp8_recipe);
       const auto result = run_pretraining(recipe, out);
-      if (result.rank != 0) return result.stopped ? 128 + result.stop_signal : 0;  // rank 0 reports
+      if (result.rank != 0) {  // rank 0 reports; every rank says its memory
+        if (result.peak_memory_bytes > 0) out << "gpt_pretrain: rank " << result.rank << memory_summary(result) << std::endl;
+        return result.stopped ? 128 + result.stop_signal : 0;
+      }
       if (result.nothing_to_do) {
         out << "gpt_pretrain: nothing to do: the checkpoint is at step " << result.start_step
             << ", at or past --steps " << recipe.trainer.max_steps()
@@ -413,8 +423,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       }
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s
           << " tokens/s (steady state " << result.steady_tokens_per_s << ")"
-          << (result.peak_memory_bytes > 0 ? ", peak memory " + c10::str(result.peak_memory_bytes / 1e9) + " GB" : "")
-          << "; metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
+          << memory_summary(result) << "; metrics " << result.metrics_path << ", picture " << result.picture_path << std::endl;
       return 0;
     }
 
@@ -476,8 +485,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       curves.push_back(std::move(curve));
       out << "gpt_pretrain: " << name << ": final loss " << result.final_loss << ", "
           << result.tokens_per_s << " tokens/s";
-      if (result.peak_memory_bytes > 0) out << ", peak memory " << result.peak_memory_bytes / 1e9 << " GB";
-      out << std::endl;
+      out << memory_summary(result) << std::endl;
       summary.push_back({{"run", name},
                          {"precision", result.precision},
                          {"fp8", options.fp8_enabled() ? options.fp8() : "none"},
@@ -490,6 +498,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                          {"tokens_per_s", result.tokens_per_s},
                          {"steady_tokens_per_s", result.steady_tokens_per_s},
                          {"peak_memory_bytes", result.peak_memory_bytes},
+                         {"resident_memory_bytes", result.resident_memory_bytes},
                          {"parameters", result.parameters}});
     }
     // The final loss of every run relative to the 32 and bf16-mixed runs, when those ran.

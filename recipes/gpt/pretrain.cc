@@ -391,10 +391,11 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
 #ifdef AMP8_HAS_CUDA_ALLOCATOR
   if (device.is_cuda()) {
     const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-    result.peak_memory_bytes = static_cast<double>(
+    const auto allocated =
         c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index())
-            .allocated_bytes[aggregate]
-            .peak);
+            .allocated_bytes[aggregate];
+    result.peak_memory_bytes = static_cast<double>(allocated.peak);
+    result.resident_memory_bytes = static_cast<double>(allocated.current);
   }
 #endif
   if (communication) {

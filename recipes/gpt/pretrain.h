@@ -95,6 +95,10 @@ struct PretrainResult {
   /// (no start-up, no checkpoint writes); all ranks' tokens under data parallelism.
   double steady_tokens_per_s = 0;
   double peak_memory_bytes = 0;      ///< CUDA only
+  /// CUDA only: memory still allocated after the last step, what every step starts from
+  /// (weights, gradients, optimizer state and masters); peak minus it is the step's activations
+  /// and workspace, which --recompute-method shrinks.
+  double resident_memory_bytes = 0;
   int rank = 0;                      ///< data-parallel rank (0 without torchrun)
   int64_t parameters = 0;
   std::string precision;             ///< the plugin's name
