@@ -386,12 +386,14 @@ TEST_F(RecomputeTest, LlamaTrainsAsWithoutRecompute) {
 }
 
 // Data-parallel (the DistributedOptimizer's buckets, two ranks in one process, small buckets so
-// that each block's gradients are reduced while the backward pass runs): the gradients arrive
-// from the recomputed blocks' own backward passes, and training is the same as without.
+// that each block's gradients are reduced while the backward pass runs; with and without
+// overlap_param_gather): the gradients arrive from the recomputed blocks' own backward passes,
+// and training is the same as without.
 TEST_F(RecomputeTest, DataParallelTrainsAsWithoutRecompute) {
   constexpr int kRanks = 2;
   const auto config = recipes::GptConfig().layers(3).max_seq_len(32);
-  auto train_ranks = [&](const MixedPrecisionOptions& options, const RecomputeOptions& recompute) {
+  auto train_ranks = [&](const MixedPrecisionOptions& options, const RecomputeOptions& recompute,
+                         bool overlap_param_gather) {
     std::vector<recipes::GptModel> models;
     for (int r = 0; r < kRanks; ++r) {
       torch::manual_seed(3 + r);
@@ -404,8 +406,13 @@ TEST_F(RecomputeTest, DataParallelTrainsAsWithoutRecompute) {
         testing::run_ranks(kRanks, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
           auto& model = models[rank];
           torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+          // With overlap_param_gather, an all-gather runs only when waited for: a block that
+          // computed before its wait (in either run of a recomputed block) would differ.
+          if (overlap_param_gather) testing::defer_allgathers(*group);
           auto plugin = std::make_shared<MixedPrecisionPlugin>(options);
-          plugin->set_process_group(group, DistributedOptimizerOptions().bucket_size(20'000));
+          plugin->set_process_group(
+              group, DistributedOptimizerOptions().bucket_size(20'000).overlap_param_gather(
+                         overlap_param_gather));
           Trainer trainer(TrainerOptions().max_steps(3).log_every_n_steps(0), plugin);
           trainer.fit(*model, optimizer, [&](const TrainStepInput& in) {
             auto gen = testing::batch_generator(13, in.step, 0);
@@ -425,15 +432,18 @@ TEST_F(RecomputeTest, DataParallelTrainsAsWithoutRecompute) {
   for (const auto& [name, options] : std::vector<std::pair<std::string, MixedPrecisionOptions>>{
            {"bf16-mixed", recipes::bf16_mixed()},
            {"FP8 delayed, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0)}}) {
-    const auto kept = train_ranks(options, {});
-    const auto recomputed =
-        train_ranks(options, RecomputeOptions().method(RecomputeMethod::kUniform));
-    for (int r = 0; r < kRanks; ++r) {
-      ASSERT_EQ(recomputed[r].size(), kept[r].size()) << name;
-      ASSERT_FALSE(kept[r].empty()) << name;
-      for (size_t i = 0; i < kept[r].size(); ++i) {
-        EXPECT_TRUE(testing::BytesEqual(recomputed[r][i], kept[r][i]))
-            << name << ": rank " << r << ", tensor " << i;
+    const auto kept = train_ranks(options, {}, false);
+    for (const bool overlap : {false, true}) {
+      const auto recomputed =
+          train_ranks(options, RecomputeOptions().method(RecomputeMethod::kUniform), overlap);
+      for (int r = 0; r < kRanks; ++r) {
+        ASSERT_EQ(recomputed[r].size(), kept[r].size()) << name;
+        ASSERT_FALSE(kept[r].empty()) << name;
+        for (size_t i = 0; i < kept[r].size(); ++i) {
+          EXPECT_TRUE(testing::BytesEqual(recomputed[r][i], kept[r][i]))
+              << name << (overlap ? ", overlap_param_gather" : "") << ": rank " << r << ", tensor "
+              << i;
+        }
       }
     }
   }
