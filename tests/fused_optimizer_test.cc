@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -16,6 +18,7 @@
 
 #include "ops/fused_adam.h"
 #include "ops/fused_sgd.h"
+#include "ops/sum_of_squares.h"
 #include "plugin/distributed/distributed_optimizer.h"
 #include "plugin/modules/fp8_linear.h"
 #include "plugin/precision/mixed_precision_plugin.h"
@@ -349,6 +352,77 @@ TEST_F(FusedOptimizerTest, StepsTheDistributedOptimizersShardsLikeTorchOptim) {
 // the same order in float32, but rounds a·b + c as one FMA where ATen's CPU kernels may round
 // twice, so each step's values differ from the reference's by a few float32 roundings:
 // 2e-6 relative to the value (16 ulps) plus 1e-7 absolute (values near zero), over 5 steps.
+// ---- sum_of_squares (ops/sum_of_squares.h): the squared global norm gradient clipping reads ----
+
+// Gradients of awkward sizes in three dtypes: empty ones, one element, chunk edges (4095, 4096,
+// 4097 elements) and more than one launch table's 128 tensors of one dtype.
+std::vector<torch::Tensor> norm_inputs(torch::Device device) {
+  std::vector<torch::Tensor> tensors;
+  const std::vector<int64_t> sizes = {0, 1, 7, 4095, 4096, 4097, 3221, 1481 * 677, 2333};
+  const std::vector<torch::ScalarType> types = {torch::kFloat, torch::kBFloat16, torch::kHalf};
+  for (size_t i = 0; i < 150; ++i) {
+    const auto type = types[i % types.size()];
+    tensors.push_back(torch::randn({sizes[i % sizes.size()]}).mul(0.5 + static_cast<double>(i % 5)).to(device, type));
+  }
+  tensors.push_back(torch::randn({37, 29}).to(device));  // 2-D, contiguous
+  return tensors;
+}
+
+double float64_sum_of_squares(const std::vector<torch::Tensor>& tensors) {
+  double sum = 0;
+  for (const auto& t : tensors) sum += t.cpu().to(torch::kDouble).square().sum().item<double>();
+  return sum;
+}
+
+TEST_F(FusedOptimizerTest, SumOfSquaresIsTheFloat64SumRoundedOnce) {
+  const auto tensors = norm_inputs(torch::kCPU);
+  const auto result = sum_of_squares(tensors);
+  EXPECT_EQ(result.sizes(), (std::vector<int64_t>{1}));
+  EXPECT_EQ(result.scalar_type(), torch::kFloat);
+  EXPECT_EQ(result.item<float>(), static_cast<float>(float64_sum_of_squares(tensors)));
+  EXPECT_GT(result.item<float>(), 1e5f);
+  // A NaN anywhere gives NaN; an infinity (without a NaN) +inf.
+  auto with_inf = tensors;
+  with_inf[40] = with_inf[40].clone();
+  with_inf[40].view(-1)[2] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(sum_of_squares(with_inf).item<float>(), std::numeric_limits<float>::infinity());
+  with_inf[41] = with_inf[41].clone();
+  with_inf[41].view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(sum_of_squares(with_inf).item<float>()));
+}
+
+TEST_F(FusedOptimizerTest, SumOfSquaresNamesTheBadEntry) {
+  const auto ok = torch::ones({3});
+  ExpectErrorContaining([] { sum_of_squares({}); }, "tensors must hold at least one tensor");
+  ExpectErrorContaining([&] { sum_of_squares({ok, torch::ones({3}, torch::kLong)}); },
+                        "tensors[1] must be float32, bfloat16 or float16, got Long");
+  ExpectErrorContaining([&] { sum_of_squares({ok, torch::ones({4, 3}).t()}); }, "tensors[1] ([3, 4]) must be contiguous");
+  ExpectErrorContaining([&] { sum_of_squares({ok, torch::Tensor()}); }, "tensors[1] is undefined");
+}
+
+// The multi-tensor kernel against the float64 reference (float32 chunk sums: a relative error of
+// a few 1e-7 over ~1.3 M squares), the same bits on a second call, and NaN / inf as the CPU's.
+TEST_F(FusedOptimizerTest, SumOfSquaresMatchesTheCpuReference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const auto tensors = norm_inputs(torch::kCUDA);
+  const auto result = sum_of_squares(tensors);
+  EXPECT_TRUE(result.is_cuda());
+  const double expected = float64_sum_of_squares(tensors);
+  EXPECT_NEAR(result.item<float>(), expected, 2e-6 * expected);
+  EXPECT_TRUE(BytesEqual(sum_of_squares(tensors), result)) << "a fixed order: the same bits again";
+  auto one = std::vector<torch::Tensor>{tensors[3]};  // 4095 elements: one chunk
+  EXPECT_NEAR(sum_of_squares(one).item<float>(), float64_sum_of_squares(one), 1e-6 * float64_sum_of_squares(one));
+  auto with_inf = tensors;
+  with_inf[40] = with_inf[40].clone();
+  with_inf[40].view(-1)[2] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(sum_of_squares(with_inf).item<float>(), std::numeric_limits<float>::infinity());
+  with_inf[41] = with_inf[41].clone();
+  with_inf[41].view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(sum_of_squares(with_inf).item<float>()));
+  const std::vector<torch::Tensor> empty = {torch::empty({0}, torch::kCUDA)};
+  EXPECT_EQ(sum_of_squares(empty).item<float>(), 0.0f);
+}
+
 TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
   AMP8_REQUIRE_CUDA();
   for (const auto grad_dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {

@@ -425,6 +425,30 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
       });
 }
 
+at::Tensor sum_of_squares_cuda(const std::vector<at::Tensor>& tensors) {
+  const c10::cuda::CUDAGuard guard(tensors.front().device());
+  constexpr int64_t kChunk = cuda::kSumOfSquaresChunk;
+  int64_t chunks = 0;
+  for (const auto& t : tensors) chunks += (t.numel() + kChunk - 1) / kChunk;
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(tensors.front().device());
+  if (chunks == 0) return at::zeros({1}, options);
+  const auto partials = at::empty({chunks}, options);
+  // One launch list per dtype; each tensor's partials where its chunks fall in the whole list.
+  std::vector<cuda::SumOfSquaresTensor> by_type[3];
+  float* next = partials.mutable_data_ptr<float>();
+  for (const auto& t : tensors) {
+    by_type[static_cast<int>(input_type(t))].push_back({t.const_data_ptr(), next, t.numel()});
+    next += (t.numel() + kChunk - 1) / kChunk;
+  }
+  for (int type = 0; type < 3; ++type) {
+    if (by_type[type].empty()) continue;
+    AMP8_CUDA_CHECK(cuda::launch_sum_of_squares(by_type[type].data(),
+                                                static_cast<int>(by_type[type].size()),
+                                                static_cast<cuda::InputType>(type), current_stream()));
+  }
+  return partials.sum().reshape({1});
+}
+
 void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdStepOptions& o,
                          double grad_multiplier) {
   const c10::cuda::CUDAGuard guard(tensors.front().param.device());

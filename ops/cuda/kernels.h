@@ -197,6 +197,19 @@ struct QuantizeManyScalars {
 int launch_quantize_many(const QuantizeManyTensor* tensors, int num_tensors, InputType type,
                          const QuantizeManyScalars& scalars, Stream stream);
 
+// ---- Σ x² over many tensors (sum_of_squares_kernels.cu, over multi_tensor_apply) ----
+// Elements per chunk: each chunk's sum is one float32 partial (multi_tensor::kChunk).
+constexpr int64_t kSumOfSquaresChunk = 4096;
+struct SumOfSquaresTensor {
+  const void* x;    // the launch's input type
+  float* partials;  // one per chunk of x, in chunk order
+  int64_t numel;
+};
+struct SumOfSquaresScalars {};
+// Each chunk's Σ x² (float32, a fixed order) into its partial; one launch per 128 tensors.
+int launch_sum_of_squares(const SumOfSquaresTensor* tensors, int num_tensors, InputType type,
+                          Stream stream);
+
 // ---- Fused SGD with FP32 master weights (fused_sgd_kernels.cu) ----
 struct SgdTensorPointers {
   float* param;            // FP32 master, updated in place

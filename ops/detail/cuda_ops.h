@@ -105,6 +105,10 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
 void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdStepOptions& options,
                          double grad_multiplier);
 
+// Σ x² of every tensor (sum_of_squares_kernels.cu), float32 [1]; arguments checked by
+// sum_of_squares (ops/sum_of_squares.h).
+at::Tensor sum_of_squares_cuda(const std::vector<at::Tensor>& tensors);
+
 // cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
 at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
                          const Fp8GemmOptions& options);

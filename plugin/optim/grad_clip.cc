@@ -4,6 +4,8 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "ops/sum_of_squares.h"
+
 #include <cmath>
 #include <map>
 #include <string>
@@ -26,6 +28,22 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
   return lists;
 }
 
+// Where one multi-tensor kernel takes the whole list (ops/sum_of_squares.h): a norm and a stack
+// per dtype cost the host ~10 µs per gradient (profiled: ~2.5 ms of a 1b GPT step, the GPU
+// idle for ~1 ms of it).
+bool one_cuda_device_contiguous(const std::vector<at::Tensor>& tensors) {
+  const auto device = tensors.front().device();
+  if (!device.is_cuda()) return false;
+  for (const auto& t : tensors) {
+    const auto type = t.scalar_type();
+    if (t.device() != device || !t.is_contiguous() ||
+        (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 at::Tensor global_grad_norm_tensor(const std::vector<at::Tensor>& grads, c10d::ProcessGroup* group,
@@ -36,6 +54,8 @@ at::Tensor global_grad_norm_tensor(const std::vector<at::Tensor>& grads, c10d::P
   at::Tensor sum_of_squares;
   if (grads.empty()) {
     sum_of_squares = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device));
+  } else if (one_cuda_device_contiguous(grads)) {
+    sum_of_squares = amp8::sum_of_squares(grads);
   } else {
     const auto home = grads.front().device();
     std::vector<at::Tensor> per_list;
