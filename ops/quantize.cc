@@ -471,6 +471,33 @@ at::Tensor compute_amax(const at::Tensor& x) {
   return result;
 }
 
+at::Tensor compute_amax_many(const std::vector<at::Tensor>& xs) {
+  TORCH_CHECK(!xs.empty(), "compute_amax_many: xs must hold at least one tensor");
+  const auto device = xs.front().device();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const auto& x = xs[i];
+    TORCH_CHECK(x.defined(), "compute_amax_many: xs[", i, "] is undefined");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                    x.scalar_type() == at::kHalf,
+                "compute_amax_many: xs[", i, "] must be float32, bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK(x.device() == device, "compute_amax_many: xs[", i, "] is on ", x.device(), ", xs[0] on ",
+                device, ": all must be on one device");
+    TORCH_CHECK(x.is_contiguous(), "compute_amax_many: xs[", i, "] (", x.sizes(), ") must be contiguous");
+  }
+  auto result = at::zeros({static_cast<int64_t>(xs.size())}, at::TensorOptions().dtype(at::kFloat).device(device));
+  if (device.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::amax_many_cuda(xs, result);
+#else
+    detail::no_cuda("compute_amax_many");
+#endif
+    return result;
+  }
+  auto values = result.accessor<float, 1>();
+  for (size_t i = 0; i < xs.size(); ++i) values[static_cast<int64_t>(i)] = xs[i].numel() > 0 ? amax_cpu(xs[i]) : 0.0f;
+  return result;
+}
+
 namespace {
 
 // An activation's amax: on the CPU the reference values `cpu_values()` measured, on CUDA

@@ -14,7 +14,8 @@ namespace amp8 {
 /// of a multi-tensor kernel sums a chunk's squares in float32 (one launch per 128 tensors of a
 /// dtype, whatever their sizes), and ATen sums the chunks' sums: a few launches in all, where
 /// one norm per tensor and a stack of them cost the host ~10 µs per tensor. The same tensors
-/// give the same bits on every call. CPU: the reference, summed in float64 and rounded once.
+/// give the same bits on every call on one kind of GPU (ATen's reduction follows the device). CPU:
+/// the reference, summed in float64 and rounded once.
 ///
 /// Tensors: float32, bfloat16 or float16 (mixed dtypes are fine), contiguous, on one device;
 /// at least one. Throws naming the offending entry.

@@ -346,24 +346,22 @@ TEST_F(FusedOptimizerTest, StepsTheDistributedOptimizersShardsLikeTorchOptim) {
   }
 }
 
-// ---- CUDA ----
-
-// The kernels against the CPU reference. Bound: the kernel evaluates the same operations in
-// the same order in float32, but rounds a·b + c as one FMA where ATen's CPU kernels may round
-// twice, so each step's values differ from the reference's by a few float32 roundings:
-// 2e-6 relative to the value (16 ulps) plus 1e-7 absolute (values near zero), over 5 steps.
 // ---- sum_of_squares (ops/sum_of_squares.h): the squared global norm gradient clipping reads ----
 
-// Gradients of awkward sizes in three dtypes: empty ones, one element, chunk edges (4095, 4096,
-// 4097 elements) and more than one launch table's 128 tensors of one dtype.
+// Gradients of awkward sizes in three dtypes, each dtype with every size (empty, one element,
+// the chunk edges 4095, 4096, 4097 elements, primes), one large bf16 tensor, and 200 small
+// float32 ones, so that float32 fills more than one launch table (128 tensors).
 std::vector<torch::Tensor> norm_inputs(torch::Device device) {
   std::vector<torch::Tensor> tensors;
-  const std::vector<int64_t> sizes = {0, 1, 7, 4095, 4096, 4097, 3221, 1481 * 677, 2333};
+  const std::vector<int64_t> sizes = {0, 1, 7, 4095, 4096, 4097, 3221, 2333, 40961};
   const std::vector<torch::ScalarType> types = {torch::kFloat, torch::kBFloat16, torch::kHalf};
-  for (size_t i = 0; i < 150; ++i) {
-    const auto type = types[i % types.size()];
-    tensors.push_back(torch::randn({sizes[i % sizes.size()]}).mul(0.5 + static_cast<double>(i % 5)).to(device, type));
+  for (size_t i = 0; i < 2 * sizes.size() * types.size(); ++i) {
+    const auto type = types[(i / sizes.size()) % types.size()];
+    const double gain = 0.5 + static_cast<double>(i % 5);
+    tensors.push_back(torch::randn({sizes[i % sizes.size()]}).mul(gain).to(device, type));
   }
+  tensors.push_back(torch::randn({1481, 677}).to(device, torch::kBFloat16));
+  for (int i = 0; i < 200; ++i) tensors.push_back(torch::randn({1 + i % 50}).to(device));
   tensors.push_back(torch::randn({37, 29}).to(device));  // 2-D, contiguous
   return tensors;
 }
@@ -396,12 +394,13 @@ TEST_F(FusedOptimizerTest, SumOfSquaresNamesTheBadEntry) {
   ExpectErrorContaining([] { sum_of_squares({}); }, "tensors must hold at least one tensor");
   ExpectErrorContaining([&] { sum_of_squares({ok, torch::ones({3}, torch::kLong)}); },
                         "tensors[1] must be float32, bfloat16 or float16, got Long");
-  ExpectErrorContaining([&] { sum_of_squares({ok, torch::ones({4, 3}).t()}); }, "tensors[1] ([3, 4]) must be contiguous");
+  ExpectErrorContaining([&] { sum_of_squares({ok, torch::ones({4, 3}).t()}); },
+                        "tensors[1] ([3, 4]) must be contiguous");
   ExpectErrorContaining([&] { sum_of_squares({ok, torch::Tensor()}); }, "tensors[1] is undefined");
 }
 
 // The multi-tensor kernel against the float64 reference (float32 chunk sums: a relative error of
-// a few 1e-7 over ~1.3 M squares), the same bits on a second call, and NaN / inf as the CPU's.
+// about 1e-7 over ~1.4 M squares), the same bits on a second call, and NaN / inf as the CPU's.
 TEST_F(FusedOptimizerTest, SumOfSquaresMatchesTheCpuReference_CUDA) {
   AMP8_REQUIRE_CUDA();
   const auto tensors = norm_inputs(torch::kCUDA);
@@ -411,7 +410,8 @@ TEST_F(FusedOptimizerTest, SumOfSquaresMatchesTheCpuReference_CUDA) {
   EXPECT_NEAR(result.item<float>(), expected, 2e-6 * expected);
   EXPECT_TRUE(BytesEqual(sum_of_squares(tensors), result)) << "a fixed order: the same bits again";
   auto one = std::vector<torch::Tensor>{tensors[3]};  // 4095 elements: one chunk
-  EXPECT_NEAR(sum_of_squares(one).item<float>(), float64_sum_of_squares(one), 1e-6 * float64_sum_of_squares(one));
+  const double one_expected = float64_sum_of_squares(one);
+  EXPECT_NEAR(sum_of_squares(one).item<float>(), one_expected, 1e-6 * one_expected);
   auto with_inf = tensors;
   with_inf[40] = with_inf[40].clone();
   with_inf[40].view(-1)[2] = -std::numeric_limits<float>::infinity();
@@ -423,6 +423,12 @@ TEST_F(FusedOptimizerTest, SumOfSquaresMatchesTheCpuReference_CUDA) {
   EXPECT_EQ(sum_of_squares(empty).item<float>(), 0.0f);
 }
 
+// ---- CUDA ----
+
+// The kernels against the CPU reference. Bound: the kernel evaluates the same operations in
+// the same order in float32, but rounds a·b + c as one FMA where ATen's CPU kernels may round
+// twice, so each step's values differ from the reference's by a few float32 roundings:
+// 2e-6 relative to the value (16 ulps) plus 1e-7 absolute (values near zero), over 5 steps.
 TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
   AMP8_REQUIRE_CUDA();
   for (const auto grad_dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {

@@ -14,6 +14,7 @@ namespace amp8 {
 namespace {
 
 using testing::BytesEqual;
+using testing::ExpectErrorContaining;
 using ::testing::HasSubstr;
 using testing::item;
 using testing::SameFloat;
@@ -255,6 +256,56 @@ TEST_F(QuantizeTest, QuantizeManyIsQuantizeOfEachWithItsScale) {
 
 // One scale per amax, as the distributed optimizer computes them for all FP8 weights at once:
 // each is (fp8_max / amax) / 2^margin, 1 for 0, NaN or an infinity, FLT_MAX when it overflows.
+// Tensors of three dtypes, each dtype with every awkward size (empty, one element, the kernel's
+// 4096-element chunk edges, primes), 200 small float32 ones (more than one launch's 128 tensors
+// of a dtype), a NaN in one and an infinity in another.
+std::vector<at::Tensor> amax_many_inputs(at::Device device) {
+  std::vector<at::Tensor> xs;
+  const std::vector<int64_t> sizes = {0, 1, 7, 4095, 4096, 4097, 3221, 1481 * 67, 2333};
+  const std::vector<at::ScalarType> types = {at::kFloat, at::kBFloat16, at::kHalf};
+  for (size_t i = 0; i < 2 * sizes.size() * types.size(); ++i) {
+    auto x = at::randn({sizes[i % sizes.size()]}).mul(0.25 + static_cast<double>(i % 7));
+    if (i == 21) x[3] = NAN;
+    if (i == 22) x[x.numel() - 1] = -INFINITY;
+    xs.push_back(x.to(device, types[(i / sizes.size()) % types.size()]));
+  }
+  for (int i = 0; i < 200; ++i) xs.push_back(at::randn({1 + i % 50}).to(device));  // > 128 float32
+  xs.push_back(at::randn({37, 29}).to(device));
+  return xs;
+}
+
+TEST_F(QuantizeTest, AmaxOfManyIsTheAmaxOfEach) {
+  const auto xs = amax_many_inputs(at::kCPU);
+  const auto amaxes = compute_amax_many(xs);
+  ASSERT_EQ(amaxes.sizes(), (std::vector<int64_t>{static_cast<int64_t>(xs.size())}));
+  EXPECT_EQ(amaxes.scalar_type(), at::kFloat);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const float expected = xs[i].numel() == 0 ? 0.0f : item(compute_amax(xs[i]));
+    EXPECT_TRUE(SameFloat(amaxes[static_cast<int64_t>(i)].item<float>(), expected)) << "xs[" << i << "]";
+  }
+  EXPECT_TRUE(std::isnan(amaxes[21].item<float>()));
+  EXPECT_EQ(amaxes[22].item<float>(), INFINITY);
+  EXPECT_GT(amaxes[6].item<float>(), 0.0f);
+  ExpectErrorContaining([] { compute_amax_many({}); }, "xs must hold at least one tensor");
+  ExpectErrorContaining([] { compute_amax_many({at::ones({2}), at::ones({2}, at::kInt)}); },
+                        "xs[1] must be float32, bfloat16 or float16, got Int");
+  ExpectErrorContaining([] { compute_amax_many({at::ones({2}), at::ones({3, 2}).t()}); },
+                        "xs[1] ([2, 3]) must be contiguous");
+}
+
+// The multi-tensor kernel gives each tensor's exact amax, as the CPU (max is exact in float32).
+TEST(AmaxManyTest, MatchesCpu_CUDA) {
+  if (!testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(9);
+  const auto cpu = amax_many_inputs(at::kCPU);
+  std::vector<at::Tensor> gpu;
+  for (const auto& x : cpu) gpu.push_back(x.to(at::kCUDA));
+  const auto expected = compute_amax_many(cpu);
+  const auto amaxes = compute_amax_many(gpu);
+  EXPECT_TRUE(amaxes.is_cuda());
+  EXPECT_TRUE(BytesEqual(amaxes.cpu(), expected));
+}
+
 TEST_F(QuantizeTest, CurrentScaleOfManyAmaxes) {
   const float inf = std::numeric_limits<float>::infinity();
   auto amax = at::tensor({2.0f, 0.0f, kNaN, inf, 1e-39f, 448.0f, 0.3f});

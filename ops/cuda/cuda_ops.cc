@@ -254,6 +254,20 @@ void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
                                     amax_out.mutable_data_ptr<float>(), current_stream()));
 }
 
+void amax_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& amax_out) {
+  const c10::cuda::CUDAGuard guard(xs.front().device());
+  std::vector<cuda::AmaxManyTensor> by_type[3];
+  float* amax = amax_out.mutable_data_ptr<float>();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    by_type[static_cast<int>(input_type(xs[i]))].push_back({xs[i].const_data_ptr(), amax + i, xs[i].numel()});
+  }
+  for (int type = 0; type < 3; ++type) {
+    if (by_type[type].empty()) continue;
+    AMP8_CUDA_CHECK(cuda::launch_amax_many(by_type[type].data(), static_cast<int>(by_type[type].size()),
+                                           static_cast<cuda::InputType>(type), current_stream()));
+  }
+}
+
 void activation_amax_cuda(AmaxActivation activation, const at::Tensor& x, const at::Tensor& gate,
                           const at::Tensor& amax_out) {
   const c10::cuda::CUDAGuard guard(x.device());

@@ -197,6 +197,16 @@ struct QuantizeManyScalars {
 int launch_quantize_many(const QuantizeManyTensor* tensors, int num_tensors, InputType type,
                          const QuantizeManyScalars& scalars, Stream stream);
 
+// ---- max|x| of many tensors (quantize_kernels.cu, over multi_tensor_apply) ----
+struct AmaxManyTensor {
+  const void* x;  // the launch's input type
+  float* amax;    // zeroed by the caller; max-merged into (NaN wins)
+  int64_t numel;
+};
+struct AmaxManyScalars {};
+// One launch per 128 tensors.
+int launch_amax_many(const AmaxManyTensor* tensors, int num_tensors, InputType type, Stream stream);
+
 // ---- Σ x² over many tensors (sum_of_squares_kernels.cu, over multi_tensor_apply) ----
 // Elements per chunk: each chunk's sum is one float32 partial (multi_tensor::kChunk).
 constexpr int64_t kSumOfSquaresChunk = 4096;

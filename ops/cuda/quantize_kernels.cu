@@ -421,6 +421,33 @@ int launch_quantize(const void* x, InputType type, void* out, int64_t n, const f
   });
 }
 
+namespace {
+
+// max|x| of a 4096-element chunk of one tensor, max-merged into the tensor's amax.
+template <typename T>
+__global__ void __launch_bounds__(multi_tensor::kThreads)
+    amax_many_kernel(const __grid_constant__ multi_tensor::Table<AmaxManyTensor> table,
+                     const AmaxManyScalars) {
+  const auto [tensor, begin, end] = multi_tensor::chunk_of(table);
+  const T* x = static_cast<const T*>(tensor.x);
+  uint32_t max_bits = 0;
+#pragma unroll
+  for (int k = 0; k < multi_tensor::kItemsPerThread; ++k) {
+    const int64_t i = multi_tensor::item(begin, k);
+    if (i < end) max_bits = max(max_bits, abs_bits(to_float(x[i])));
+  }
+  block_amax_to_global(max_bits, tensor.amax);
+}
+
+}  // namespace
+
+int launch_amax_many(const AmaxManyTensor* tensors, int num_tensors, InputType type, Stream stream) {
+  return dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    return multi_tensor::apply(amax_many_kernel<T>, tensors, num_tensors, AmaxManyScalars{}, stream);
+  });
+}
+
 int launch_quantize_many(const QuantizeManyTensor* tensors, int num_tensors, InputType type,
                          const QuantizeManyScalars& scalars, Stream stream) {
   return dispatch_input(type, [&](auto zero) {

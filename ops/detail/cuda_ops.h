@@ -59,6 +59,9 @@ bool cast_transpose_dgelu_cuda(const at::Tensor& grad, const at::Tensor& gelu_in
                                const at::Tensor& out_t, const at::Tensor& scale_inv_out,
                                float* amax, bool accumulate_amax, const at::Tensor& dbias_out);
 void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out);
+// amax_out[i] = max|xs[i]| for each i, amax_out zeroed by the caller (compute_amax_many);
+// one multi-tensor launch per 128 tensors of a dtype.
+void amax_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& amax_out);
 // The activation whose values activation_amax_cuda measures: what cast_transpose_gelu_cuda /
 // _dgelu_cuda / _swiglu_cuda / _dswiglu_cuda quantize.
 enum class AmaxActivation { kGelu, kDGelu, kSwiGlu, kDSwiGlu };

@@ -251,8 +251,8 @@ void DistributedOptimizer::publish_params(bool half_copies_written) {
     amaxes = torch::zeros({static_cast<int64_t>(fp8_params_.size())},
                           torch::TensorOptions().dtype(at::kFloat).device(device));
     if (!fp8_masters.empty()) {
-      // max|x| of each piece (the infinity norm; NaN when it holds one), into its weight's slot.
-      auto piece_amaxes = at::stack(at::_foreach_norm(fp8_masters, INFINITY)).to(at::kFloat);
+      // max|x| of each piece (NaN when it holds one), into its weight's slot.
+      auto piece_amaxes = compute_amax_many(fp8_masters);
       amaxes.index_copy_(0, fp8_piece_slots_, piece_amaxes);
     }
     if (world_size_ > 1) {

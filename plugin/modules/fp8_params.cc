@@ -121,8 +121,8 @@ void Fp8LinearImpl::update_fp8_weights(const std::vector<Fp8LinearImpl*>& layers
     }
     values.push_back(v.contiguous());
   }
-  // max|master| of every layer at once (the infinity norm; a NaN propagates, as compute_amax's).
-  const auto amaxes = at::stack(at::_foreach_norm(values, INFINITY)).to(at::kFloat);
+  // max|master| of every layer at once (a NaN propagates).
+  const auto amaxes = compute_amax_many(values);
   const auto scales = compute_current_scale(amaxes, Fp8Format::kE4M3);
   for (size_t i = 0; i < layers.size(); ++i) {
     auto& weight = layers[i]->weight;

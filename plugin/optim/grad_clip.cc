@@ -4,13 +4,13 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "ops/sum_of_squares.h"
-
 #include <cmath>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "ops/sum_of_squares.h"
 
 namespace amp8 {
 
