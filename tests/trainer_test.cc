@@ -769,6 +769,14 @@ TEST(StepProfilerTest, CategorizesKernelsByName) {
        "LpNormFunctor<float, (at::native::(anonymous namespace)::NormType)1, float, float>, "
        "float*, int>(at::native::(anonymous namespace)::TensorListMetadata<1>, ...)",
        KernelCategory::kOptimizer},
+      // The gradient norm and the FP8 weights' amaxes after a step: the optimizer's, as the
+      // _foreach_norm kernels they replace.
+      {"void amp8::cuda::(anonymous namespace)::sum_of_squares_kernel<__nv_bfloat16>(amp8::cuda::"
+       "multi_tensor::Table<amp8::cuda::SumOfSquaresTensor>, amp8::cuda::SumOfSquaresScalars)",
+       KernelCategory::kOptimizer},
+      {"void amp8::cuda::(anonymous namespace)::amax_many_kernel<float>(amp8::cuda::multi_tensor::"
+       "Table<amp8::cuda::AmaxManyTensor>, amp8::cuda::AmaxManyScalars)",
+       KernelCategory::kOptimizer},
       {"void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl("
        "at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::"
        "{lambda()#4}::operator()() const::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >"
