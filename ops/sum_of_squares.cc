@@ -1,6 +1,7 @@
 #include "ops/sum_of_squares.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <string>
 
