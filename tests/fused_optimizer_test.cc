@@ -372,6 +372,16 @@ double float64_sum_of_squares(const std::vector<torch::Tensor>& tensors) {
   return sum;
 }
 
+// An infinity (and no NaN) in one tensor gives +inf; a NaN in another as well gives NaN.
+void expect_infinity_then_nan(std::vector<torch::Tensor> tensors) {
+  tensors[40] = tensors[40].clone();
+  tensors[40].view(-1)[2] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(sum_of_squares(tensors).item<float>(), std::numeric_limits<float>::infinity());
+  tensors[41] = tensors[41].clone();
+  tensors[41].view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(sum_of_squares(tensors).item<float>()));
+}
+
 TEST_F(FusedOptimizerTest, SumOfSquaresIsTheFloat64SumRoundedOnce) {
   const auto tensors = norm_inputs(torch::kCPU);
   const auto result = sum_of_squares(tensors);
@@ -379,14 +389,7 @@ TEST_F(FusedOptimizerTest, SumOfSquaresIsTheFloat64SumRoundedOnce) {
   EXPECT_EQ(result.scalar_type(), torch::kFloat);
   EXPECT_EQ(result.item<float>(), static_cast<float>(float64_sum_of_squares(tensors)));
   EXPECT_GT(result.item<float>(), 1e5f);
-  // A NaN anywhere gives NaN; an infinity (without a NaN) +inf.
-  auto with_inf = tensors;
-  with_inf[40] = with_inf[40].clone();
-  with_inf[40].view(-1)[2] = -std::numeric_limits<float>::infinity();
-  EXPECT_EQ(sum_of_squares(with_inf).item<float>(), std::numeric_limits<float>::infinity());
-  with_inf[41] = with_inf[41].clone();
-  with_inf[41].view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_TRUE(std::isnan(sum_of_squares(with_inf).item<float>()));
+  expect_infinity_then_nan(tensors);
 }
 
 TEST_F(FusedOptimizerTest, SumOfSquaresNamesTheBadEntry) {
@@ -412,13 +415,7 @@ TEST_F(FusedOptimizerTest, SumOfSquaresMatchesTheCpuReference_CUDA) {
   auto one = std::vector<torch::Tensor>{tensors[3]};  // 4095 elements: one chunk
   const double one_expected = float64_sum_of_squares(one);
   EXPECT_NEAR(sum_of_squares(one).item<float>(), one_expected, 1e-6 * one_expected);
-  auto with_inf = tensors;
-  with_inf[40] = with_inf[40].clone();
-  with_inf[40].view(-1)[2] = -std::numeric_limits<float>::infinity();
-  EXPECT_EQ(sum_of_squares(with_inf).item<float>(), std::numeric_limits<float>::infinity());
-  with_inf[41] = with_inf[41].clone();
-  with_inf[41].view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_TRUE(std::isnan(sum_of_squares(with_inf).item<float>()));
+  expect_infinity_then_nan(tensors);
   const std::vector<torch::Tensor> empty = {torch::empty({0}, torch::kCUDA)};
   EXPECT_EQ(sum_of_squares(empty).item<float>(), 0.0f);
 }

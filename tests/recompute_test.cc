@@ -57,6 +57,24 @@ struct SmallNet {
   }
 };
 
+// The gradients of x and of net's parameters from y = net(x), computed as `forward` says
+// (`recompute`: through recompute_activations), seeded alike, then y.backward(grad_output); for
+// recompute false then true.
+std::vector<std::vector<torch::Tensor>> gradients_kept_and_recomputed(
+    SmallNet& net, const torch::Tensor& x, const torch::Tensor& grad_output,
+    const std::function<torch::Tensor(bool recompute)>& forward) {
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (const bool recompute : {false, true}) {
+    torch::manual_seed(8);
+    forward(recompute).backward(grad_output);
+    grads.push_back(net.grads());
+    grads.back().push_back(x.grad().clone());
+    net.zero_grad();
+    x.mutable_grad().reset();
+  }
+  return grads;
+}
+
 // The same gradients, bit for bit, from the kept activations and from the recomputed ones:
 // the dropout masks of the second run are the first run's. The function runs twice.
 TEST_F(RecomputeTest, GradientsAreTheKeptActivationsGradients) {
@@ -95,23 +113,16 @@ TEST_F(RecomputeTest, AutocastIsReplayed) {
   SmallNet net;
   const auto x = torch::randn({9, 24}).requires_grad_(true);
   const auto grad_output = torch::randn({9, 24}).to(at::kBFloat16);
-  std::vector<std::vector<torch::Tensor>> grads;
-  for (const bool recompute : {false, true}) {
-    torch::manual_seed(1);
+  const auto grads = gradients_kept_and_recomputed(net, x, grad_output, [&](bool recompute) {
     torch::Tensor y;
     {
       AutocastGuard autocast(at::kBFloat16, {c10::DeviceType::CPU});
-      y = recompute
-              ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
-              : net(x);
+      y = recompute ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
+                    : net(x);
     }
     EXPECT_EQ(y.scalar_type(), at::kBFloat16);
-    y.backward(grad_output);
-    grads.push_back(net.grads());
-    grads.back().push_back(x.grad().clone());
-    net.zero_grad();
-    x.mutable_grad().reset();
-  }
+    return y;
+  });
   for (size_t i = 0; i < grads[0].size(); ++i)
     EXPECT_TRUE(grads[1][i].equal(grads[0][i])) << "gradient " << i;
 }
@@ -484,19 +495,12 @@ TEST_F(RecomputeTest, GradientsAreTheKeptActivationsGradients_CUDA) {
   net.second->to(torch::kCUDA);
   const auto x = torch::randn({33, 24}, torch::kCUDA).requires_grad_(true);
   const auto grad_output = torch::randn({33, 24}, torch::kCUDA);
-  std::vector<std::vector<torch::Tensor>> grads;
-  for (const bool recompute : {false, true}) {
-    torch::manual_seed(8);
-    const auto y =
-        recompute ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
-                  : net(x);
+  const auto grads = gradients_kept_and_recomputed(net, x, grad_output, [&](bool recompute) {
+    auto y = recompute ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
+                       : net(x);
     torch::randn({1000}, torch::kCUDA);  // the generator moves on before the backward pass
-    y.backward(grad_output);
-    grads.push_back(net.grads());
-    grads.back().push_back(x.grad().clone());
-    net.zero_grad();
-    x.mutable_grad().reset();
-  }
+    return y;
+  });
   for (size_t i = 0; i < grads[0].size(); ++i)
     EXPECT_TRUE(grads[1][i].equal(grads[0][i])) << "gradient " << i;
 }
