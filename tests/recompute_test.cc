@@ -117,8 +117,9 @@ TEST_F(RecomputeTest, AutocastIsReplayed) {
     torch::Tensor y;
     {
       AutocastGuard autocast(at::kBFloat16, {c10::DeviceType::CPU});
-      y = recompute ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
-                    : net(x);
+      y = recompute
+              ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
+              : net(x);
     }
     EXPECT_EQ(y.scalar_type(), at::kBFloat16);
     return y;
@@ -496,8 +497,9 @@ TEST_F(RecomputeTest, GradientsAreTheKeptActivationsGradients_CUDA) {
   const auto x = torch::randn({33, 24}, torch::kCUDA).requires_grad_(true);
   const auto grad_output = torch::randn({33, 24}, torch::kCUDA);
   const auto grads = gradients_kept_and_recomputed(net, x, grad_output, [&](bool recompute) {
-    auto y = recompute ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
-                       : net(x);
+    auto y = recompute
+                 ? recompute_activations([&](const torch::Tensor& input) { return net(input); }, x)
+                 : net(x);
     torch::randn({1000}, torch::kCUDA);  // the generator moves on before the backward pass
     return y;
   });
