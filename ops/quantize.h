@@ -125,8 +125,7 @@ at::Tensor compute_amax(const at::Tensor& x);
 /// compute_amax of many tensors at once: float32 [xs.size()] on their device, element i
 /// max|xs[i]| (NaN if xs[i] holds a NaN; 0 for an empty one). xs: float32, bfloat16 or float16
 /// (mixed dtypes are fine), contiguous, on one device, at least one. On CUDA one launch per 128
-/// tensors of a dtype (Apex's multi_tensor_apply) instead of an infinity norm per tensor and a
-/// stack of them (~10 µs of host time per tensor): e.g. every FP8 weight's master after a step.
+/// tensors of a dtype: e.g. every FP8 weight's master amax after a step.
 at::Tensor compute_amax_many(const std::vector<at::Tensor>& xs);
 
 /// max|v| over the values cast_transpose_gelu / _dgelu / _swiglu / _dswiglu quantize for the

@@ -10,12 +10,9 @@ namespace amp8 {
 /// squared global L2 norm that gradient clipping (torch::nn::utils::clip_grad_norm_) takes the
 /// square root of. A NaN anywhere gives NaN, an infinity (and no NaN) +inf.
 ///
-/// CUDA: Apex's multi_tensor_l2norm. Every tensor is cut in chunks of 4096 elements; one block
-/// of a multi-tensor kernel sums a chunk's squares in float32 (one launch per 128 tensors of a
-/// dtype, whatever their sizes), and ATen sums the chunks' sums: a few launches in all, where
-/// one norm per tensor and a stack of them cost the host ~10 µs per tensor. The same tensors
-/// give the same bits on every call on one kind of GPU (ATen's reduction follows the device). CPU:
-/// the reference, summed in float64 and rounded once.
+/// CUDA: a few launches whatever the number of tensors (one per 128 tensors of a dtype, then one
+/// sum), float32 partial sums in a fixed order: the same tensors give the same bits on every call
+/// on one kind of GPU. CPU: the reference, summed in float64 and rounded once.
 ///
 /// Tensors: float32, bfloat16 or float16 (mixed dtypes are fine), contiguous, on one device;
 /// at least one. Throws naming the offending entry.

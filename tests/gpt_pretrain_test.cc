@@ -193,7 +193,8 @@ TEST(GptPretrainTest, ValidatesOnHeldOutTextDeterministically) {
 }
 
 // --recompute-method reaches the model (the run says so) and changes nothing of the training:
-// loss for loss the run that keeps its activations, GPT and Llama, in FP8 too.
+// loss for loss the run that keeps its activations, GPT and Llama, both in FP8 (delayed scaling,
+// every GEMM: the FP8 state the recomputation replays).
 TEST(GptPretrainTest, RecomputeTrainsAsWithoutIt) {
   for (const auto* config : {"tiny", "llama_tiny"}) {
     SCOPED_TRACE(config);
@@ -261,9 +262,10 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--attention-backend", "fa9"}, "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"fa9\""},
       {{"--cuda-graph", "true"}, "--cuda-graph needs a CUDA GPU; the run is on --device cpu"},
       {{"--cuda-graph", "maybe"}, "--cuda-graph"},
-      {{"--recompute-method", "full"}, "recompute method must be \"none\", \"uniform\" or \"block\", got \"full\""},
+      {{"--recompute-method", "full"}, "--recompute-method must be none, uniform or block, got \"full\""},
       {{"--recompute-num-layers", "2"}, "--recompute-num-layers needs --recompute-method uniform or block"},
-      {{"--recompute-method", "block", "--recompute-num-layers", "3"}, "recompute num_layers must be in [1, 2]"},
+      {{"--recompute-method", "block", "--recompute-num-layers", "3"},
+       "--recompute-num-layers must be at most the config's 2 blocks (tiny), got 3"},
       {{"--recompute-method", "uniform", "--cuda-graph", "true"}, "--recompute-method and --cuda-graph cannot be combined"},
   };
   for (const auto& c : cases) {

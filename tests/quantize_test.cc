@@ -254,8 +254,6 @@ TEST_F(QuantizeTest, QuantizeManyIsQuantizeOfEachWithItsScale) {
                                  "quantize_many: xs[0] must be contiguous");
 }
 
-// One scale per amax, as the distributed optimizer computes them for all FP8 weights at once:
-// each is (fp8_max / amax) / 2^margin, 1 for 0, NaN or an infinity, FLT_MAX when it overflows.
 // Tensors of three dtypes, each dtype with every awkward size (empty, one element, the kernel's
 // 4096-element chunk edges, primes), 200 small float32 ones (more than one launch's 128 tensors
 // of a dtype), a NaN in one and an infinity in another.
@@ -306,6 +304,8 @@ TEST(AmaxManyTest, MatchesCpu_CUDA) {
   EXPECT_TRUE(BytesEqual(amaxes.cpu(), expected));
 }
 
+// One scale per amax, as the distributed optimizer computes them for all FP8 weights at once:
+// each is (fp8_max / amax) / 2^margin, 1 for 0, NaN or an infinity, FLT_MAX when it overflows.
 TEST_F(QuantizeTest, CurrentScaleOfManyAmaxes) {
   const float inf = std::numeric_limits<float>::infinity();
   auto amax = at::tensor({2.0f, 0.0f, kNaN, inf, 1e-39f, 448.0f, 0.3f});

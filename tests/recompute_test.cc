@@ -5,7 +5,10 @@
 
 #include "plugin/modules/recompute.h"
 
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
+#define AMP8_HAS_CUDA_ALLOCATOR 1
+#endif
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -461,10 +464,6 @@ TEST_F(RecomputeTest, DataParallelTrainsAsWithoutRecompute) {
   }
 }
 
-// On a GPU, with deterministic algorithms (the same kernels give the same bits), the same
-// training in bf16-mixed and FP8; and a step's peak memory falls: the blocks' activations are not
-// kept (hidden 512, 8 blocks, 8 × 512 tokens: ~40 MB of activations per block against ~2 MB
-// of its input).
 // PyTorch's deterministic settings for the life of the guard (use_deterministic_algorithms), the
 // previous ones back after it, so that the other tests of the binary run as they would alone.
 class DeterministicAlgorithms {
@@ -507,6 +506,10 @@ TEST_F(RecomputeTest, GradientsAreTheKeptActivationsGradients_CUDA) {
     EXPECT_TRUE(grads[1][i].equal(grads[0][i])) << "gradient " << i;
 }
 
+// On a GPU, with deterministic algorithms (the same kernels give the same bits), the same
+// training in bf16-mixed and FP8; and a step's peak memory falls: the blocks' activations are not
+// kept (float32, hidden 512, 8 blocks, 8 × 512 tokens: ~120 MB of activations per block against
+// 8 MB of its input).
 TEST_F(RecomputeTest, GptTrainsAsWithoutRecompute_CUDA) {
   if (!testing::cuda_available()) GTEST_SKIP() << "no CUDA device";
   DeterministicAlgorithms deterministic;
@@ -526,12 +529,13 @@ TEST_F(RecomputeTest, GptTrainsAsWithoutRecompute_CUDA) {
     expect_identical(recomputed, kept, name);
   }
 
+#ifdef AMP8_HAS_CUDA_ALLOCATOR
   auto peak_step_bytes = [](RecomputeMethod method) {
     torch::manual_seed(2);
     recipes::GptModel model(
         recipes::GptConfig().layers(8).hidden(512).heads(8).max_seq_len(512).recompute(
             RecomputeOptions().method(method)));
-    model->to(torch::kCUDA, torch::kBFloat16);
+    model->to(torch::kCUDA);
     const auto tokens = torch::randint(256, {8, 512}, torch::kCUDA);
     torch::cuda::synchronize();
     c10::cuda::CUDACachingAllocator::resetPeakStats(0);
@@ -545,6 +549,7 @@ TEST_F(RecomputeTest, GptTrainsAsWithoutRecompute_CUDA) {
   const auto recomputed_bytes = peak_step_bytes(RecomputeMethod::kUniform);
   EXPECT_LT(recomputed_bytes, kept_bytes / 2)
       << "kept " << kept_bytes << " B, recomputed " << recomputed_bytes << " B";
+#endif
 }
 
 }  // namespace

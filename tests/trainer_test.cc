@@ -926,8 +926,8 @@ void expect_mixed_norm_and_clip(const torch::Device& device) {
 
 TEST(GradClipTest, MixedDtypeNormAndClip) { expect_mixed_norm_and_clip(torch::kCPU); }
 
-// On the GPU the mixed list takes the multi-tensor kernels (a few launches per dtype), not one
-// norm per tensor: counted with the profiler.
+// On the GPU the mixed list takes amp8's multi-tensor sum of squares (a launch per dtype and
+// ATen's sum of the chunks), not one norm per tensor: counted and named with the profiler.
 TEST(GradClipTest, MixedDtypeNormAndClip_CUDA) {
   AMP8_REQUIRE_CUDA();
   expect_mixed_norm_and_clip(torch::kCUDA);
@@ -941,6 +941,11 @@ TEST(GradClipTest, MixedDtypeNormAndClip_CUDA) {
   const auto profile = recorder.stop(testing::scratch_path("trainer_test", "norm_profile").string());
   EXPECT_GT(profile.kernels, 0.0);
   EXPECT_LT(profile.kernels, 20.0) << "60 gradients, two dtypes: " << profile.table();
+  bool multi_tensor_norm = false;
+  for (const auto& [name, ms] : profile.top_kernels) {
+    multi_tensor_norm = multi_tensor_norm || name.find("sum_of_squares_kernel") != std::string::npos;
+  }
+  EXPECT_TRUE(multi_tensor_norm) << "amp8's sum_of_squares, not one norm per tensor: " << profile.table();
 }
 
 TEST(StepProfilerTest, BadArgumentsAreNamed) {

@@ -1,6 +1,8 @@
 // Σ x² over many tensors (Apex's multi_tensor_l2norm): one block per 4096-element chunk of a
 // tensor sums the chunk's squares in float32 and writes it as the chunk's partial; the caller
 // sums the partials. Every sum runs in one fixed order: the same input gives the same bits.
+// Gradient clipping's norm took a norm per tensor and a stack of them before, ~10 µs of host
+// time per gradient (a 1b GPT step: ~2.5 ms, the GPU idle for ~1.1 ms of it).
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -3,7 +3,6 @@
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Generator.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -16,6 +15,11 @@
 #include <utility>
 
 #include "plugin/fp8/detail/fp8_state.h"
+
+#if defined(AMP8_WITH_CUDA) && __has_include(<c10/cuda/CUDAGraphsC10Utils.h>)
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#define AMP8_HAS_CUDA_CAPTURE_STATUS 1
+#endif
 
 namespace amp8 {
 
@@ -240,12 +244,14 @@ torch::Tensor recompute_activations(std::function<torch::Tensor(const torch::Ten
   TORCH_CHECK(function, "recompute_activations: function must not be empty");
   TORCH_CHECK(input.defined(), "recompute_activations: input must be a defined tensor");
   if (!torch::GradMode::is_enabled()) return function(input);
+#ifdef AMP8_HAS_CUDA_CAPTURE_STATUS
   TORCH_CHECK(
       !input.is_cuda() ||
           c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
       "recompute_activations: not inside a CUDA graph capture (TrainerOptions::cuda_graph): "
       "the backward pass would set the random-number state and run a second backward pass "
       "inside the graph");
+#endif
   return RecomputeFunction::apply(std::move(function), input,
                                   torch::empty({0}).requires_grad_(true));
 }

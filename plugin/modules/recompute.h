@@ -65,8 +65,8 @@ torch::Tensor recompute_activations(std::function<torch::Tensor(const torch::Ten
 
 /// x through `count` layers, x ← layer(i, x) for i = 0 … count - 1, with the layers `options`
 /// names recomputed (recompute_activations): kUniform, chunks of num_layers layers (the last
-/// one may be shorter); kBlock, each of the first min(num_layers, count) layers. Calls
-/// options.validate(count).
+/// one may be shorter); kBlock, each of the first num_layers layers. Calls
+/// options.validate(count) (num_layers in [1, count]).
 torch::Tensor forward_layers(int64_t count, const RecomputeOptions& options,
                              std::function<torch::Tensor(int64_t, const torch::Tensor&)> layer,
                              torch::Tensor x);

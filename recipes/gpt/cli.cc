@@ -38,10 +38,11 @@ bool is_cpu_allocation_failure(const c10::Error& error) {
   return error.msg().find("DefaultCPUAllocator: can't allocate memory") != std::string::npos;
 }
 
-std::string out_of_memory_advice(const std::string& batch_shape) {
+std::string out_of_memory_advice(const std::string& batch_shape, const std::string& recompute_method) {
   return "out of memory with micro-batches of " + batch_shape +
-         " tokens; lower --micro-batch (and raise --grad-accum for the same batch), or keep fewer "
-         "activations with --recompute-method uniform: ";
+         " tokens; lower --micro-batch (and raise --grad-accum for the same batch)" +
+         (recompute_method == "none" ? ", or keep fewer activations with --recompute-method uniform: "
+                                     : " (activations are recomputed already): ");
 }
 
 // ", peak memory X GB (Y GB between steps ...)" on a GPU; "" on the CPU (no allocator statistics).
@@ -353,11 +354,17 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       TORCH_CHECK(fused_mlp_flag->count() == 0, "--fused-mlp applies to the GPT configs (LayerNorm and "
                   "GELU MLPs); config ", config, " is a Llama");
     }
+    TORCH_CHECK(recompute_method == "none" || recompute_method == "uniform" || recompute_method == "block",
+                "--recompute-method must be none, uniform or block, got \"", recompute_method, "\"");
     const auto recompute = RecomputeOptions()
                                .method(recompute_method_from_string(recompute_method))
                                .num_layers(recompute_num_layers);
     TORCH_CHECK(recompute.method() != RecomputeMethod::kNone || recompute_layers_flag->count() == 0,
                 "--recompute-num-layers needs --recompute-method uniform or block");
+    const int64_t blocks = std::visit([](const auto& model) { return model.layers(); }, recipe.model);
+    TORCH_CHECK(recompute.method() == RecomputeMethod::kNone || recompute_num_layers <= blocks,
+                "--recompute-num-layers must be at most the config's ", blocks, " blocks (", config, "), got ",
+                recompute_num_layers);
     TORCH_CHECK(recompute.method() == RecomputeMethod::kNone || !cuda_graph,
                 "--recompute-method and --cuda-graph cannot be combined: the recomputation runs a "
                 "backward pass of its own inside the captured one");
@@ -531,11 +538,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   } catch (const c10::Error& e) {
     const bool out_of_memory = dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr || is_cpu_allocation_failure(e);
     err << "gpt_pretrain: error: ";
-    if (out_of_memory) err << out_of_memory_advice(batch_shape);
+    if (out_of_memory) err << out_of_memory_advice(batch_shape, recompute_method);
     err << escape_control_characters(e.what_without_backtrace()) << std::endl;
     return 2;
   } catch (const std::bad_alloc& e) {
-    err << "gpt_pretrain: error: " << out_of_memory_advice(batch_shape) << e.what() << std::endl;
+    err << "gpt_pretrain: error: " << out_of_memory_advice(batch_shape, recompute_method) << e.what() << std::endl;
     return 2;
   } catch (const std::exception& e) {
     err << "gpt_pretrain: error: " << escape_control_characters(e.what()) << std::endl;

@@ -206,6 +206,9 @@ std::string ByteDataset::fingerprint() const {
   return text;
 }
 
+// A copy from pageable memory would hold the host until the GPU has run everything queued before
+// it (the previous step's optimizer); the GPU then idles while the host launches the next
+// forward pass (1b FP8 trace of 2026-12-01: 1.95 ms of host time at each step's start).
 torch::Tensor copy_to_device(const torch::Tensor& host, const torch::Device& device) {
   TORCH_CHECK(host.device().is_cpu(), "copy_to_device: host must be a CPU tensor, got one on ", host.device());
   if (!device.is_cuda()) return host.contiguous().to(device);

@@ -58,10 +58,8 @@ class ByteDataset {
   std::string source_;
 };
 
-/// `host` (a CPU tensor) on `device`. To a GPU it goes through pinned memory and returns without
-/// waiting: a copy from pageable memory holds the host until the GPU has run everything queued
-/// before it (the previous step's optimizer), and the GPU then idles while the host launches the
-/// next forward pass. The copy is ordered on the device's current stream.
+/// `host` (a CPU tensor), contiguous, on `device`. To a GPU it goes through pinned memory and
+/// returns without waiting for the device; the copy is ordered on the device's current stream.
 torch::Tensor copy_to_device(const torch::Tensor& host, const torch::Device& device);
 
 namespace detail {
