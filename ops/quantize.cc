@@ -472,18 +472,8 @@ at::Tensor compute_amax(const at::Tensor& x) {
 }
 
 at::Tensor compute_amax_many(const std::vector<at::Tensor>& xs) {
-  TORCH_CHECK(!xs.empty(), "compute_amax_many: xs must hold at least one tensor");
+  detail::check_multi_tensor_list(xs, "compute_amax_many", "xs");
   const auto device = xs.front().device();
-  for (size_t i = 0; i < xs.size(); ++i) {
-    const auto& x = xs[i];
-    TORCH_CHECK(x.defined(), "compute_amax_many: xs[", i, "] is undefined");
-    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                    x.scalar_type() == at::kHalf,
-                "compute_amax_many: xs[", i, "] must be float32, bfloat16 or float16, got ", x.scalar_type());
-    TORCH_CHECK(x.device() == device, "compute_amax_many: xs[", i, "] is on ", x.device(), ", xs[0] on ",
-                device, ": all must be on one device");
-    TORCH_CHECK(x.is_contiguous(), "compute_amax_many: xs[", i, "] (", x.sizes(), ") must be contiguous");
-  }
   auto result = at::zeros({static_cast<int64_t>(xs.size())}, at::TensorOptions().dtype(at::kFloat).device(device));
   if (device.is_cuda()) {
 #ifdef AMP8_WITH_CUDA

@@ -57,6 +57,21 @@ cuda::InputType weight_type(const at::Tensor& gamma, const at::Tensor& beta) {
   return cuda::InputType::kFloat;
 }
 
+// For the multi-tensor kernels templated on one input dtype: groups `tensors` by dtype, each
+// entry to_entry(tensor) in the list's order, and calls launch(entries, count, type) once per
+// dtype present.
+template <typename Entry, typename ToEntry, typename Launch>
+void launch_by_input_type(const std::vector<at::Tensor>& tensors, ToEntry&& to_entry, Launch&& launch) {
+  constexpr int kInputTypes = 3;  // cuda::InputType: float, bf16, fp16
+  std::vector<Entry> groups[kInputTypes];
+  for (const auto& t : tensors) groups[static_cast<int>(input_type(t))].push_back(to_entry(t));
+  for (int type = 0; type < kInputTypes; ++type) {
+    if (groups[type].empty()) continue;
+    AMP8_CUDA_CHECK(launch(groups[type].data(), static_cast<int>(groups[type].size()),
+                           static_cast<cuda::InputType>(type)));
+  }
+}
+
 }  // namespace
 
 void quantize_cuda(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
@@ -256,16 +271,12 @@ void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
 
 void amax_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& amax_out) {
   const c10::cuda::CUDAGuard guard(xs.front().device());
-  std::vector<cuda::AmaxManyTensor> by_type[3];
   float* amax = amax_out.mutable_data_ptr<float>();
-  for (size_t i = 0; i < xs.size(); ++i) {
-    by_type[static_cast<int>(input_type(xs[i]))].push_back({xs[i].const_data_ptr(), amax + i, xs[i].numel()});
-  }
-  for (int type = 0; type < 3; ++type) {
-    if (by_type[type].empty()) continue;
-    AMP8_CUDA_CHECK(cuda::launch_amax_many(by_type[type].data(), static_cast<int>(by_type[type].size()),
-                                           static_cast<cuda::InputType>(type), current_stream()));
-  }
+  launch_by_input_type<cuda::AmaxManyTensor>(
+      xs, [&](const at::Tensor& x) -> cuda::AmaxManyTensor { return {x.const_data_ptr(), amax++, x.numel()}; },
+      [&](const cuda::AmaxManyTensor* list, int n, cuda::InputType type) {
+        return cuda::launch_amax_many(list, n, type, current_stream());
+      });
 }
 
 void activation_amax_cuda(AmaxActivation activation, const at::Tensor& x, const at::Tensor& gate,
@@ -447,19 +458,18 @@ at::Tensor sum_of_squares_cuda(const std::vector<at::Tensor>& tensors) {
   const auto options = at::TensorOptions().dtype(at::kFloat).device(tensors.front().device());
   if (chunks == 0) return at::zeros({1}, options);
   const auto partials = at::empty({chunks}, options);
-  // One launch list per dtype; each tensor's partials where its chunks fall in the whole list.
-  std::vector<cuda::SumOfSquaresTensor> by_type[3];
+  // Each tensor's partials where its chunks fall in the whole list.
   float* next = partials.mutable_data_ptr<float>();
-  for (const auto& t : tensors) {
-    by_type[static_cast<int>(input_type(t))].push_back({t.const_data_ptr(), next, t.numel()});
-    next += (t.numel() + kChunk - 1) / kChunk;
-  }
-  for (int type = 0; type < 3; ++type) {
-    if (by_type[type].empty()) continue;
-    AMP8_CUDA_CHECK(cuda::launch_sum_of_squares(by_type[type].data(),
-                                                static_cast<int>(by_type[type].size()),
-                                                static_cast<cuda::InputType>(type), current_stream()));
-  }
+  launch_by_input_type<cuda::SumOfSquaresTensor>(
+      tensors,
+      [&](const at::Tensor& t) -> cuda::SumOfSquaresTensor {
+        cuda::SumOfSquaresTensor entry{t.const_data_ptr(), next, t.numel()};
+        next += (t.numel() + kChunk - 1) / kChunk;
+        return entry;
+      },
+      [&](const cuda::SumOfSquaresTensor* list, int n, cuda::InputType type) {
+        return cuda::launch_sum_of_squares(list, n, type, current_stream());
+      });
   return partials.sum().reshape({1});
 }
 

@@ -3,8 +3,10 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace amp8::detail {
 
@@ -13,14 +15,18 @@ namespace amp8::detail {
   TORCH_CHECK(false, op, ": got a CUDA tensor but amp8 was built without CUDA");
 }
 
+// float32, bfloat16 or float16: the dtypes the ops read as high precision.
+inline bool is_high_precision(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
 // A defined, non-empty, contiguous float32 / bfloat16 / float16 tensor on the CPU or CUDA;
 // errors name it `name`.
 inline void check_high_precision_input(const at::Tensor& x, std::string_view op,
                                        std::string_view name = "x") {
   TORCH_CHECK(x.defined(), op, ": ", name, " must be a defined tensor");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": ", name,
-              " must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(is_high_precision(x.scalar_type()), op, ": ", name,
+              " must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK(x.numel() > 0, op, ": ", name, " must be non-empty, got shape ", x.sizes());
   TORCH_CHECK(x.is_contiguous(), op, ": ", name,
               " must be contiguous (call .contiguous()), got strides ", x.strides(), " for shape ",
@@ -37,6 +43,39 @@ inline void check_scalar_slot(const at::Tensor& t, const at::Tensor& x, std::str
               t.sizes());
   TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on ", x.device(), " like ",
               x_name, ", got ", t.device());
+}
+
+// ---- Lists for one multi-tensor launch (sum_of_squares, compute_amax_many) ----
+
+// Why one multi-tensor launch cannot take `tensors`: its first entry that is undefined, not
+// float32 / bfloat16 / float16, not on tensors[0]'s device, or not contiguous, described as
+// "name[i] ...". std::nullopt when every entry fits (and for an empty list).
+inline std::optional<std::string> multi_tensor_list_problem(const std::vector<at::Tensor>& tensors,
+                                                            std::string_view name) {
+  if (tensors.empty()) return std::nullopt;
+  const auto device = tensors.front().device();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (!t.defined()) return c10::str(name, "[", i, "] is undefined");
+    if (!is_high_precision(t.scalar_type())) {
+      return c10::str(name, "[", i, "] must be float32, bfloat16 or float16, got ",
+                      t.scalar_type());
+    }
+    if (t.device() != device) {
+      return c10::str(name, "[", i, "] is on ", t.device(), ", ", name, "[0] on ", device,
+                      ": all must be on one device");
+    }
+    if (!t.is_contiguous()) return c10::str(name, "[", i, "] (", t.sizes(), ") must be contiguous");
+  }
+  return std::nullopt;
+}
+
+// At least one tensor, and every one fits (multi_tensor_list_problem); errors start "op: ".
+inline void check_multi_tensor_list(const std::vector<at::Tensor>& tensors, std::string_view op,
+                                    std::string_view name) {
+  TORCH_CHECK(!tensors.empty(), op, ": ", name, " must hold at least one tensor");
+  if (auto problem = multi_tensor_list_problem(tensors, name))
+    TORCH_CHECK(false, op, ": ", *problem);
 }
 
 // ---- The fused optimizer steps' entries (fused_adam_step, fused_sgd_step) ----
@@ -58,7 +97,7 @@ inline void check_step_tensor(const at::Tensor& x, const at::Tensor& param, cons
   TORCH_CHECK(x.sizes() == param.sizes(), where, field, " must have the param's shape ",
               param.sizes(), ", got ", x.sizes());
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || (!float32_only && (dtype == at::kBFloat16 || dtype == at::kHalf)),
+  TORCH_CHECK(dtype == at::kFloat || (!float32_only && is_high_precision(dtype)),
               where, field, float32_only ? " must be float32" : " must be float32, bfloat16 or float16",
               ", got ", dtype);
 }

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/detail/checks.h"
 #include "ops/sum_of_squares.h"
 
 namespace amp8 {
@@ -32,16 +33,7 @@ std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::T
 // per dtype cost the host ~10 µs per gradient (profiled: ~2.5 ms of a 1b GPT step, the GPU
 // idle for ~1 ms of it).
 bool one_cuda_device_contiguous(const std::vector<at::Tensor>& tensors) {
-  const auto device = tensors.front().device();
-  if (!device.is_cuda()) return false;
-  for (const auto& t : tensors) {
-    const auto type = t.scalar_type();
-    if (t.device() != device || !t.is_contiguous() ||
-        (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf)) {
-      return false;
-    }
-  }
-  return true;
+  return tensors.front().is_cuda() && !detail::multi_tensor_list_problem(tensors, "grads");
 }
 
 }  // namespace
