@@ -6,7 +6,6 @@
 #include "plugin/training/checkpoint.cc"  // the trailer check under test, instrumented
 
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -15,13 +14,14 @@
 #include <iterator>
 #include <string>
 
+#include "fuzz_scratch.h"
 #include "plugin/training/trainer.h"
 #include "recipes/precision.h"
 
 namespace {
 
 std::string scratch_file() {
-  static const std::string path = "/tmp/amp8_fuzz_checkpoint_" + std::to_string(getpid()) + ".ckpt";
+  static const std::string path = amp8::fuzz::scratch_file("checkpoint", ".ckpt");
   return path;
 }
 

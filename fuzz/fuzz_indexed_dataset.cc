@@ -6,11 +6,11 @@
 // when it widens them, so that refusal depends on the .bin, not on the .idx).
 #include "recipes/data/indexed_dataset.cc"  // the reader under test, instrumented
 
-#include <unistd.h>
-
 #include <cstdint>
 #include <fstream>
 #include <string>
+
+#include "fuzz_scratch.h"
 
 namespace {
 
@@ -24,15 +24,17 @@ void write_file(const std::string& path, const void* data, size_t size) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::string prefix = "/tmp/amp8_fuzz_indexed_" + std::to_string(getpid());
+  static const std::string idx_path = amp8::fuzz::scratch_file("indexed", ".idx");
+  static const std::string bin_path = amp8::fuzz::scratch_file("indexed", ".bin");
+  static const std::string prefix = idx_path.substr(0, idx_path.size() - 4);  // the reader opens prefix.idx, prefix.bin
   static const bool bin_written = [] {
     std::string bin(kBinBytes, '\0');
     for (int64_t i = 0; i < kBinBytes; ++i) bin[i] = static_cast<char>(i * 131 % 251);
-    write_file(prefix + ".bin", bin.data(), bin.size());
+    write_file(bin_path, bin.data(), bin.size());
     return true;
   }();
   (void)bin_written;
-  write_file(prefix + ".idx", data, size);
+  write_file(idx_path, data, size);
   std::optional<amp8::recipes::IndexedDataset> dataset;
   try {
     dataset.emplace(prefix);

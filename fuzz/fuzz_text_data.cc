@@ -1,14 +1,14 @@
 // Fuzzes the --data loader: any bytes as a text file, then batches of every shape it accepts.
 #include "recipes/gpt/data.cc"  // the loader under test, instrumented
 
-#include <unistd.h>
-
 #include <cstdint>
 #include <fstream>
 #include <string>
 
+#include "fuzz_scratch.h"
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::string path = "/tmp/amp8_fuzz_text_" + std::to_string(getpid()) + ".txt";
+  static const std::string path = amp8::fuzz::scratch_file("text", ".txt");
   {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -199,6 +200,30 @@ TEST(HardeningTest, HundredSaveLoadResumeCyclesKeepMemoryFlat) {
   (void)growth;  // ASan's quarantine holds freed memory; LeakSanitizer checks leaks at exit
 #endif
   testing::remove_tree(dir);
+}
+
+// The test suites' scratch folders (tests/test_util.h) go when the process that made them ends,
+// and a forked child (some tests fork) leaves its parent's alone.
+TEST(HardeningTest, ScratchFoldersAreRemovedByTheProcessThatMadeThemOnly) {
+  const auto folder = std::filesystem::temp_directory_path() / ("amp8_scratch_folders_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(folder / "inner");
+  std::ofstream(folder / "inner" / "file") << "scratch";
+  auto* folders = new testing::ScratchFolders;
+  folders->add(folder);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    delete folders;  // the child's copy of the object ends first
+    ::_exit(std::filesystem::exists(folder / "inner" / "file") ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "a forked child removed its parent's scratch folder";
+  EXPECT_TRUE(std::filesystem::exists(folder / "inner" / "file"));
+  delete folders;
+  EXPECT_FALSE(std::filesystem::exists(folder)) << "the scratch folder outlived the object that owns it";
+  testing::remove_tree(folder.string());
 }
 
 }  // namespace

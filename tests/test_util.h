@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 // Defined in a build with AddressSanitizer (gcc's and clang's spellings), for the few tests whose
 // subject ASan changes: resident memory, address-space limits.
@@ -39,14 +41,42 @@ inline void remove_tree(const std::string& path) {
       16, FTW_DEPTH | FTW_PHYS);
 }
 
+// The folders scratch_path made in this process, removed with everything in them when it exits
+// (a run's scratch files do not pile up in /tmp). Only by the process that made them: a forked
+// child inherits this object and must not remove its parent's files.
+class ScratchFolders {
+ public:
+  void add(const std::filesystem::path& folder) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (std::find(folders_.begin(), folders_.end(), folder.string()) == folders_.end()) {
+      folders_.push_back(folder.string());
+    }
+  }
+  ~ScratchFolders() {
+    if (::getpid() != owner_) return;
+    for (const auto& folder : folders_) remove_tree(folder);
+  }
+
+ private:
+  const pid_t owner_ = ::getpid();
+  std::mutex mutex_;
+  std::vector<std::string> folders_;
+};
+
+inline ScratchFolders& scratch_folders() {
+  static ScratchFolders folders;
+  return folders;
+}
+
 // A path for a test's files, <TEST_TMPDIR or /tmp>/amp8_<suite>_<pid>/<name>, emptied; its
-// parent exists, the path itself does not.
+// parent exists, the path itself does not. The parent is removed when the process exits.
 inline std::filesystem::path scratch_path(const std::string& suite, const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
   auto path = std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) /
               ("amp8_" + suite + "_" + std::to_string(::getpid())) / name;
   remove_tree(path.string());
   std::filesystem::create_directories(path.parent_path());
+  scratch_folders().add(path.parent_path());
   return path;
 }
 
