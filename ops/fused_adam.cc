@@ -17,8 +17,9 @@ constexpr const char* kOp = "fused_adam_step";
 void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device) {
   const std::string where = detail::step_entry_name(kOp, index);
   detail::check_step_param_grad_copy(t.param, t.grad, t.model_copy, device, where);
-  detail::check_step_tensor(t.exp_avg, t.param, device, where, "exp_avg", true);
-  detail::check_step_tensor(t.exp_avg_sq, t.param, device, where, "exp_avg_sq", true);
+  detail::check_step_tensor(t.exp_avg, t.param, device, where, "exp_avg", detail::StepDtypes::kFloat32OrBFloat16);
+  detail::check_step_tensor(t.exp_avg_sq, t.param, device, where, "exp_avg_sq",
+                            detail::StepDtypes::kFloat32OrBFloat16);
   TORCH_CHECK(t.step >= 1, where, "step must be >= 1 (the count including this step), got ", t.step);
 }
 
@@ -36,10 +37,15 @@ void fused_adam_step_cpu(const std::vector<AdamStepTensor>& tensors, const AdamS
     }
     const double bias_correction1 = 1 - std::pow(o.beta1, t.step);
     const double bias_correction2 = 1 - std::pow(o.beta2, t.step);
-    t.exp_avg.mul_(o.beta1).add_(grad, 1 - o.beta1);
-    t.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
-    const auto denom = (t.exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
-    p.addcdiv_(t.exp_avg, denom, -(o.lr / bias_correction1));
+    // A bfloat16 moment: updated and used as float32, stored rounded.
+    auto exp_avg = t.exp_avg.scalar_type() == at::kFloat ? t.exp_avg : t.exp_avg.to(at::kFloat);
+    auto exp_avg_sq = t.exp_avg_sq.scalar_type() == at::kFloat ? t.exp_avg_sq : t.exp_avg_sq.to(at::kFloat);
+    exp_avg.mul_(o.beta1).add_(grad, 1 - o.beta1);
+    exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1 - o.beta2);
+    const auto denom = (exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
+    p.addcdiv_(exp_avg, denom, -(o.lr / bias_correction1));
+    if (!exp_avg.is_same(t.exp_avg)) t.exp_avg.copy_(exp_avg);
+    if (!exp_avg_sq.is_same(t.exp_avg_sq)) t.exp_avg_sq.copy_(exp_avg_sq);
     if (t.model_copy.defined()) t.model_copy.copy_(p);
   }
 }

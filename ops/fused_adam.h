@@ -23,8 +23,8 @@ struct AdamStepOptions {
 struct AdamStepTensor {
   at::Tensor param;       ///< float32 (the FP32 master), updated in place
   at::Tensor grad;        ///< param's shape; float32, bfloat16 or float16; only read
-  at::Tensor exp_avg;     ///< float32, param's shape, updated in place
-  at::Tensor exp_avg_sq;  ///< float32, param's shape, updated in place
+  at::Tensor exp_avg;     ///< float32 or bfloat16, param's shape, updated in place
+  at::Tensor exp_avg_sq;  ///< float32 or bfloat16, param's shape, updated in place
   int64_t step = 1;       ///< the step count including this step (1 for the first)
   /// Optional: a bfloat16 / float16 tensor of param's shape (the model's half parameter) that
   /// receives the updated param, rounded to nearest even.
@@ -38,10 +38,16 @@ struct AdamStepTensor {
 ///   (AdamW); m = β1·m + (1 − β1)·g; v = β2·v + (1 − β2)·g²;
 ///   param −= lr / (1 − β1^step) · m / (√v / √(1 − β2^step) + eps).
 ///
-/// CUDA: multi-tensor kernels, one launch per 128 tensors of one (grad dtype, copy dtype):
+/// A moment stored in bfloat16 (TE's FusedAdam exp_avg_dtype / exp_avg_sq_dtype, Megatron-Core's
+/// precision-aware optimizer; DeepSeek-V3 keeps both in bfloat16) is read into float32, updated
+/// and used for this step's update in float32, and stored rounded to nearest even: half the
+/// bytes of a float32 moment, the same arithmetic.
+///
+/// CUDA: multi-tensor kernels, one launch per 128 tensors of one (grad, copy, moment dtypes):
 /// every element's param, moments and gradient read once, param, moments and copy written
-/// once. CPU: the reference — torch::optim's own sequence of ATen operations, so bit for bit
-/// what torch::optim::Adam / AdamW computes.
+/// once. CPU: the reference — torch::optim's own sequence of ATen operations, so with float32
+/// moments bit for bit what torch::optim::Adam / AdamW computes (a bfloat16 moment: the same
+/// operations on its float32 value, then rounded).
 ///
 /// Every tensor must be contiguous and on one device; throws naming the entry and field.
 void fused_adam_step(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& options,

@@ -19,7 +19,8 @@ void check_entry(const SgdStepTensor& t, size_t index, const at::Device& device,
   const std::string where = detail::step_entry_name(kOp, index);
   detail::check_step_param_grad_copy(t.param, t.grad, t.model_copy, device, where);
   if (with_momentum) {
-    detail::check_step_tensor(t.momentum_buffer, t.param, device, where, "momentum_buffer", true);
+    detail::check_step_tensor(t.momentum_buffer, t.param, device, where, "momentum_buffer",
+                              detail::StepDtypes::kFloat32);
   }
 }
 

@@ -164,6 +164,78 @@ TEST_F(FusedOptimizerTest, MultiplierHalfGradientsAndCopiesMatchTheUnfusedSequen
   }
 }
 
+// Moments kept in bfloat16 (Megatron-Core's precision-aware optimizer): the step is the float32
+// one on their widened values, so the params are bit-equal to a step with float32 moments of the
+// same values, and the stored moments are that step's float32 moments rounded to nearest even.
+TEST_F(FusedOptimizerTest, Bfloat16MomentsAreTheFloat32StepRounded) {
+  for (const bool decoupled : {true, false}) {
+    for (const auto grad_dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(std::string(decoupled ? "AdamW " : "Adam ") + c10::toString(grad_dtype));
+      auto params = random_params();
+      auto reference_params = clones(params);
+      std::vector<torch::Tensor> m, v, m32, v32;
+      for (const auto& p : params) {
+        m.push_back(torch::randn(p.sizes()).mul_(0.1).to(at::kBFloat16));
+        v.push_back(torch::rand(p.sizes()).mul_(0.01).add_(1e-4).to(at::kBFloat16));
+        m32.push_back(m.back().to(at::kFloat));
+        v32.push_back(v.back().to(at::kFloat));
+      }
+      std::vector<AdamStepTensor> bf16_moments, float32_moments;
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto grad = torch::randn(params[i].sizes()).mul_(8).to(grad_dtype);
+        bf16_moments.push_back({params[i].detach(), grad, m[i], v[i], 7, {}});
+        float32_moments.push_back({reference_params[i].detach(), grad, m32[i], v32[i], 7, {}});
+      }
+      const AdamStepOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1, decoupled};
+      fused_adam_step(bf16_moments, options, 0.125);
+      fused_adam_step(float32_moments, options, 0.125);
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(BytesEqual(params[i].detach(), reference_params[i].detach())) << "param " << i;
+        EXPECT_TRUE(BytesEqual(m[i], m32[i].to(at::kBFloat16))) << "exp_avg " << i;
+        EXPECT_TRUE(BytesEqual(v[i], v32[i].to(at::kBFloat16))) << "exp_avg_sq " << i;
+      }
+    }
+  }
+}
+
+// fused_optimizer_step's moment_dtypes: new state in them, state of other dtypes (another run's
+// checkpoint) converted at its next step; SGD and dtypes other than float32 / bfloat16 refused.
+TEST_F(FusedOptimizerTest, MomentDtypesMakeAndConvertTheState) {
+  auto params = random_params(), unused = clones(params);
+  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(1e-2));
+  const auto own_grad = [](const torch::Tensor& t) { return t.grad(); };
+  auto moments_of = [&](size_t i) {
+    const auto& state = static_cast<torch::optim::AdamWParamState&>(*adamw.state().at(params[i].unsafeGetTensorImpl()));
+    return std::pair{state.exp_avg(), state.exp_avg_sq()};
+  };
+  set_grads(params, unused, 0);
+  fused_optimizer_step(adamw, 1.0, own_grad, {}, AdamMomentDtypes{at::kBFloat16, at::kFloat});
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(moments_of(i).first.scalar_type(), at::kBFloat16) << i;
+    EXPECT_EQ(moments_of(i).second.scalar_type(), at::kFloat) << i;
+  }
+  const auto m_before = moments_of(0).first.clone();
+  set_grads(params, unused, 1);
+  fused_optimizer_step(adamw, 1.0, own_grad, {}, AdamMomentDtypes{at::kFloat, at::kBFloat16});
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(moments_of(i).first.scalar_type(), at::kFloat) << i;
+    EXPECT_EQ(moments_of(i).second.scalar_type(), at::kBFloat16) << i;
+  }
+  EXPECT_FALSE(moments_of(0).first.equal(m_before.to(at::kFloat))) << "the converted state was not stepped";
+  ExpectErrorContaining([&] { fused_optimizer_step(adamw, 1.0, own_grad, {}, AdamMomentDtypes{at::kHalf, at::kFloat}); },
+                        "fused_optimizer_step: exp_avg_dtype must be float32 or bfloat16, got Half");
+  torch::optim::SGD sgd(clones(params), torch::optim::SGDOptions(0.1).momentum(0.9));
+  ExpectErrorContaining([&] { fused_optimizer_step(sgd, 1.0, own_grad, {}, AdamMomentDtypes{at::kFloat, at::kBFloat16}); },
+                        "exp_avg_dtype / exp_avg_sq_dtype apply to Adam and AdamW");
+  auto p = torch::randn({8, 8});
+  ExpectErrorContaining(
+      [&] { fused_adam_step({{p, torch::randn({8, 8}), torch::zeros({8, 8}, at::kHalf), torch::zeros({8, 8}), 1, {}}}, {}); },
+      "fused_adam_step: tensors[0].exp_avg must be float32 or bfloat16, got Half");
+  ExpectErrorContaining(
+      [&] { fused_adam_step({{p, torch::randn({8, 8}), torch::zeros({8, 8}), torch::zeros({8, 8}, at::kDouble), 1, {}}}, {}); },
+      "fused_adam_step: tensors[0].exp_avg_sq must be float32 or bfloat16, got Double");
+}
+
 // State names and layout are torch::optim's: a checkpoint of either continues in the other.
 // Three steps each, then swapped: torch::optim continues from the fused state and the fused
 // optimizer from torch::optim's; the params agree bit for bit. Returns the fused optimizer
@@ -470,6 +542,42 @@ TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
           EXPECT_TRUE(BytesEqual(gpu_copy[i], gpu_p[i].to(gpu_copy[i].scalar_type()))) << "copy " << i;
         }
       }
+    }
+  }
+}
+
+// bfloat16 moments on the GPU against the CPU reference: one step from the same random moments,
+// the four moment-dtype combinations in one call (a launch each). The float32 values agree as
+// above; each stored moment is within one bfloat16 step of the reference's (their float32 values
+// may round to neighbours), and the param used the unrounded moments.
+TEST_F(FusedOptimizerTest, Bfloat16MomentKernelsMatchTheCpuReference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  std::vector<AdamStepTensor> cpu, gpu;
+  const auto all_shapes = shapes();
+  for (int i = 0; i < 24; ++i) {
+    const auto& shape = all_shapes[i % all_shapes.size()];
+    const auto m_dtype = i % 2 ? at::kBFloat16 : at::kFloat, v_dtype = (i / 2) % 2 ? at::kBFloat16 : at::kFloat;
+    auto p = torch::randn(shape);
+    auto m = torch::randn(shape).mul_(0.1).to(m_dtype);
+    auto v = torch::rand(shape).mul_(0.01).add_(1e-4).to(v_dtype);
+    auto grad = torch::randn(shape).mul_(8).to(i % 3 ? at::kBFloat16 : at::kFloat);
+    cpu.push_back({p, grad, m, v, 5, {}});
+    gpu.push_back({p.cuda(), grad.cuda(), m.cuda(), v.cuda(), 5, {}});
+  }
+  const AdamStepOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1, true};
+  fused_adam_step(cpu, options, 0.125);
+  fused_adam_step(gpu, options, 0.125);
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const auto p_diff = (gpu[i].param.cpu() - cpu[i].param).abs();
+    EXPECT_TRUE(p_diff.le(cpu[i].param.abs() * 2e-6 + 1e-7).all().item<bool>())
+        << "param " << i << ": max difference " << p_diff.max().item<float>();
+    for (auto [a, b, name] : {std::tuple{gpu[i].exp_avg, cpu[i].exp_avg, "exp_avg"},
+                              std::tuple{gpu[i].exp_avg_sq, cpu[i].exp_avg_sq, "exp_avg_sq"}}) {
+      ASSERT_EQ(a.scalar_type(), b.scalar_type());
+      const double relative = a.scalar_type() == at::kBFloat16 ? std::ldexp(1.0, -8) : 2e-6;
+      const auto diff = (a.cpu().to(at::kFloat) - b.to(at::kFloat)).abs();
+      EXPECT_TRUE(diff.le(b.to(at::kFloat).abs() * relative + 1e-7).all().item<bool>())
+          << name << " " << i << " (" << a.scalar_type() << "): max difference " << diff.max().item<float>();
     }
   }
 }

@@ -217,6 +217,32 @@ TEST(GptPretrainTest, RecomputeTrainsAsWithoutIt) {
   }
 }
 
+// Adam's moments in bfloat16 (--exp-avg-dtype / --exp-avg-sq-dtype): said on the run line, the
+// checkpoint holds them so, a resume with other dtypes is named, and the run trains as with
+// float32 moments (the same first step: the moments start at zero and enter the update unrounded).
+TEST(GptPretrainTest, Bfloat16MomentsTrainAndAreKeptBySetting) {
+  const std::vector<std::string> common = {"--config", "tiny", "--device", "cpu", "--seq", "32", "--micro-batch",
+                                           "4", "--steps", "20", "--log-every", "0", "--precision", "bf16-mixed"};
+  const auto float32_dir = scratch("moments_fp32"), bf16_dir = scratch("moments_bf16");
+  const auto float32 = gpt_pretrain(with(common, {"--save-dir", float32_dir.string()}));
+  ASSERT_EQ(float32.code, 0) << float32.err;
+  EXPECT_EQ(float32.out.find("Adam moments"), std::string::npos);
+  const auto bf16 = gpt_pretrain(
+      with(common, {"--save-dir", bf16_dir.string(), "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"}));
+  ASSERT_EQ(bf16.code, 0) << bf16.err;
+  EXPECT_NE(bf16.out.find(", Adam moments in BFloat16 / BFloat16"), std::string::npos) << bf16.out;
+  const auto a = metrics(float32_dir), b = metrics(bf16_dir);
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 20u);
+  EXPECT_EQ(b[1]["loss"].get<double>(), a[1]["loss"].get<double>()) << "step 2 follows the same first update";
+  EXPECT_NE(b[19]["loss"].get<double>(), a[19]["loss"].get<double>()) << "later moments are rounded";
+  EXPECT_NEAR(b[19]["loss"].get<double>(), a[19]["loss"].get<double>(), 0.02 * a[19]["loss"].get<double>());
+  const auto resumed = gpt_pretrain(with(common, {"--save-dir", bf16_dir.string(), "--steps", "22", "--resume",
+                                                  bf16_dir.string()}));
+  EXPECT_NE(resumed.code, 0);
+  EXPECT_NE(resumed.err.find("exp_avg_dtype BFloat16 (this run: Float)"), std::string::npos) << resumed.err;
+}
+
 TEST(GptPretrainTest, HelpListsTheFlagsWithDefaults) {
   const auto run = gpt_pretrain({"--help"});
   EXPECT_EQ(run.code, 0);
@@ -225,7 +251,7 @@ TEST(GptPretrainTest, HelpListsTheFlagsWithDefaults) {
                            "--micro-batch", "--grad-accum", "--seq", "--lr", "--data", "--device",
                            "--save-dir", "--resume", "--seed", "--compare", "--overlap-grad-reduce",
                            "--overlap-param-gather", "--bucket-size", "--recompute-method",
-                           "--recompute-num-layers"}) {
+                           "--recompute-num-layers", "--exp-avg-dtype", "--exp-avg-sq-dtype"}) {
     EXPECT_NE(run.out.find(flag), std::string::npos) << flag;
   }
   EXPECT_NE(run.out.find("1024"), std::string::npos) << "defaults are shown";
@@ -267,6 +293,8 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--recompute-method", "block", "--recompute-num-layers", "3"},
        "--recompute-num-layers must be at most the config's 2 blocks (tiny), got 3"},
       {{"--recompute-method", "uniform", "--cuda-graph", "true"}, "--recompute-method and --cuda-graph cannot be combined"},
+      {{"--exp-avg-dtype", "fp16"}, "--exp-avg-dtype: fp16 not in {fp32,bf16}"},
+      {{"--exp-avg-sq-dtype", "fp8"}, "--exp-avg-sq-dtype: fp8 not in {fp32,bf16}"},
   };
   for (const auto& c : cases) {
     auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);

@@ -36,20 +36,21 @@ using testing::TinyTransformer;
 
 bool is_fp8(c10::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
-// Every tensor an optimizer holds (parameters and state) must be float32.
-void expect_optimizer_sees_only_fp32(torch::optim::Optimizer& optimizer) {
+// Every tensor an optimizer holds (parameters and state) must be float32, Adam's moments in the
+// dtypes asked for (float32 unless moments says otherwise).
+void expect_optimizer_sees_only_fp32(torch::optim::Optimizer& optimizer, const AdamMomentDtypes& moments = {}) {
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) EXPECT_EQ(p.scalar_type(), at::kFloat);
   }
   int64_t state_tensors = 0;
   for (const auto& [key, state] : optimizer.state()) {
     if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(state.get())) {
-      EXPECT_EQ(adam->exp_avg().scalar_type(), at::kFloat);
-      EXPECT_EQ(adam->exp_avg_sq().scalar_type(), at::kFloat);
+      EXPECT_EQ(adam->exp_avg().scalar_type(), moments.exp_avg);
+      EXPECT_EQ(adam->exp_avg_sq().scalar_type(), moments.exp_avg_sq);
       state_tensors += 2;
     } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
-      EXPECT_EQ(adamw->exp_avg().scalar_type(), at::kFloat);
-      EXPECT_EQ(adamw->exp_avg_sq().scalar_type(), at::kFloat);
+      EXPECT_EQ(adamw->exp_avg().scalar_type(), moments.exp_avg);
+      EXPECT_EQ(adamw->exp_avg_sq().scalar_type(), moments.exp_avg_sq);
       state_tensors += 2;
     } else if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
       EXPECT_EQ(sgd->momentum_buffer().scalar_type(), at::kFloat);
@@ -185,6 +186,29 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
                         "params_dtype must be float32, float16 or bfloat16, got Double");
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().num_layers_at_start_in_bf16(-1)),
                         "num_layers_at_start_in_bf16 must be >= 0");
+  ExpectErrorContaining(make(recipes::bf16_mixed().exp_avg_dtype(at::kHalf)),
+                        "exp_avg_dtype must be float32 or bfloat16, got Half");
+  ExpectErrorContaining(make(recipes::bf16_mixed().exp_avg_sq_dtype(at::kFloat8_e4m3fn)),
+                        "exp_avg_sq_dtype must be float32 or bfloat16, got Float8_e4m3fn");
+  ExpectErrorContaining(make(recipes::bf16_mixed().exp_avg_dtype(at::kBFloat16).fused_optimizer(false)),
+                        "bfloat16 needs fused_optimizer = true");
+}
+
+// bfloat16 moments live only in the fused Adam / AdamW step: any other optimizer is named at
+// connect instead of training with float32 moments.
+TEST(MixedPrecisionPluginTest, Bfloat16MomentsWithAnOptimizerThatCannotKeepThemAreAnError) {
+  for (const bool sgd : {true, false}) {
+    auto model = testing::make_mlp();
+    std::unique_ptr<torch::optim::Optimizer> optimizer;
+    if (sgd) {
+      optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    } else {
+      optimizer = std::make_unique<torch::optim::RMSprop>(model->parameters(), torch::optim::RMSpropOptions(0.1));
+    }
+    MixedPrecisionPlugin plugin(recipes::bf16_mixed().exp_avg_sq_dtype(at::kBFloat16));
+    ExpectErrorContaining([&] { plugin.connect(*model, *optimizer); },
+                          "exp_avg_dtype / exp_avg_sq_dtype Float / BFloat16 need a torch::optim::Adam or AdamW");
+  }
 }
 
 TEST(MixedPrecisionPluginTest, Fp8OnAModelWithNoEligibleLayerIsAnError) {
@@ -1064,6 +1088,9 @@ std::vector<PrecisionCase> precision_cases() {
       // FP8 (forced on for these small GEMMs): within issue 3's 2% bound for FP8 training.
       {"bf16_with_fp8_mixed", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 0.02},
       {"fp16_with_fp8_mixed", recipes::fp16_with_fp8_mixed().fp8_min_gemm_size(0), 0.02},
+      // Adam's moments in bfloat16 (Megatron-Core's precision-aware optimizer): as bf16_mixed.
+      {"bf16_mixed_bf16_moments", recipes::bf16_mixed().exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16),
+       0.01},
   };
 }
 
@@ -1098,7 +1125,8 @@ TrainResult train(Model model, const Data& data, const PrecisionCase& precision,
     params_ok &= ok;
   }
   for (const auto& m : plugin.master_params()) EXPECT_EQ(m.scalar_type(), at::kFloat);
-  expect_optimizer_sees_only_fp32(optimizer);
+  expect_optimizer_sees_only_fp32(
+      optimizer, {precision.options.exp_avg_dtype(), precision.options.exp_avg_sq_dtype()});
   return {tail / 20, params_ok};
 }
 

@@ -119,6 +119,9 @@ std::vector<ResumeCase> resume_cases() {
       {"bf16_with_fp8_mixed_no_fp8_params",
        recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_min_gemm_size(0).fp8_amax_history_len(4)},
       {"fp16_with_fp8_mixed", recipes::fp16_with_fp8_mixed().fp8_min_gemm_size(0).fp16_initial_loss_scale(1024)},
+      // Adam's moments in bfloat16: the checkpoint holds them as they are.
+      {"bf16_with_fp8_mixed_bf16_moments",
+       recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16)},
   };
 }
 

@@ -7,6 +7,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <map>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -49,6 +52,11 @@ cuda::CopyType copy_type(const at::Tensor& copy) {
   return copy.scalar_type() == at::kBFloat16 ? cuda::CopyType::kBFloat16 : cuda::CopyType::kHalf;
 }
 
+// The type an Adam moment is stored in: float32 or bfloat16 (fused_adam_step checks).
+cuda::MomentType moment_type(const at::Tensor& moment) {
+  return moment.scalar_type() == at::kBFloat16 ? cuda::MomentType::kBFloat16 : cuda::MomentType::kFloat;
+}
+
 // The type the LayerNorm kernels read gamma and beta in: that of whichever is defined (the
 // caller makes them agree), float32 when neither is.
 cuda::InputType weight_type(const at::Tensor& gamma, const at::Tensor& beta) {
@@ -57,18 +65,16 @@ cuda::InputType weight_type(const at::Tensor& gamma, const at::Tensor& beta) {
   return cuda::InputType::kFloat;
 }
 
-// For the multi-tensor kernels templated on one input dtype: groups `tensors` by dtype, each
-// entry to_entry(tensor) in the list's order, and calls launch(entries, count, type) once per
-// dtype present.
-template <typename Entry, typename ToEntry, typename Launch>
-void launch_by_input_type(const std::vector<at::Tensor>& tensors, ToEntry&& to_entry, Launch&& launch) {
-  constexpr int kInputTypes = 3;  // cuda::InputType: float, bf16, fp16
-  std::vector<Entry> groups[kInputTypes];
-  for (const auto& t : tensors) groups[static_cast<int>(input_type(t))].push_back(to_entry(t));
-  for (int type = 0; type < kInputTypes; ++type) {
-    if (groups[type].empty()) continue;
-    AMP8_CUDA_CHECK(launch(groups[type].data(), static_cast<int>(groups[type].size()),
-                           static_cast<cuda::InputType>(type)));
+// For the multi-tensor kernels, templated on their tensors' dtypes: groups `tensors` by
+// key_of(tensor) (the dtypes a launch is instantiated for, ordered: the launches come in a fixed
+// order), each entry to_entry(tensor) in the list's order, and calls launch(entries, count, key)
+// once per key present.
+template <typename Entry, typename Tensor, typename KeyOf, typename ToEntry, typename Launch>
+void launch_grouped(const std::vector<Tensor>& tensors, KeyOf&& key_of, ToEntry&& to_entry, Launch&& launch) {
+  std::map<std::invoke_result_t<KeyOf, const Tensor&>, std::vector<Entry>> groups;
+  for (const auto& t : tensors) groups[key_of(t)].push_back(to_entry(t));
+  for (const auto& [key, entries] : groups) {
+    AMP8_CUDA_CHECK(launch(entries.data(), static_cast<int>(entries.size()), key));
   }
 }
 
@@ -272,8 +278,9 @@ void amax_cuda(const at::Tensor& x, const at::Tensor& amax_out) {
 void amax_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& amax_out) {
   const c10::cuda::CUDAGuard guard(xs.front().device());
   float* amax = amax_out.mutable_data_ptr<float>();
-  launch_by_input_type<cuda::AmaxManyTensor>(
-      xs, [&](const at::Tensor& x) -> cuda::AmaxManyTensor { return {x.const_data_ptr(), amax++, x.numel()}; },
+  launch_grouped<cuda::AmaxManyTensor>(
+      xs, input_type,
+      [&](const at::Tensor& x) -> cuda::AmaxManyTensor { return {x.const_data_ptr(), amax++, x.numel()}; },
       [&](const cuda::AmaxManyTensor* list, int n, cuda::InputType type) {
         return cuda::launch_amax_many(list, n, type, current_stream());
       });
@@ -400,28 +407,6 @@ void rotary_embedding_cuda(const at::Tensor& x, const at::Tensor& cos, const at:
       sin.const_data_ptr<float>(), inverse, current_stream()));
 }
 
-namespace {
-
-// The fused optimizers' tensors grouped by (gradient dtype, copy dtype), the kernels' template
-// arguments: launch(pointers, count, grad_type, copy_type) once per group present.
-template <typename Pointers, typename StepTensor, typename ToPointers, typename Launch>
-void launch_by_dtypes(const std::vector<StepTensor>& tensors, ToPointers&& to_pointers, Launch&& launch) {
-  constexpr int kCopyTypes = 3;  // cuda::CopyType: none, bf16, fp16
-  std::vector<std::vector<Pointers>> groups(3 * kCopyTypes);
-  for (const auto& t : tensors) {
-    groups[static_cast<int>(input_type(t.grad)) * kCopyTypes + static_cast<int>(copy_type(t.model_copy))]
-        .push_back(to_pointers(t));
-  }
-  for (size_t key = 0; key < groups.size(); ++key) {
-    if (groups[key].empty()) continue;
-    AMP8_CUDA_CHECK(launch(groups[key].data(), static_cast<int>(groups[key].size()),
-                           static_cast<cuda::InputType>(key / kCopyTypes),
-                           static_cast<cuda::CopyType>(key % kCopyTypes)));
-  }
-}
-
-}  // namespace
-
 void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const AdamStepOptions& o,
                           double grad_multiplier) {
   const c10::cuda::CUDAGuard guard(tensors.front().param.device());
@@ -436,17 +421,23 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
   scalars.one_minus_beta2 = static_cast<float>(1 - o.beta2);
   scalars.eps = static_cast<float>(o.eps);
   scalars.grad_multiplier = static_cast<float>(grad_multiplier);
-  launch_by_dtypes<cuda::AdamTensorPointers>(
+  launch_grouped<cuda::AdamTensorPointers>(
       tensors,
+      [](const AdamStepTensor& t) {
+        return std::tuple{input_type(t.grad), copy_type(t.model_copy), moment_type(t.exp_avg),
+                          moment_type(t.exp_avg_sq)};
+      },
       [&](const AdamStepTensor& t) -> cuda::AdamTensorPointers {
-        return {t.param.mutable_data_ptr<float>(), t.exp_avg.mutable_data_ptr<float>(),
-                t.exp_avg_sq.mutable_data_ptr<float>(), t.grad.const_data_ptr(),
+        return {t.param.mutable_data_ptr<float>(), t.exp_avg.mutable_data_ptr(),
+                t.exp_avg_sq.mutable_data_ptr(), t.grad.const_data_ptr(),
                 optional_mutable_ptr(t.model_copy), t.param.numel(),
                 static_cast<float>(o.lr / (1 - std::pow(o.beta1, t.step))),
                 static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t.step)))};
       },
-      [&](const cuda::AdamTensorPointers* pointers, int n, cuda::InputType grad, cuda::CopyType copy) {
-        return cuda::launch_fused_adam(pointers, n, grad, copy, scalars, current_stream());
+      [&](const cuda::AdamTensorPointers* pointers, int n, const auto& types) {
+        const auto [grad, copy, exp_avg, exp_avg_sq] = types;
+        return cuda::launch_fused_adam(pointers, n, {grad, copy, exp_avg, exp_avg_sq}, scalars,
+                                       current_stream());
       });
 }
 
@@ -460,8 +451,8 @@ at::Tensor sum_of_squares_cuda(const std::vector<at::Tensor>& tensors) {
   const auto partials = at::empty({chunks}, options);
   // Each tensor's partials where its chunks fall in the whole list.
   float* next = partials.mutable_data_ptr<float>();
-  launch_by_input_type<cuda::SumOfSquaresTensor>(
-      tensors,
+  launch_grouped<cuda::SumOfSquaresTensor>(
+      tensors, input_type,
       [&](const at::Tensor& t) -> cuda::SumOfSquaresTensor {
         cuda::SumOfSquaresTensor entry{t.const_data_ptr(), next, t.numel()};
         next += (t.numel() + kChunk - 1) / kChunk;
@@ -484,16 +475,16 @@ void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdSte
   scalars.grad_multiplier = static_cast<float>(grad_multiplier);
   scalars.nesterov = o.nesterov;
   const bool with_momentum = o.momentum != 0;
-  launch_by_dtypes<cuda::SgdTensorPointers>(
-      tensors,
+  launch_grouped<cuda::SgdTensorPointers>(
+      tensors, [](const SgdStepTensor& t) { return std::pair{input_type(t.grad), copy_type(t.model_copy)}; },
       [&](const SgdStepTensor& t) -> cuda::SgdTensorPointers {
         return {t.param.mutable_data_ptr<float>(),
                 with_momentum ? t.momentum_buffer.mutable_data_ptr<float>() : nullptr,
                 t.grad.const_data_ptr(), optional_mutable_ptr(t.model_copy), t.param.numel(),
                 t.first_step};
       },
-      [&](const cuda::SgdTensorPointers* pointers, int n, cuda::InputType grad, cuda::CopyType copy) {
-        return cuda::launch_fused_sgd(pointers, n, grad, copy, scalars, current_stream());
+      [&](const cuda::SgdTensorPointers* pointers, int n, const auto& types) {
+        return cuda::launch_fused_sgd(pointers, n, types.first, types.second, scalars, current_stream());
       });
 }
 

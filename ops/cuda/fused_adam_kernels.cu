@@ -1,6 +1,9 @@
 // Multi-tensor Adam / AdamW over FP32 master weights (Apex's multi_tensor_apply, TE's FusedAdam
 // with master weights): one pass reads each element's master, moments and gradient and writes
-// the master, the moments and the model's half copy.
+// the master, the moments and the model's half copy. Moments stored in bfloat16 (TE's FusedAdam
+// exp_avg_dtype, Megatron-Core's precision-aware optimizer) are widened when read and rounded to
+// nearest even when written; the update in between is the float32 one.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -14,8 +17,17 @@ namespace {
 
 using namespace multi_tensor;
 
-// Copy = void: no model copy.
-template <typename Grad, typename Copy>
+template <typename Moment>
+__device__ __forceinline__ void store_moment(void* moments, int64_t i, float value) {
+  if constexpr (std::is_same_v<Moment, float>) {
+    static_cast<float*>(moments)[i] = value;
+  } else {
+    static_cast<__nv_bfloat16*>(moments)[i] = __float2bfloat16_rn(value);
+  }
+}
+
+// Copy = void: no model copy. ExpAvg, ExpAvgSq: float or __nv_bfloat16.
+template <typename Grad, typename Copy, typename ExpAvg, typename ExpAvgSq>
 __global__ void __launch_bounds__(kThreads)
     fused_adam_kernel(const __grid_constant__ Table<AdamTensorPointers> table, const AdamScalars s) {
   const auto [tensor, begin, end] = chunk_of(table);
@@ -36,26 +48,49 @@ __global__ void __launch_bounds__(kThreads)
     float p = tensor.param[i];
     if (s.param_decay != 1.0f) p = __fmul_rn(p, s.param_decay);
     if (s.weight_decay_l2 != 0.0f) g = __fmaf_rn(s.weight_decay_l2, p, g);
-    const float m = __fmaf_rn(s.one_minus_beta1, g, __fmul_rn(tensor.exp_avg[i], s.beta1));
-    const float v =
-        __fmaf_rn(__fmul_rn(s.one_minus_beta2, g), g, __fmul_rn(tensor.exp_avg_sq[i], s.beta2));
+    const float m_old = to_float(static_cast<const ExpAvg*>(tensor.exp_avg)[i]);
+    const float v_old = to_float(static_cast<const ExpAvgSq*>(tensor.exp_avg_sq)[i]);
+    const float m = __fmaf_rn(s.one_minus_beta1, g, __fmul_rn(m_old, s.beta1));
+    const float v = __fmaf_rn(__fmul_rn(s.one_minus_beta2, g), g, __fmul_rn(v_old, s.beta2));
     const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), inv_bias_correction2_sqrt), s.eps);
     p = __fmaf_rn(neg_step_size, __fdiv_rn(m, denom), p);
     tensor.param[i] = p;
-    tensor.exp_avg[i] = m;
-    tensor.exp_avg_sq[i] = v;
+    store_moment<ExpAvg>(tensor.exp_avg, i, m);
+    store_moment<ExpAvgSq>(tensor.exp_avg_sq, i, v);
     store_copy<Copy>(tensor.model_copy, i, p);
   }
 }
 
 }  // namespace
 
-int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, InputType grad_type,
-                      CopyType copy_type, const AdamScalars& scalars, Stream stream) {
-  return dispatch(grad_type, copy_type, [&](auto grad, auto copy) {
-    using Grad = decltype(grad);
-    using Copy = typename decltype(copy)::type;
-    return apply(fused_adam_kernel<Grad, Copy>, tensors, num_tensors, scalars, stream);
+namespace {
+
+// Calls f(TypeTag<Moment>{}) for a moment's storage type.
+template <typename F>
+int dispatch_moment(MomentType type, F&& f) {
+  switch (type) {
+    case MomentType::kFloat:
+      return f(TypeTag<float>{});
+    case MomentType::kBFloat16:
+      return f(TypeTag<__nv_bfloat16>{});
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace
+
+int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, const AdamLaunchTypes& types,
+                      const AdamScalars& scalars, Stream stream) {
+  return dispatch(types.grad, types.copy, [&](auto grad, auto copy) {
+    return dispatch_moment(types.exp_avg, [&](auto exp_avg) {
+      return dispatch_moment(types.exp_avg_sq, [&](auto exp_avg_sq) {
+        using Grad = decltype(grad);
+        using Copy = typename decltype(copy)::type;
+        using ExpAvg = typename decltype(exp_avg)::type;
+        using ExpAvgSq = typename decltype(exp_avg_sq)::type;
+        return apply(fused_adam_kernel<Grad, Copy, ExpAvg, ExpAvgSq>, tensors, num_tensors, scalars, stream);
+      });
+    });
   });
 }
 

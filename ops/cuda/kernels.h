@@ -160,10 +160,13 @@ int launch_rotary(const void* x, InputType type, void* out, int64_t batch, int64
                   Stream stream);
 
 // ---- Fused Adam / AdamW with FP32 master weights (fused_adam_kernels.cu) ----
+// The dtype an Adam moment is stored in (Megatron-Core's exp_avg_dtype / exp_avg_sq_dtype); the
+// update itself is float32 either way.
+enum class MomentType { kFloat, kBFloat16 };
 struct AdamTensorPointers {
   float* param;          // FP32 master, updated in place
-  float* exp_avg;        // FP32, in place
-  float* exp_avg_sq;     // FP32, in place
+  void* exp_avg;         // the launch's exp_avg type, in place
+  void* exp_avg_sq;      // the launch's exp_avg_sq type, in place
   const void* grad;      // the launch's grad type
   void* model_copy;      // the launch's copy type, or null
   int64_t numel;
@@ -177,10 +180,15 @@ struct AdamScalars {
   float grad_multiplier;  // every gradient is multiplied by it first
 };
 enum class CopyType { kNone, kBFloat16, kHalf };
-// One launch per 128 tensors; every tensor of the call has grads of `grad_type` and copies of
-// `copy_type`.
-int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, InputType grad_type,
-                      CopyType copy_type, const AdamScalars& scalars, Stream stream);
+// The types every tensor of one fused Adam call has.
+struct AdamLaunchTypes {
+  InputType grad;
+  CopyType copy;
+  MomentType exp_avg, exp_avg_sq;
+};
+// One launch per 128 tensors.
+int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, const AdamLaunchTypes& types,
+                      const AdamScalars& scalars, Stream stream);
 
 // ---- Many tensors quantized in one launch (quantize_kernels.cu, over multi_tensor_apply) ----
 struct QuantizeManyTensor {

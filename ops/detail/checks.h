@@ -85,11 +85,17 @@ inline std::string step_entry_name(std::string_view op, size_t index) {
   return std::string(op) + ": tensors[" + std::to_string(index) + "].";
 }
 
+// The dtypes a fused step's tensor may have.
+enum class StepDtypes {
+  kFloat32,            // a master, SGD's momentum buffer
+  kFloat32OrBFloat16,  // an Adam moment
+  kHighPrecision,      // a gradient, a model copy: float32, bfloat16 or float16
+};
+
 // One tensor of an entry: defined, on `device` (the first param's), contiguous, of the param's
-// shape, and float32 (`float32_only`: a master or an optimizer state) or any of float32,
-// bfloat16, float16 (a gradient).
+// shape, and of one of `dtypes`.
 inline void check_step_tensor(const at::Tensor& x, const at::Tensor& param, const at::Device& device,
-                              const std::string& where, const char* field, bool float32_only) {
+                              const std::string& where, const char* field, StepDtypes dtypes) {
   TORCH_CHECK(x.defined(), where, field, " must be a defined tensor");
   TORCH_CHECK(x.device() == device, where, field, " must be on ", device, " (the first param's "
               "device), got ", x.device());
@@ -97,19 +103,28 @@ inline void check_step_tensor(const at::Tensor& x, const at::Tensor& param, cons
   TORCH_CHECK(x.sizes() == param.sizes(), where, field, " must have the param's shape ",
               param.sizes(), ", got ", x.sizes());
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || (!float32_only && is_high_precision(dtype)),
-              where, field, float32_only ? " must be float32" : " must be float32, bfloat16 or float16",
-              ", got ", dtype);
+  switch (dtypes) {
+    case StepDtypes::kFloat32:
+      TORCH_CHECK(dtype == at::kFloat, where, field, " must be float32, got ", dtype);
+      break;
+    case StepDtypes::kFloat32OrBFloat16:
+      TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, where, field,
+                  " must be float32 or bfloat16, got ", dtype);
+      break;
+    case StepDtypes::kHighPrecision:
+      TORCH_CHECK(is_high_precision(dtype), where, field, " must be float32, bfloat16 or float16, got ", dtype);
+      break;
+  }
 }
 
 // The param, its gradient and, when defined, the model's half copy of an entry.
 inline void check_step_param_grad_copy(const at::Tensor& param, const at::Tensor& grad,
                                        const at::Tensor& model_copy, const at::Device& device,
                                        const std::string& where) {
-  check_step_tensor(param, param, device, where, "param", true);
-  check_step_tensor(grad, param, device, where, "grad", false);
+  check_step_tensor(param, param, device, where, "param", StepDtypes::kFloat32);
+  check_step_tensor(grad, param, device, where, "grad", StepDtypes::kHighPrecision);
   if (!model_copy.defined()) return;
-  check_step_tensor(model_copy, param, device, where, "model_copy", false);
+  check_step_tensor(model_copy, param, device, where, "model_copy", StepDtypes::kHighPrecision);
   TORCH_CHECK(model_copy.scalar_type() != at::kFloat, where,
               "model_copy must be bfloat16 or float16 (a float32 param is its own master), got float32");
 }

@@ -203,10 +203,14 @@ torch::Tensor DistributedOptimizer::global_norm(const std::vector<torch::Tensor>
 }
 
 bool DistributedOptimizer::fusable_on_gpu(const torch::optim::Optimizer& optimizer) const {
-  if (pieces_.empty()) return false;
   for (const auto& piece : pieces_) {
     if (!piece.master.is_cuda()) return false;
   }
+  return steps_these_masters(optimizer);
+}
+
+bool DistributedOptimizer::steps_these_masters(const torch::optim::Optimizer& optimizer) const {
+  if (pieces_.empty()) return false;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& param : group.params()) {
       if (piece_index_.count(key(param)) == 0) return false;  // added after connect
@@ -221,17 +225,18 @@ torch::Tensor DistributedOptimizer::half_copy(const Piece& piece) const {
   return dtype == at::kBFloat16 || dtype == at::kHalf ? piece.target : torch::Tensor();
 }
 
-void DistributedOptimizer::step(torch::optim::Optimizer& optimizer, std::optional<double> fused_multiplier) {
+void DistributedOptimizer::step(torch::optim::Optimizer& optimizer, const std::optional<FusedStep>& fused) {
   torch::NoGradGuard no_grad;
-  if (fused_multiplier) {
+  if (fused) {
     fused_optimizer_step(
-        optimizer, *fused_multiplier,
+        optimizer, fused->grad_multiplier,
         [&](const torch::Tensor& master) { return grads_[piece_index_.at(key(master))]; },
-        [&](const torch::Tensor& master) { return half_copy(pieces_[piece_index_.at(key(master))]); });
+        [&](const torch::Tensor& master) { return half_copy(pieces_[piece_index_.at(key(master))]); },
+        fused->moment_dtypes);
   } else {
     optimizer.step();
   }
-  publish_params(/*half_copies_written=*/fused_multiplier.has_value());
+  publish_params(/*half_copies_written=*/fused.has_value());
 }
 
 void DistributedOptimizer::publish_params(bool half_copies_written) {

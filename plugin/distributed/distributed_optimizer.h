@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "plugin/distributed/param_and_grad_buffer.h"
+#include "plugin/optim/fused_optimizer.h"
 
 namespace amp8 {
 
@@ -90,13 +91,18 @@ class DistributedOptimizer {
   torch::Tensor global_norm(const std::vector<torch::Tensor>& grads) const;
   /// Where the masters live (the CPU when this rank holds none).
   at::Device device() const;
-  /// Whether `optimizer`'s params are exactly these masters, on a GPU (fused_optimizer_step
-  /// can step them).
+  /// Whether `optimizer`'s params are exactly these masters (fused_optimizer_step can step them).
+  bool steps_these_masters(const torch::optim::Optimizer& optimizer) const;
+  /// steps_these_masters, and the masters are on a GPU.
   bool fusable_on_gpu(const torch::optim::Optimizer& optimizer) const;
-  /// Steps the masters and writes them into the model (publish). `fused_multiplier`: step with
-  /// fused_optimizer_step, every gradient multiplied by it; unset: optimizer.step() on the
-  /// gradients set_master_gradients set.
-  void step(torch::optim::Optimizer& optimizer, std::optional<double> fused_multiplier);
+  /// How a step goes through fused_optimizer_step.
+  struct FusedStep {
+    double grad_multiplier = 1.0;     ///< every gradient multiplied by it
+    AdamMomentDtypes moment_dtypes;  ///< Adam / AdamW's moments' dtypes
+  };
+  /// Steps the masters and writes them into the model (publish). `fused`: step with
+  /// fused_optimizer_step; unset: optimizer.step() on the gradients set_master_gradients set.
+  void step(torch::optim::Optimizer& optimizer, const std::optional<FusedStep>& fused);
   /// Waits for the all-gathers the last step left in flight (overlap_param_gather); the model's
   /// parameters are then final. Nothing to do on one rank or without the overlap.
   void finish_param_gather();

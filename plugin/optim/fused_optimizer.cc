@@ -30,7 +30,8 @@ AdamStepOptions step_options(const Options& o, bool decoupled) {
 template <typename Options, typename State>
 void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad_multiplier,
                  const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
-                 const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
+                 const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
+                 const AdamMomentDtypes& moment_dtypes) {
   auto& states = optimizer.state();
   for (auto& group : optimizer.param_groups()) {
     const auto& options = static_cast<const Options&>(group.options());
@@ -48,16 +49,20 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
       if (found == states.end() || !found->second) {  // as torch::optim creates it
         auto state = std::make_unique<State>();
         state->step(0);
-        state->exp_avg(torch::zeros_like(param, at::MemoryFormat::Preserve));
-        state->exp_avg_sq(torch::zeros_like(param, at::MemoryFormat::Preserve));
+        state->exp_avg(torch::zeros_like(param, param.options().dtype(moment_dtypes.exp_avg),
+                                         at::MemoryFormat::Preserve));
+        state->exp_avg_sq(torch::zeros_like(param, param.options().dtype(moment_dtypes.exp_avg_sq),
+                                            at::MemoryFormat::Preserve));
         entry.exp_avg = state->exp_avg();
         entry.exp_avg_sq = state->exp_avg_sq();
         entry.step = 1;
         created.push_back(std::move(state));
       } else {
-        const auto& state = static_cast<const State&>(*found->second);
-        entry.exp_avg = state.exp_avg();
-        entry.exp_avg_sq = state.exp_avg_sq();
+        auto& state = static_cast<State&>(*found->second);
+        // Moments of other dtypes (a checkpoint written with other moment_dtypes) are converted;
+        // the state takes them only once the step has succeeded, as a created state does.
+        entry.exp_avg = state.exp_avg().to(moment_dtypes.exp_avg);
+        entry.exp_avg_sq = state.exp_avg_sq().to(moment_dtypes.exp_avg_sq);
         entry.step = state.step() + 1;
         created.push_back(nullptr);
       }
@@ -68,7 +73,10 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
     for (size_t i = 0; i < tensors.size(); ++i) {
       auto* key = tensors[i].param.unsafeGetTensorImpl();
       if (created[i]) states[key] = std::move(created[i]);
-      static_cast<State&>(*states[key]).step(tensors[i].step);
+      auto& state = static_cast<State&>(*states[key]);
+      state.step(tensors[i].step);
+      state.exp_avg(tensors[i].exp_avg);  // the same tensor unless converted
+      state.exp_avg_sq(tensors[i].exp_avg_sq);
     }
   }
 }
@@ -141,21 +149,37 @@ bool is_fusable(const torch::optim::Optimizer& optimizer) {
   return dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
 }
 
+bool is_fusable_adam(const torch::optim::Optimizer& optimizer) {
+  return is_fusable(optimizer) && dynamic_cast<const torch::optim::SGD*>(&optimizer) == nullptr;
+}
+
+void AdamMomentDtypes::check(const std::string& who) const {
+  for (const auto& [dtype, field] : {std::pair{exp_avg, "exp_avg_dtype"}, std::pair{exp_avg_sq, "exp_avg_sq_dtype"}}) {
+    TORCH_CHECK(dtype == c10::kFloat || dtype == c10::kBFloat16, who, ": ", field,
+                " must be float32 or bfloat16, got ", dtype);
+  }
+}
+
 void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
                           const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
-                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
+                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
+                          const AdamMomentDtypes& moment_dtypes) {
   TORCH_CHECK(is_fusable(optimizer),
               "fused_optimizer_step: expected a torch::optim::Adam or AdamW without amsgrad, or "
               "a torch::optim::SGD");
+  moment_dtypes.check("fused_optimizer_step");
   at::NoGradGuard no_grad;
   if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+    TORCH_CHECK(moment_dtypes.is_float32(), "fused_optimizer_step: exp_avg_dtype / exp_avg_sq_dtype "
+                "apply to Adam and AdamW; torch::optim::SGD's momentum buffer is float32 (got ",
+                moment_dtypes.exp_avg, " / ", moment_dtypes.exp_avg_sq, ")");
     step_sgd_groups(optimizer, grad_multiplier, grad_of, copy_of);
   } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
     step_groups<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of);
+        optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of, moment_dtypes);
   } else {
     step_groups<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of);
+        optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of, moment_dtypes);
   }
 }
 

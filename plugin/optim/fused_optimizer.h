@@ -6,6 +6,7 @@
 #include <torch/optim/sgd.h>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace amp8 {
@@ -13,6 +14,21 @@ namespace amp8 {
 /// Whether fused_optimizer_step can step `optimizer`: a torch::optim::Adam or AdamW (FusedAdam
 /// and FusedAdamW included) without amsgrad, or a torch::optim::SGD (FusedSGD included).
 bool is_fusable(const torch::optim::Optimizer& optimizer);
+
+/// is_fusable, and an Adam or AdamW (whose moments AdamMomentDtypes can keep in bfloat16).
+bool is_fusable_adam(const torch::optim::Optimizer& optimizer);
+
+/// The dtypes an Adam / AdamW optimizer keeps its moments in (Megatron-Core's exp_avg_dtype /
+/// exp_avg_sq_dtype, TE FusedAdam's): float32 (torch::optim's) or bfloat16 (half the bytes, the
+/// update still float32; DeepSeek-V3 trains with both in bfloat16).
+struct AdamMomentDtypes {
+  c10::ScalarType exp_avg = c10::kFloat;
+  c10::ScalarType exp_avg_sq = c10::kFloat;
+  /// Both float32: torch::optim's own state.
+  bool is_float32() const { return exp_avg == c10::kFloat && exp_avg_sq == c10::kFloat; }
+  /// Throws unless each is float32 or bfloat16; errors start with `who` and name the field.
+  void check(const std::string& who) const;
+};
 
 /// Steps a fusable `optimizer` through fused_adam_step / fused_sgd_step (ops/fused_adam.h,
 /// ops/fused_sgd.h): multi-tensor kernels on CUDA, torch::optim's own operations on the CPU.
@@ -25,9 +41,14 @@ bool is_fusable(const torch::optim::Optimizer& optimizer);
 /// params without a gradient. `copy_of(param)`: a bf16 / fp16 tensor that receives the updated
 /// param (the model's half copy), or undefined. Every gradient is multiplied by
 /// `grad_multiplier` first (1/loss scale × the clipping coefficient).
+///
+/// `moment_dtypes`: what an Adam / AdamW param's exp_avg and exp_avg_sq are created in; a state
+/// of another dtype (a checkpoint written with other dtypes) is converted at its next step. SGD
+/// takes float32 only (an error otherwise: its momentum buffer is float32).
 void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
                           const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
-                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_of = {});
+                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_of = {},
+                          const AdamMomentDtypes& moment_dtypes = {});
 
 /// torch::optim::AdamW stepped by the multi-tensor CUDA kernels (TE's FusedAdam, Apex's
 /// multi_tensor_adam): same options, state, results (within float rounding on CUDA; bit for bit

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "plugin/fp8/fp8_gemm_choice.h"
+#include "plugin/optim/fused_optimizer.h"
 #include "plugin/precision/loss_scaler.h"
 #include "plugin/precision/mixed_precision_plugin.h"
 
@@ -56,6 +57,10 @@ void MixedPrecisionOptions::validate() const {
   TORCH_CHECK(fp8_params_ == false || fp8_enabled(),
               "fp8_params = true needs fp8 = \"hybrid\" or \"e4m3\", got fp8 = \"none\"");
   check_fp8_min_gemm_size(fp8_min_gemm_size_, "fp8_min_gemm_size");
+  const AdamMomentDtypes moments{exp_avg_dtype_, exp_avg_sq_dtype_};
+  moments.check("MixedPrecisionOptions");
+  TORCH_CHECK(moments.is_float32() || fused_optimizer_, "MixedPrecisionOptions: exp_avg_dtype / exp_avg_sq_dtype "
+              "bfloat16 needs fused_optimizer = true (torch::optim's own step keeps float32 moments)");
   TORCH_CHECK(num_layers_at_start_in_bf16_ >= 0, "num_layers_at_start_in_bf16 must be >= 0, got ",
               num_layers_at_start_in_bf16_);
   TORCH_CHECK(num_layers_at_end_in_bf16_ >= 0, "num_layers_at_end_in_bf16 must be >= 0, got ",

@@ -91,6 +91,10 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
   TORCH_CHECK(model_ != nullptr,
               "MixedPrecisionPlugin: call convert_module (or connect) before convert_optimizer");
   TORCH_CHECK(!optimizer_, "MixedPrecisionPlugin: convert_optimizer was already called");
+  TORCH_CHECK(moment_dtypes().is_float32() || is_fusable_adam(optimizer),
+              "MixedPrecisionPlugin: exp_avg_dtype / exp_avg_sq_dtype ", moment_dtypes().exp_avg, " / ",
+              moment_dtypes().exp_avg_sq, " need a torch::optim::Adam or AdamW without amsgrad (the fused step "
+              "keeps their moments); this optimizer keeps its own state in float32");
   TORCH_CHECK(optimizer.state().empty(),
               "MixedPrecisionPlugin: connect the plugin before the optimizer's first step (the "
               "optimizer already holds state for ",
@@ -336,7 +340,9 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
   if (scaler_) scaler_->update(found_inf_);
   const bool step = !found_inf_;
   if (step) {
-    optimizer_->step(optimizer, fused_step_ ? std::optional<double>(grad_multiplier_) : std::nullopt);
+    std::optional<DistributedOptimizer::FusedStep> fused;
+    if (fused_step_) fused = DistributedOptimizer::FusedStep{grad_multiplier_, moment_dtypes()};
+    optimizer_->step(optimizer, fused);
   } else {
     ++skipped_steps_;
   }
@@ -345,7 +351,18 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
 }
 
 bool MixedPrecisionPlugin::use_fused_step(const torch::optim::Optimizer& optimizer) const {
-  return options_.fused_optimizer() && is_fusable(optimizer) && optimizer_->fusable_on_gpu(optimizer);
+  if (moment_dtypes().is_float32()) {
+    return options_.fused_optimizer() && is_fusable(optimizer) && optimizer_->fusable_on_gpu(optimizer);
+  }
+  // bfloat16 moments exist only in the fused step (on the CPU: its reference).
+  TORCH_CHECK(optimizer_->steps_these_masters(optimizer), "MixedPrecisionPlugin: exp_avg_dtype / exp_avg_sq_dtype "
+              "bfloat16 step the optimizer through the fused step, which takes only the parameters it held at "
+              "convert_optimizer; this optimizer now holds others (added since?)");
+  return true;
+}
+
+AdamMomentDtypes MixedPrecisionPlugin::moment_dtypes() const {
+  return {options_.exp_avg_dtype(), options_.exp_avg_sq_dtype()};
 }
 
 void MixedPrecisionPlugin::discard_gradients(torch::optim::Optimizer& optimizer) {

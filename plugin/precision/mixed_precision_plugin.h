@@ -14,6 +14,7 @@
 #include "plugin/modules/convert_module.h"
 #include "plugin/distributed/distributed_optimizer.h"
 #include "plugin/fp8/fp8_recipe.h"
+#include "plugin/optim/fused_optimizer.h"
 #include "plugin/precision/loss_scaler.h"
 #include "plugin/precision/precision_plugin.h"
 
@@ -50,6 +51,15 @@ struct MixedPrecisionOptions {
   /// half parameter (no copy-back). The masters' .grad() then stays undefined. Other
   /// optimizers, the CPU, or false: the optimizer's own step(). Default: true.
   TORCH_ARG(bool, fused_optimizer) = true;
+  /// The dtype of an Adam / AdamW optimizer's first and second moments (Megatron-Core's
+  /// precision-aware optimizer, `--exp-avg-dtype` / `--exp-avg-sq-dtype`; TE FusedAdam's
+  /// exp_avg_dtype / exp_avg_sq_dtype): float32, or bfloat16 for half the optimizer state's
+  /// bytes (the update is still computed in float32; DeepSeek-V3 trains with both in bfloat16).
+  /// bfloat16 needs a torch::optim::Adam or AdamW without amsgrad and the fused step (on the
+  /// CPU too: the CPU reference); any other optimizer is an error at convert_optimizer, never a
+  /// silent float32. Default: float32 (torch::optim's own state).
+  TORCH_ARG(c10::ScalarType, exp_avg_dtype) = c10::kFloat;
+  TORCH_ARG(c10::ScalarType, exp_avg_sq_dtype) = c10::kFloat;
 
   // ---- FP8 (Transformer Engine's DelayedScaling; see Fp8RecipeOptions) ----
   /// "none", "hybrid" or "e4m3". Default: "none".
@@ -224,6 +234,7 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   double model_gradient_norm() const;
   void check_scaled_gradients_unchanged();
   bool use_fused_step(const torch::optim::Optimizer& optimizer) const;
+  AdamMomentDtypes moment_dtypes() const;
 
   MixedPrecisionOptions options_;
   std::optional<LossScaler> scaler_;

@@ -164,6 +164,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true;
   bool overlap_param_gather = false;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
+  std::string exp_avg_dtype = "fp32", exp_avg_sq_dtype = "fp32";
   int64_t bucket_size = DistributedOptimizerOptions().bucket_size();
   std::string profile_dir;
   std::string attention_backend = "auto";
@@ -271,6 +272,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
       "reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
       "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
+  app.add_option("--exp-avg-dtype", exp_avg_dtype,
+                 "Adam's first moment: fp32, or bf16 for half its bytes, the update still computed in "
+                 "float32 (Megatron-Core's precision-aware optimizer)")
+      ->capture_default_str()->transform(lower_case())->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--exp-avg-sq-dtype", exp_avg_sq_dtype, "Adam's second moment: fp32 or bf16 (see --exp-avg-dtype)")
+      ->capture_default_str()->transform(lower_case())->check(CLI::IsMember({"fp32", "bf16"}));
   auto* fused_mlp_flag = app.add_option("--fused-mlp", fused_mlp,
                  "each block's MLP as one Fp8LayerNormMLP call: in FP8, GELU inside the FP8 casts "
                  "(TE's LayerNormMLP); false: its modules one after the other")
@@ -396,6 +403,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         }
       }
       if (grad_reduce_flag->count() > 0) options.grad_reduce_in_fp32(grad_reduce_in_fp32);
+      options.exp_avg_dtype(exp_avg_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
+          .exp_avg_sq_dtype(exp_avg_sq_dtype == "bf16" ? at::kBFloat16 : at::kFloat);
       options.validate();
       return options;
     };

@@ -19,6 +19,7 @@
 #include <optional>
 #include <ostream>
 
+#include "plugin/optim/fused_optimizer.h"
 #include "plugin/training/checkpoint.h"
 #include "plugin/distributed/process_group.h"
 #include "plugin/training/files.h"
@@ -270,6 +271,8 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
       {"warmup_steps", std::to_string(recipe.warmup_steps)},
       {"weight_decay", c10::str(recipe.weight_decay)},
       {"gradient_clip_val", c10::str(trainer_options.gradient_clip_val())},
+      {"exp_avg_dtype", c10::toString(recipe.precision.exp_avg_dtype())},
+      {"exp_avg_sq_dtype", c10::toString(recipe.precision.exp_avg_sq_dtype())},
   };
   for (const auto& name : recipe.allow_changes) {
     TORCH_CHECK(trainer.run_settings.count(name) > 0, "allow-changes: unknown setting \"", name,
@@ -332,6 +335,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   if (const auto& r = recompute(model_config); r.method() != RecomputeMethod::kNone) {
     out << ", activations recomputed (" << to_string(r.method()) << ", " << r.num_layers() << " layer"
         << (r.num_layers() == 1 ? "" : "s") << ")";
+  }
+  if (const AdamMomentDtypes moments{recipe.precision.exp_avg_dtype(), recipe.precision.exp_avg_sq_dtype()};
+      !moments.is_float32()) {
+    out << ", Adam moments in " << c10::toString(moments.exp_avg) << " / " << c10::toString(moments.exp_avg_sq);
   }
   out << std::endl;
 #ifdef AMP8_HAS_CUDA_ALLOCATOR
