@@ -235,6 +235,10 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
       {"bf16 + fp8 blockwise, fp8_params",
        recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise").fp8_min_gemm_size(0), 1e-2},
       {"fp16 + fp8 e4m3", recipes::fp16_mixed().fp16_initial_loss_scale(1 << 20).fp8("e4m3").fp8_min_gemm_size(0), 1e-2},
+      // Adam's moments in bfloat16: each rank keeps its shard's moments so (the rounding of a
+      // moment does not depend on the partition; the gradients differ as in bf16-mixed).
+      {"bf16-mixed, bf16 moments", recipes::bf16_mixed().exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16),
+       2e-3},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -251,6 +255,43 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
                 << runs[0].losses.back() << ", largest relative loss difference to one rank " << diff << "\n";
     }
   }
+}
+
+// A model smaller than one bucket's share per rank: rank 1's shard is only padding, so it holds no
+// master and its optimizer no parameter. With bfloat16 moments (always the fused step) it steps
+// nothing, as rank 0 steps everything, and both end with the same model.
+TEST(DistributedOptimizerTest, ARankWhoseShardIsOnlyPaddingStepsWithBfloat16Moments) {
+  const auto options = recipes::bf16_mixed().exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16);
+  std::vector<std::vector<torch::Tensor>> params(2);
+  std::vector<size_t> optimizer_params(2);
+  const auto errors = testing::run_ranks(
+      2,
+      [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+        torch::manual_seed(5);
+        torch::nn::Sequential model(torch::nn::Linear(4, 4));
+        torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+        MixedPrecisionPlugin plugin(options);
+        plugin.set_process_group(group, DistributedOptimizerOptions());
+        plugin.connect(*model, optimizer);
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(100 + step);
+          const auto x = torch::randn({8, 4}), y = torch::randn({8, 4});
+          torch::Tensor loss;
+          {
+            auto context = plugin.forward_context();
+            loss = torch::mse_loss(plugin.convert_output(model->forward(plugin.convert_input(x))), y);
+          }
+          plugin.backward(loss);
+          EXPECT_TRUE(plugin.optimizer_step(optimizer));
+        }
+        for (const auto& p : model->parameters()) params[rank].push_back(p.detach().to(at::kFloat).clone());
+        optimizer_params[rank] = optimizer.param_groups().front().params().size();
+      },
+      std::chrono::seconds(30));
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_EQ(optimizer_params[0], 2u);
+  EXPECT_EQ(optimizer_params[1], 0u) << "rank 1 was to hold no master (the model fits rank 0's share)";
+  EXPECT_EQ(max_abs_diff(params[1], params[0]), 0.0);
 }
 
 // fp32, bf16 and bf16 + FP8 fp8_params with the loss bounds of the tests above (fp32 to

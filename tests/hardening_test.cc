@@ -203,9 +203,10 @@ TEST(HardeningTest, HundredSaveLoadResumeCyclesKeepMemoryFlat) {
 }
 
 // The test suites' scratch folders (tests/test_util.h) go when the process that made them ends,
-// and a forked child (some tests fork) leaves its parent's alone.
+// and a forked child (some tests fork) removes its own but leaves its parent's alone.
 TEST(HardeningTest, ScratchFoldersAreRemovedByTheProcessThatMadeThemOnly) {
-  const auto folder = std::filesystem::temp_directory_path() / ("amp8_scratch_folders_" + std::to_string(::getpid()));
+  const auto temp = std::filesystem::temp_directory_path();
+  const auto folder = temp / ("amp8_scratch_folders_" + std::to_string(::getpid()));
   std::filesystem::create_directories(folder / "inner");
   std::ofstream(folder / "inner" / "file") << "scratch";
   auto* folders = new testing::ScratchFolders;
@@ -213,17 +214,25 @@ TEST(HardeningTest, ScratchFoldersAreRemovedByTheProcessThatMadeThemOnly) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
+    const auto own = temp / ("amp8_scratch_folders_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(own);
+    folders->add(own);
     delete folders;  // the child's copy of the object ends first
-    ::_exit(std::filesystem::exists(folder / "inner" / "file") ? 0 : 1);
+    const bool parents_kept = std::filesystem::exists(folder / "inner" / "file");
+    const bool own_removed = !std::filesystem::exists(own);
+    ::_exit(parents_kept ? (own_removed ? 0 : 2) : 1);
   }
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
   ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "a forked child removed its parent's scratch folder";
+  EXPECT_NE(WEXITSTATUS(status), 1) << "a forked child removed its parent's scratch folder";
+  EXPECT_NE(WEXITSTATUS(status), 2) << "a forked child left its own scratch folder";
   EXPECT_TRUE(std::filesystem::exists(folder / "inner" / "file"));
   delete folders;
   EXPECT_FALSE(std::filesystem::exists(folder)) << "the scratch folder outlived the object that owns it";
   testing::remove_tree(folder.string());
+  testing::remove_tree((temp / ("amp8_scratch_folders_" + std::to_string(child))).string());
+  EXPECT_THROW(testing::scratch_path("HardeningTest", "/absolute"), std::invalid_argument);
 }
 
 }  // namespace

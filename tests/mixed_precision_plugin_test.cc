@@ -194,16 +194,50 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
                         "bfloat16 needs fused_optimizer = true");
 }
 
+// A float32-moment run whose state holds bfloat16 moments (a checkpoint of a bf16-moment run) and
+// steps without the fused kernels (here: the CPU) widens them first: torch::optim's own step
+// would otherwise update them in bfloat16 arithmetic, and keep them so.
+TEST(MixedPrecisionPluginTest, AnUnfusedStepWidensBfloat16MomentsFromACheckpoint) {
+  auto model = testing::make_mlp();
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  MixedPrecisionPlugin plugin(recipes::bf16_mixed());
+  plugin.connect(*model, optimizer);
+  const testing::MlpData data(4);
+  auto step = [&](int64_t i) {
+    auto [x, y] = data.batch(i, 0, 16);
+    forward_backward(plugin, model, x, y);
+    EXPECT_TRUE(plugin.optimizer_step(optimizer));
+  };
+  step(0);
+  std::vector<torch::Tensor> loaded;
+  for (auto& [key, state] : optimizer.state()) {
+    auto& adamw = static_cast<torch::optim::AdamWParamState&>(*state);
+    adamw.exp_avg(adamw.exp_avg().to(at::kBFloat16));  // as a bf16-moment checkpoint loads
+    adamw.exp_avg_sq(adamw.exp_avg_sq().to(at::kBFloat16));
+    loaded.push_back(adamw.exp_avg().to(at::kFloat));
+  }
+  step(1);
+  expect_optimizer_sees_only_fp32(optimizer);
+  size_t i = 0;
+  for (auto& [key, state] : optimizer.state()) {
+    const auto& m = static_cast<torch::optim::AdamWParamState&>(*state).exp_avg();
+    EXPECT_FALSE(m.equal(loaded[i++])) << "the widened moments were stepped";
+  }
+}
+
 // bfloat16 moments live only in the fused Adam / AdamW step: any other optimizer is named at
 // connect instead of training with float32 moments.
 TEST(MixedPrecisionPluginTest, Bfloat16MomentsWithAnOptimizerThatCannotKeepThemAreAnError) {
-  for (const bool sgd : {true, false}) {
+  for (const char* kind : {"sgd", "rmsprop", "amsgrad"}) {
+    SCOPED_TRACE(kind);
     auto model = testing::make_mlp();
     std::unique_ptr<torch::optim::Optimizer> optimizer;
-    if (sgd) {
+    if (std::string(kind) == "sgd") {
       optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    } else {
+    } else if (std::string(kind) == "rmsprop") {
       optimizer = std::make_unique<torch::optim::RMSprop>(model->parameters(), torch::optim::RMSpropOptions(0.1));
+    } else {
+      optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3).amsgrad(true));
     }
     MixedPrecisionPlugin plugin(recipes::bf16_mixed().exp_avg_sq_dtype(at::kBFloat16));
     ExpectErrorContaining([&] { plugin.connect(*model, *optimizer); },

@@ -16,8 +16,10 @@
 #include <filesystem>
 #include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 // Defined in a build with AddressSanitizer (gcc's and clang's spellings), for the few tests whose
@@ -41,26 +43,25 @@ inline void remove_tree(const std::string& path) {
       16, FTW_DEPTH | FTW_PHYS);
 }
 
-// The folders scratch_path made in this process, removed with everything in them when it exits
-// (a run's scratch files do not pile up in /tmp). Only by the process that made them: a forked
-// child inherits this object and must not remove its parent's files.
+// The folders scratch_path made, removed with everything in them when the process exits (a
+// run's scratch files do not pile up in /tmp); each only by the process that made it: a forked
+// child inherits this object and must not remove its parent's files (nor leave its own).
 class ScratchFolders {
  public:
   void add(const std::filesystem::path& folder) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    if (std::find(folders_.begin(), folders_.end(), folder.string()) == folders_.end()) {
-      folders_.push_back(folder.string());
-    }
+    const std::pair<pid_t, std::string> entry{::getpid(), folder.string()};
+    if (std::find(folders_.begin(), folders_.end(), entry) == folders_.end()) folders_.push_back(entry);
   }
   ~ScratchFolders() {
-    if (::getpid() != owner_) return;
-    for (const auto& folder : folders_) remove_tree(folder);
+    for (const auto& [owner, folder] : folders_) {
+      if (owner == ::getpid()) remove_tree(folder);
+    }
   }
 
  private:
-  const pid_t owner_ = ::getpid();
   std::mutex mutex_;
-  std::vector<std::string> folders_;
+  std::vector<std::pair<pid_t, std::string>> folders_;
 };
 
 inline ScratchFolders& scratch_folders() {
@@ -71,6 +72,8 @@ inline ScratchFolders& scratch_folders() {
 // A path for a test's files, <TEST_TMPDIR or /tmp>/amp8_<suite>_<pid>/<name>, emptied; its
 // parent exists, the path itself does not. The parent is removed when the process exits.
 inline std::filesystem::path scratch_path(const std::string& suite, const std::string& name) {
+  // An absolute name would replace the whole path, and its parent would be removed at exit.
+  if (!std::filesystem::path(name).is_relative()) throw std::invalid_argument("scratch_path: name must be relative, got " + name);
   const char* base = std::getenv("TEST_TMPDIR");
   auto path = std::filesystem::path(base ? base : std::filesystem::temp_directory_path().string()) /
               ("amp8_" + suite + "_" + std::to_string(::getpid())) / name;

@@ -203,6 +203,7 @@ torch::Tensor DistributedOptimizer::global_norm(const std::vector<torch::Tensor>
 }
 
 bool DistributedOptimizer::fusable_on_gpu(const torch::optim::Optimizer& optimizer) const {
+  if (pieces_.empty()) return false;  // nothing on a GPU to fuse (a rank whose shard is padding)
   for (const auto& piece : pieces_) {
     if (!piece.master.is_cuda()) return false;
   }
@@ -210,7 +211,6 @@ bool DistributedOptimizer::fusable_on_gpu(const torch::optim::Optimizer& optimiz
 }
 
 bool DistributedOptimizer::steps_these_masters(const torch::optim::Optimizer& optimizer) const {
-  if (pieces_.empty()) return false;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& param : group.params()) {
       if (piece_index_.count(key(param)) == 0) return false;  // added after connect

@@ -91,7 +91,8 @@ class DistributedOptimizer {
   torch::Tensor global_norm(const std::vector<torch::Tensor>& grads) const;
   /// Where the masters live (the CPU when this rank holds none).
   at::Device device() const;
-  /// Whether `optimizer`'s params are exactly these masters (fused_optimizer_step can step them).
+  /// Whether `optimizer`'s params are all among these masters (fused_optimizer_step can step
+  /// them); true for an optimizer with no params (a rank whose shard is only padding).
   bool steps_these_masters(const torch::optim::Optimizer& optimizer) const;
   /// steps_these_masters, and the masters are on a GPU.
   bool fusable_on_gpu(const torch::optim::Optimizer& optimizer) const;

@@ -149,6 +149,32 @@ bool is_fusable(const torch::optim::Optimizer& optimizer) {
   return dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
 }
 
+namespace {
+
+template <typename State>
+void convert_moments(torch::optim::Optimizer& optimizer, const AdamMomentDtypes& moment_dtypes) {
+  for (auto& [key, state] : optimizer.state()) {
+    auto* adam = dynamic_cast<State*>(state.get());
+    if (adam == nullptr) continue;
+    if (adam->exp_avg().scalar_type() != moment_dtypes.exp_avg) adam->exp_avg(adam->exp_avg().to(moment_dtypes.exp_avg));
+    if (adam->exp_avg_sq().scalar_type() != moment_dtypes.exp_avg_sq) {
+      adam->exp_avg_sq(adam->exp_avg_sq().to(moment_dtypes.exp_avg_sq));
+    }
+  }
+}
+
+}  // namespace
+
+void convert_adam_moments(torch::optim::Optimizer& optimizer, const AdamMomentDtypes& moment_dtypes) {
+  moment_dtypes.check("convert_adam_moments");
+  at::NoGradGuard no_grad;
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+    convert_moments<torch::optim::AdamWParamState>(optimizer, moment_dtypes);
+  } else if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+    convert_moments<torch::optim::AdamParamState>(optimizer, moment_dtypes);
+  }
+}
+
 bool is_fusable_adam(const torch::optim::Optimizer& optimizer) {
   return is_fusable(optimizer) && dynamic_cast<const torch::optim::SGD*>(&optimizer) == nullptr;
 }

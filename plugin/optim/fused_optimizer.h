@@ -50,6 +50,12 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
                           const std::function<torch::Tensor(const torch::Tensor&)>& copy_of = {},
                           const AdamMomentDtypes& moment_dtypes = {});
 
+/// Converts an Adam / AdamW optimizer's moments that are not in `moment_dtypes` (a checkpoint
+/// written with other dtypes) to them; other optimizers are left alone. For a step that is not
+/// fused_optimizer_step (which converts by itself): torch::optim's own step would otherwise
+/// update bfloat16 moments in bfloat16 arithmetic.
+void convert_adam_moments(torch::optim::Optimizer& optimizer, const AdamMomentDtypes& moment_dtypes);
+
 /// torch::optim::AdamW stepped by the multi-tensor CUDA kernels (TE's FusedAdam, Apex's
 /// multi_tensor_adam): same options, state, results (within float rounding on CUDA; bit for bit
 /// on the CPU) and checkpoints. MixedPrecisionPlugin steps a plain torch::optim::AdamW the same

@@ -341,7 +341,13 @@ bool MixedPrecisionPlugin::optimizer_step(torch::optim::Optimizer& optimizer) {
   const bool step = !found_inf_;
   if (step) {
     std::optional<DistributedOptimizer::FusedStep> fused;
-    if (fused_step_) fused = DistributedOptimizer::FusedStep{grad_multiplier_, moment_dtypes()};
+    if (fused_step_) {
+      fused = DistributedOptimizer::FusedStep{grad_multiplier_, moment_dtypes()};
+    } else {
+      // float32 moments here (bfloat16 ones always take the fused step); a checkpoint's
+      // bfloat16 moments are widened before torch::optim updates them.
+      convert_adam_moments(optimizer, moment_dtypes());
+    }
     optimizer_->step(optimizer, fused);
   } else {
     ++skipped_steps_;
