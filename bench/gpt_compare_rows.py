@@ -58,6 +58,8 @@ def main():
             "peak_mem_bytes": r.get("peak_memory_bytes"),
             "resident_mem_bytes": r.get("resident_memory_bytes"),
             "recompute": flag(args, "--recompute-method", "none"),
+            "exp_avg_dtype": flag(args, "--exp-avg-dtype", "fp32"),
+            "exp_avg_sq_dtype": flag(args, "--exp-avg-sq-dtype", "fp32"),
             "cuda_graph": flag(args, "--cuda-graph", "false").lower() in ("true", "1", "on", "yes"),
         }
         if config in CONFIGS and r.get("parameters"):
