@@ -247,6 +247,31 @@ TEST_F(FusedOptimizerTest, MomentDtypesMakeAndConvertTheState) {
       "fused_adam_step: tensors[0].exp_avg_sq must be float32 or bfloat16, got Double");
 }
 
+// FusedAdamW / FusedAdam without the plugin: their moments in the dtypes set (TE FusedAdam's
+// exp_avg_dtype), the same step as fused_optimizer_step with them; bad dtypes named.
+TEST_F(FusedOptimizerTest, StandaloneFusedAdamKeepsMomentsInTheDtypesSet) {
+  auto params = random_params(), reference_params = clones(params);
+  FusedAdamW adamw(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  adamw.set_moment_dtypes({at::kBFloat16, at::kBFloat16});
+  torch::optim::AdamW reference(reference_params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  const auto own_grad = [](const torch::Tensor& t) { return t.grad(); };
+  for (int step = 0; step < 3; ++step) {
+    set_grads(params, reference_params, step);
+    adamw.step();
+    fused_optimizer_step(reference, 1.0, own_grad, {}, AdamMomentDtypes{at::kBFloat16, at::kBFloat16});
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(params[i].detach(), reference_params[i].detach())) << "param " << i;
+    const auto& state = static_cast<torch::optim::AdamWParamState&>(*adamw.state().at(params[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(state.exp_avg().scalar_type(), at::kBFloat16);
+    EXPECT_EQ(state.exp_avg_sq().scalar_type(), at::kBFloat16);
+  }
+  FusedAdam adam(clones(params), torch::optim::AdamOptions(1e-2));
+  ExpectErrorContaining([&] { adam.set_moment_dtypes({at::kFloat, at::kHalf}); },
+                        "FusedAdam::set_moment_dtypes: exp_avg_sq_dtype must be float32 or bfloat16, got Half");
+  EXPECT_TRUE(adam.moment_dtypes().is_float32()) << "a refused setting leaves the dtypes as they were";
+}
+
 // State names and layout are torch::optim's: a checkpoint of either continues in the other.
 // Three steps each, then swapped: torch::optim continues from the fused state and the fused
 // optimizer from torch::optim's; the params agree bit for bit. Returns the fused optimizer

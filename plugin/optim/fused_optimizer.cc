@@ -211,8 +211,13 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   auto loss = closure_loss(closure);
-  fused_optimizer_step(*this, 1.0, own_grad);
+  fused_optimizer_step(*this, 1.0, own_grad, {}, moment_dtypes_);
   return loss;
+}
+
+void FusedAdamW::set_moment_dtypes(const AdamMomentDtypes& moment_dtypes) {
+  moment_dtypes.check("FusedAdamW::set_moment_dtypes");
+  moment_dtypes_ = moment_dtypes;
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
@@ -223,8 +228,13 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
   auto loss = closure_loss(closure);
-  fused_optimizer_step(*this, 1.0, own_grad);
+  fused_optimizer_step(*this, 1.0, own_grad, {}, moment_dtypes_);
   return loss;
+}
+
+void FusedAdam::set_moment_dtypes(const AdamMomentDtypes& moment_dtypes) {
+  moment_dtypes.check("FusedAdam::set_moment_dtypes");
+  moment_dtypes_ = moment_dtypes;
 }
 
 }  // namespace amp8

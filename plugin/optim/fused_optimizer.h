@@ -64,6 +64,13 @@ class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// The moments' dtypes (TE FusedAdam's exp_avg_dtype / exp_avg_sq_dtype); default float32.
+  /// State of other dtypes is converted at its next step. Throws unless float32 or bfloat16.
+  void set_moment_dtypes(const AdamMomentDtypes& moment_dtypes);
+  const AdamMomentDtypes& moment_dtypes() const { return moment_dtypes_; }
+
+ private:
+  AdamMomentDtypes moment_dtypes_;
 };
 
 /// torch::optim::SGD (momentum, dampening, nesterov, weight decay) stepped by the multi-tensor
@@ -79,6 +86,12 @@ class FusedAdam : public torch::optim::Adam {
  public:
   using torch::optim::Adam::Adam;
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// See FusedAdamW::set_moment_dtypes.
+  void set_moment_dtypes(const AdamMomentDtypes& moment_dtypes);
+  const AdamMomentDtypes& moment_dtypes() const { return moment_dtypes_; }
+
+ private:
+  AdamMomentDtypes moment_dtypes_;
 };
 
 }  // namespace amp8
