@@ -426,7 +426,8 @@ TEST(RunRobustnessTest, AMicroBatchThatCannotBeAllocatedOnTheCpuNamesTheFlag) {
   EXPECT_EQ(run.code, 2) << run.err;
   EXPECT_EQ(run.err.rfind("gpt_pretrain: error: out of memory with micro-batches of 131072 x 32 tokens; lower "
                           "--micro-batch (and raise --grad-accum for the same batch), or keep fewer activations "
-                          "with --recompute-method uniform: ", 0),
+                          "with --recompute-method uniform, or halve Adam's state with --exp-avg-dtype bf16 "
+                          "--exp-avg-sq-dtype bf16: ", 0),
             0u)
       << run.err;
   EXPECT_NE(run.err.find("DefaultCPUAllocator: can't allocate memory"), std::string::npos) << run.err;

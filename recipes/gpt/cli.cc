@@ -38,11 +38,13 @@ bool is_cpu_allocation_failure(const c10::Error& error) {
   return error.msg().find("DefaultCPUAllocator: can't allocate memory") != std::string::npos;
 }
 
-std::string out_of_memory_advice(const std::string& batch_shape, const std::string& recompute_method) {
+std::string out_of_memory_advice(const std::string& batch_shape, const std::string& recompute_method,
+                                 bool float32_moments) {
   return "out of memory with micro-batches of " + batch_shape +
          " tokens; lower --micro-batch (and raise --grad-accum for the same batch)" +
-         (recompute_method == "none" ? ", or keep fewer activations with --recompute-method uniform: "
-                                     : " (activations are recomputed already): ");
+         (recompute_method == "none" ? ", or keep fewer activations with --recompute-method uniform"
+                                     : " (activations are recomputed already)") +
+         (float32_moments ? ", or halve Adam's state with --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16: " : ": ");
 }
 
 // ", peak memory X GB (Y GB between steps ...)" on a GPU; "" on the CPU (no allocator statistics).
@@ -327,6 +329,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   }
 
   std::string batch_shape = "?";  // micro-batch x seq, for an out-of-memory message
+  const bool float32_moments = exp_avg_dtype == "fp32" && exp_avg_sq_dtype == "fp32";
   try {
     auto recipe = gpt_pretrain_recipe(config);
     if (micro_batch > 0) recipe.micro_batch = micro_batch;
@@ -547,11 +550,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   } catch (const c10::Error& e) {
     const bool out_of_memory = dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr || is_cpu_allocation_failure(e);
     err << "gpt_pretrain: error: ";
-    if (out_of_memory) err << out_of_memory_advice(batch_shape, recompute_method);
+    if (out_of_memory) err << out_of_memory_advice(batch_shape, recompute_method, float32_moments);
     err << escape_control_characters(e.what_without_backtrace()) << std::endl;
     return 2;
   } catch (const std::bad_alloc& e) {
-    err << "gpt_pretrain: error: " << out_of_memory_advice(batch_shape, recompute_method) << e.what() << std::endl;
+    err << "gpt_pretrain: error: " << out_of_memory_advice(batch_shape, recompute_method, float32_moments) << e.what() << std::endl;
     return 2;
   } catch (const std::exception& e) {
     err << "gpt_pretrain: error: " << escape_control_characters(e.what()) << std::endl;
