@@ -161,9 +161,10 @@ struct Overhead {
   double params = 0;
 };
 
-// `sgd`: torch::optim::SGD with nesterov momentum instead of AdamW.
+// `sgd`: torch::optim::SGD with nesterov momentum instead of AdamW; `bf16_moments`: AdamW's
+// moments in bfloat16 (exp_avg_dtype / exp_avg_sq_dtype).
 Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps, bool fused,
-                       bool sgd = false) {
+                       bool sgd = false, bool bf16_moments = false) {
   auto model = make_stack();
   std::unique_ptr<torch::optim::Optimizer> owned;
   if (sgd) {
@@ -173,7 +174,9 @@ Overhead overhead_case(const torch::Tensor& x, const torch::Tensor& y, int reps,
     owned = std::make_unique<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-4));
   }
   auto& optimizer = *owned;
-  amp8::MixedPrecisionPlugin plugin = amp8::recipes::bf16_mixed().fused_optimizer(fused);
+  auto options = amp8::recipes::bf16_mixed().fused_optimizer(fused);
+  if (bf16_moments) options.exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16);
+  amp8::MixedPrecisionPlugin plugin = options;
   plugin.connect(*model, optimizer);
   double params = 0;
   for (const auto& p : model->parameters()) params += static_cast<double>(p.numel());
@@ -329,6 +332,25 @@ int main(int argc, char** argv) {
   // gradient read and the parameter written (4 B).
   optimizer_step_row("gpt_stack_optimizer_step_sgd", /*sgd=*/true, 20.0,
                      "unfused (grad copy + torch::optim::SGD + copy-back)");
+  {
+    // AdamW with bfloat16 moments (fused only) against the float32-moment fused step: the master
+    // read and written (8 B), both moments read and written in bf16 (8 B), the gradient read and
+    // the parameter written (4 B).
+    const auto float32_moments = overhead_case(x, y, 10, /*fused=*/true);
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    const auto bf16_moments = overhead_case(x, y, 10, /*fused=*/true, /*sgd=*/false, /*bf16_moments=*/true);
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    const double floor_ms = 20.0 * bf16_moments.params / copy_rate * 1000.0;
+    const double ours_ms = bf16_moments.grad_copy_ms + bf16_moments.plugin_step_ms;
+    amp8::bench::Record("gpt_stack_optimizer_step_bf16_moments", shape, cmd)
+        .timing(ours_ms, "fused AdamW step with float32 moments",
+                float32_moments.grad_copy_ms + float32_moments.plugin_step_ms)
+        .set("params", bf16_moments.params)
+        .set("copy_rate_bytes_per_s", copy_rate)
+        .set("floor_ms", floor_ms)
+        .set("fraction_of_floor", ours_ms / floor_ms)
+        .print();
+  }
   const double copy_back_ms = overhead.plugin_step_ms - overhead.optimizer_step_ms;
   const double overhead_ms = overhead.grad_copy_ms + copy_back_ms;
   // For scale: a bf16 loop with no FP32 masters at all (bf16 params stepped by AdamW directly).
