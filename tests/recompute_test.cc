@@ -536,7 +536,7 @@ TEST_F(RecomputeTest, GptTrainsAsWithoutRecompute_CUDA) {
         recipes::GptConfig().layers(8).hidden(512).heads(8).max_seq_len(512).recompute(
             RecomputeOptions().method(method)));
     model->to(torch::kCUDA);
-    const auto tokens = torch::randint(256, {8, 512}, torch::kCUDA);
+    const auto tokens = torch::randint(256, {8, 512}, torch::dtype(torch::kLong).device(torch::kCUDA));
     torch::cuda::synchronize();
     c10::cuda::CUDACachingAllocator::resetPeakStats(0);
     const auto before =
