@@ -29,6 +29,11 @@ struct AdamStepTensor {
   /// Optional: a bfloat16 / float16 tensor of param's shape (the model's half parameter) that
   /// receives the updated param, rounded to nearest even.
   at::Tensor model_copy;
+  /// Optional: one float32 element on param's device that becomes max(amax, max|param|) over
+  /// the updated param (NaN if it holds one): an FP8 weight's amax measured by the step's own
+  /// pass over its master instead of a second read of it (TE's FusedAdam writes FP8 params' amax
+  /// the same way). Accumulated, so that the caller zeroes it once for any number of pieces.
+  at::Tensor amax;
 };
 
 /// torch::optim::Adam / AdamW's update for many tensors at once, each gradient first multiplied
