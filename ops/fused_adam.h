@@ -32,7 +32,9 @@ struct AdamStepTensor {
   /// Optional: one float32 element on param's device that becomes max(amax, max|param|) over
   /// the updated param (NaN if it holds one): an FP8 weight's amax measured by the step's own
   /// pass over its master instead of a second read of it (TE's FusedAdam writes FP8 params' amax
-  /// the same way). Accumulated, so that the caller zeroes it once for any number of pieces.
+  /// the same way). Accumulated, so that the caller zeroes it once for any number of pieces; it
+  /// must start at zero or above (on CUDA the max is taken over the bits of |x|: a negative
+  /// start, −0.0 included, would stay).
   at::Tensor amax;
 };
 

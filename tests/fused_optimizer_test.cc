@@ -621,20 +621,23 @@ TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
   }
 }
 
-// The kernel's amax (its block maxima, atomicMax into one slot per tensor) against the CPU
-// reference's, exactly: 130 tensors (two launches), slots in one zeroed buffer, NaN and infinity.
+// The kernel's amax (its block maxima, atomicMax into one slot per tensor), exactly that of the
+// param it wrote, and the CPU reference's within the params' own difference: 140 tensors, the
+// first 130 of one dtype combination (two launch tables), the rest with bfloat16 gradients and
+// moments; slots in one zeroed buffer; NaN and infinity.
 TEST_F(FusedOptimizerTest, AmaxKernelsMatchTheCpuReference_CUDA) {
   AMP8_REQUIRE_CUDA();
+  constexpr int kTensors = 140;
   std::vector<AdamStepTensor> cpu, gpu;
-  const auto cpu_amaxes = torch::zeros({130}), gpu_amaxes = torch::zeros({130}, torch::kCUDA);
+  const auto cpu_amaxes = torch::zeros({kTensors}), gpu_amaxes = torch::zeros({kTensors}, torch::kCUDA);
   const auto all_shapes = shapes();
-  for (int i = 0; i < 130; ++i) {
+  for (int i = 0; i < kTensors; ++i) {
     const auto& shape = all_shapes[i % all_shapes.size()];
     auto p = torch::randn(shape).mul_(1 + i % 5);
-    auto grad = torch::randn(shape).to(i % 2 ? at::kBFloat16 : at::kFloat);
+    auto grad = torch::randn(shape).to(i < 130 ? at::kFloat : at::kBFloat16);
     if (i == 7) grad.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
     if (i == 8) p.view(-1)[p.numel() - 1] = -std::numeric_limits<float>::infinity();
-    const auto m_dtype = i % 3 == 0 ? at::kBFloat16 : at::kFloat;
+    const auto m_dtype = i < 130 ? at::kFloat : at::kBFloat16;
     cpu.push_back({p, grad, torch::zeros(shape, m_dtype), torch::zeros(shape), 2, {}, cpu_amaxes.narrow(0, i, 1)});
     gpu.push_back({p.cuda(), grad.cuda(), torch::zeros(shape, m_dtype).cuda(), torch::zeros(shape).cuda(), 2, {},
                    gpu_amaxes.narrow(0, i, 1)});
@@ -643,7 +646,7 @@ TEST_F(FusedOptimizerTest, AmaxKernelsMatchTheCpuReference_CUDA) {
   fused_adam_step(cpu, options, 0.5);
   fused_adam_step(gpu, options, 0.5);
   const auto got = gpu_amaxes.cpu();
-  for (int i = 0; i < 130; ++i) {
+  for (int i = 0; i < kTensors; ++i) {
     // Each the max of its own param's values: compare with compute_amax of the GPU's param.
     EXPECT_TRUE(testing::SameFloat(got[i].item<float>(), compute_amax(gpu[i].param).cpu().item<float>())) << i;
   }

@@ -237,7 +237,8 @@ void DistributedOptimizer::step(torch::optim::Optimizer& optimizer, const std::o
   std::vector<bool> measured;
   if (fused) {
     std::function<torch::Tensor(const torch::Tensor&)> amax_of;
-    if (fp8_piece_slots_.defined() && fp8_weight_scaling_ != Fp8WeightScaling::kBlocks128x128) {
+    if (fp8_piece_slots_.defined() && fp8_weight_scaling_ != Fp8WeightScaling::kBlocks128x128 &&
+        is_fusable_adam(optimizer)) {
       piece_amaxes = torch::zeros({fp8_piece_slots_.numel()},
                                   torch::TensorOptions().dtype(at::kFloat).device(fp8_piece_slots_.device()));
       measured.assign(static_cast<size_t>(fp8_piece_slots_.numel()), false);
@@ -277,23 +278,27 @@ void DistributedOptimizer::publish_params(bool half_copies_written, torch::Tenso
     amaxes = torch::zeros({static_cast<int64_t>(fp8_params_.size())},
                           torch::TensorOptions().dtype(at::kFloat).device(device));
     if (!fp8_masters.empty()) {
-      // max|x| of each piece (NaN when it holds one), into its weight's slot: as the fused step
-      // measured it, else read from the master here (every piece when the step was not fused;
-      // those it did not update, such as a shard of padding only, when it was).
+      // max|x| of each piece (NaN when it holds one), into its weight's slot: as the fused Adam
+      // step measured it, else read from the master here (every piece after an unfused or SGD
+      // step; after a fused Adam step, a piece it did not update, having no gradient).
       if (!piece_amaxes.defined()) {
         piece_amaxes = compute_amax_many(fp8_masters);
       } else {
         std::vector<torch::Tensor> unmeasured;
-        std::vector<int64_t> unmeasured_ordinals;
+        std::vector<size_t> unmeasured_ordinals;
         for (size_t j = 0; j < fp8_masters.size(); ++j) {
           if (measured[j]) continue;
           unmeasured.push_back(fp8_masters[j]);
-          unmeasured_ordinals.push_back(static_cast<int64_t>(j));
+          unmeasured_ordinals.push_back(j);
         }
         if (!unmeasured.empty()) {
-          piece_amaxes.index_copy_(
-              0, torch::tensor(unmeasured_ordinals, torch::TensorOptions().dtype(at::kLong)).to(piece_amaxes.device()),
-              compute_amax_many(unmeasured));
+          // Device-to-device copies into the slots (an index tensor from the host would wait
+          // for the stream).
+          const auto read = compute_amax_many(unmeasured);
+          for (size_t k = 0; k < unmeasured.size(); ++k) {
+            piece_amaxes.narrow(0, static_cast<int64_t>(unmeasured_ordinals[k]), 1)
+                .copy_(read.narrow(0, static_cast<int64_t>(k), 1));
+          }
         }
       }
       amaxes.index_copy_(0, fp8_piece_slots_, piece_amaxes);
