@@ -21,6 +21,11 @@ void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device
   detail::check_step_tensor(t.exp_avg_sq, t.param, device, where, "exp_avg_sq",
                             detail::StepDtypes::kFloat32OrBFloat16);
   TORCH_CHECK(t.step >= 1, where, "step must be >= 1 (the count including this step), got ", t.step);
+  if (t.amax.defined()) {
+    TORCH_CHECK(t.amax.scalar_type() == at::kFloat && t.amax.numel() == 1 && t.amax.device() == device,
+                where, "amax must be one float32 element on ", device, ", got ", t.amax.scalar_type(), " ",
+                t.amax.sizes(), " on ", t.amax.device());
+  }
 }
 
 // torch::optim::Adam / AdamW (torch/csrc/api/src/optim/adam*.cpp), operation for operation.
@@ -47,6 +52,10 @@ void fused_adam_step_cpu(const std::vector<AdamStepTensor>& tensors, const AdamS
     if (!exp_avg.is_same(t.exp_avg)) t.exp_avg.copy_(exp_avg);
     if (!exp_avg_sq.is_same(t.exp_avg_sq)) t.exp_avg_sq.copy_(exp_avg_sq);
     if (t.model_copy.defined()) t.model_copy.copy_(p);
+    if (t.amax.defined() && p.numel() > 0) {
+      // at::maximum and max() both propagate NaN, as the kernel's max over |x|'s bits does.
+      t.amax.copy_(at::maximum(t.amax.reshape({}), p.abs().max()).reshape(t.amax.sizes()));
+    }
   }
 }
 
@@ -71,7 +80,7 @@ void fused_adam_step(const std::vector<AdamStepTensor>& tensors, const AdamStepO
     // Written through raw pointers: bump the version counters as in-place ATen ops would (an
     // Fp8Linear weight cache, for one, keys on them).
     for (const auto& t : tensors) {
-      for (const auto* written : {&t.param, &t.exp_avg, &t.exp_avg_sq, &t.model_copy}) {
+      for (const auto* written : {&t.param, &t.exp_avg, &t.exp_avg_sq, &t.model_copy, &t.amax}) {
         if (written->defined()) written->unsafeGetTensorImpl()->bump_version();
       }
     }

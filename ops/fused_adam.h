@@ -29,6 +29,13 @@ struct AdamStepTensor {
   /// Optional: a bfloat16 / float16 tensor of param's shape (the model's half parameter) that
   /// receives the updated param, rounded to nearest even.
   at::Tensor model_copy;
+  /// Optional: one float32 element on param's device that becomes max(amax, max|param|) over
+  /// the updated param (NaN if it holds one): an FP8 weight's amax measured by the step's own
+  /// pass over its master instead of a second read of it (TE's FusedAdam writes FP8 params' amax
+  /// the same way). Accumulated, so that the caller zeroes it once for any number of pieces; it
+  /// must start at zero or above (on CUDA the max is taken over the bits of |x|: a negative
+  /// start, −0.0 included, would stay).
+  at::Tensor amax;
 };
 
 /// torch::optim::Adam / AdamW's update for many tensors at once, each gradient first multiplied

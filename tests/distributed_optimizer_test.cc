@@ -239,6 +239,10 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
       // moment does not depend on the partition; the gradients differ as in bf16-mixed).
       {"bf16-mixed, bf16 moments", recipes::bf16_mixed().exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16),
        2e-3},
+      // The fused step measures each rank's FP8 pieces' amaxes (all-reduced into each weight's).
+      {"bf16 + fp8 hybrid, fp8_params, bf16 moments",
+       recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16),
+       1e-2},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);

@@ -18,6 +18,7 @@
 
 #include "ops/fused_adam.h"
 #include "ops/fused_sgd.h"
+#include "ops/quantize.h"
 #include "ops/sum_of_squares.h"
 #include "plugin/distributed/distributed_optimizer.h"
 #include "plugin/modules/fp8_linear.h"
@@ -381,6 +382,11 @@ TEST_F(FusedOptimizerTest, BadInputNamesTheEntryAndField) {
                         "tensors[0].model_copy must be bfloat16 or float16");
   ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 0, {}}}, options); },
                         "tensors[0].step must be >= 1");
+  ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, {}, torch::zeros({2})}}, options); },
+                        "tensors[0].amax must be one float32 element on cpu, got Float [2] on cpu");
+  ExpectErrorContaining(
+      [&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, {}, torch::zeros({1}, at::kDouble)}}, options); },
+      "tensors[0].amax must be one float32 element on cpu, got Double [1] on cpu");
   auto other_param = torch::randn({4}).requires_grad_(true);
   torch::optim::RMSprop rmsprop({other_param}, torch::optim::RMSpropOptions(0.1));
   EXPECT_FALSE(is_fusable(rmsprop));
@@ -402,6 +408,39 @@ TEST_F(FusedOptimizerTest, BadInputNamesTheEntryAndField) {
                         "fused_sgd_step: nesterov needs momentum > 0 and dampening 0");
   ExpectErrorContaining([&] { fused_sgd_step({{p, torch::randn({7, 8}), {}, true, {}}}, SgdStepOptions{}); },
                         "fused_sgd_step: tensors[0].grad must have the param's shape");
+}
+
+// The step's amax (AdamStepTensor::amax, an FP8 weight's under fp8_params) is max|param| of the
+// updated param, exactly what compute_amax reads from it afterwards; accumulated into what the
+// slot held (a larger value stays), NaN when the param holds one; a tensor without a slot, or
+// an empty one, leaves its slot alone.
+TEST_F(FusedOptimizerTest, AmaxIsThatOfTheUpdatedParamAccumulated) {
+  const AdamStepOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1, true};
+  const auto amaxes = torch::zeros({8});
+  amaxes[3] = 1e6f;  // larger than any |param|: stays
+  std::vector<AdamStepTensor> tensors;
+  const auto all_shapes = shapes();
+  for (size_t i = 0; i < all_shapes.size(); ++i) {
+    auto grad = torch::randn(all_shapes[i]);
+    if (i == 4) grad[2] = std::numeric_limits<float>::quiet_NaN();  // the param becomes NaN there
+    tensors.push_back({torch::randn(all_shapes[i]), grad, torch::zeros(all_shapes[i]), torch::zeros(all_shapes[i]), 1,
+                       {}, i == 5 ? torch::Tensor() : amaxes.narrow(0, static_cast<int64_t>(i), 1)});
+  }
+  tensors.push_back({torch::empty({0}), torch::empty({0}), torch::empty({0}), torch::empty({0}), 1, {},
+                     amaxes.narrow(0, 6, 1)});
+  fused_adam_step(tensors, options);
+  for (size_t i = 0; i < all_shapes.size(); ++i) {
+    if (i == 3 || i == 5) continue;
+    EXPECT_TRUE(testing::SameFloat(amaxes[static_cast<int64_t>(i)].item<float>(),
+                                   compute_amax(tensors[i].param).item<float>()))
+        << "tensor " << i;
+  }
+  EXPECT_GT(amaxes[0].item<float>(), 0.0f);
+  EXPECT_EQ(amaxes[3].item<float>(), 1e6f);
+  EXPECT_TRUE(std::isnan(amaxes[4].item<float>()));
+  EXPECT_EQ(amaxes[5].item<float>(), 0.0f) << "no slot given";
+  EXPECT_EQ(amaxes[6].item<float>(), 0.0f) << "an empty param";
+  EXPECT_EQ(amaxes[7].item<float>(), 0.0f);
 }
 
 // FusedAdamW / FusedSGD as the user's optimizer under the distributed optimizer: each rank steps
@@ -580,6 +619,42 @@ TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
       }
     }
   }
+}
+
+// The kernel's amax (its block maxima, atomicMax into one slot per tensor), exactly that of the
+// param it wrote, and the CPU reference's within the params' own difference: 140 tensors, the
+// first 130 of one dtype combination (two launch tables), the rest with bfloat16 gradients and
+// moments; slots in one zeroed buffer; NaN and infinity.
+TEST_F(FusedOptimizerTest, AmaxKernelsMatchTheCpuReference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  constexpr int kTensors = 140;
+  std::vector<AdamStepTensor> cpu, gpu;
+  const auto cpu_amaxes = torch::zeros({kTensors}), gpu_amaxes = torch::zeros({kTensors}, torch::kCUDA);
+  const auto all_shapes = shapes();
+  for (int i = 0; i < kTensors; ++i) {
+    const auto& shape = all_shapes[i % all_shapes.size()];
+    auto p = torch::randn(shape).mul_(1 + i % 5);
+    auto grad = torch::randn(shape).to(i < 130 ? at::kFloat : at::kBFloat16);
+    if (i == 7) grad.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+    if (i == 8) p.view(-1)[p.numel() - 1] = -std::numeric_limits<float>::infinity();
+    const auto m_dtype = i < 130 ? at::kFloat : at::kBFloat16;
+    cpu.push_back({p, grad, torch::zeros(shape, m_dtype), torch::zeros(shape), 2, {}, cpu_amaxes.narrow(0, i, 1)});
+    gpu.push_back({p.cuda(), grad.cuda(), torch::zeros(shape, m_dtype).cuda(), torch::zeros(shape).cuda(), 2, {},
+                   gpu_amaxes.narrow(0, i, 1)});
+  }
+  const AdamStepOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1, true};
+  fused_adam_step(cpu, options, 0.5);
+  fused_adam_step(gpu, options, 0.5);
+  const auto got = gpu_amaxes.cpu();
+  for (int i = 0; i < kTensors; ++i) {
+    // Each the max of its own param's values: compare with compute_amax of the GPU's param.
+    EXPECT_TRUE(testing::SameFloat(got[i].item<float>(), compute_amax(gpu[i].param).cpu().item<float>())) << i;
+  }
+  EXPECT_TRUE(std::isnan(got[7].item<float>()));
+  EXPECT_EQ(got[8].item<float>(), std::numeric_limits<float>::infinity());
+  // And the CPU reference's amaxes, within the params' own difference (2e-6 relative).
+  const auto finite = cpu_amaxes.isfinite();
+  EXPECT_TRUE((got - cpu_amaxes).abs().le(cpu_amaxes.abs() * 2e-6 + 1e-7).logical_or(finite.logical_not()).all().item<bool>());
 }
 
 // bfloat16 moments on the GPU against the CPU reference: one step from the same random moments,

@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <set>
 
 #include "ops/fp8_format.h"
+#include "ops/quantize.h"
 #include "plugin/precision/autocast_guard.h"
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/convert_module.h"
@@ -716,6 +718,46 @@ TEST_F(MasterParamsTest, Fp8ParamsMastersAreTheHighPrecisionValues) {
   EXPECT_LE(testing::relative_error(dequantized, masters[0]), testing::kE4M3Rms * 1.5);
   EXPECT_EQ(first->weight.scalar_type(), at::kFloat8_e4m3fn);
   expect_optimizer_sees_only_fp32(optimizer);
+}
+
+// The fused step measures each FP8 weight's amax as it writes the master (no second read of the
+// masters): the FP8 weights after each step are their masters quantized with the current scale
+// of the masters' own amax, byte for byte. bfloat16 moments take the fused step on the CPU too.
+TEST_F(MasterParamsTest, Fp8WeightsAfterTheFusedStepAreTheirMastersQuantized) {
+  auto model = testing::make_mlp();
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  MixedPrecisionPlugin plugin =
+      recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16);
+  plugin.connect(*model, optimizer);
+  std::vector<Fp8LinearImpl*> layers;
+  for (const auto& module : model->modules(/*include_self=*/false)) {
+    if (auto* linear = module->as<Fp8LinearImpl>()) layers.push_back(linear);
+  }
+  ASSERT_GE(layers.size(), 2u);
+  MlpData data(7);
+  for (int step = 0; step < 3; ++step) {
+    auto [x, y] = data.batch(step, 0, 32);
+    forward_backward(plugin, model, x, y);
+    ASSERT_TRUE(plugin.optimizer_step(optimizer));
+    // The masters are in the model's parameter order.
+    const auto masters = plugin.master_params();
+    const auto params = model->parameters();
+    ASSERT_EQ(masters.size(), params.size());
+    std::vector<float> amaxes;
+    for (auto* layer : layers) {
+      const auto index = static_cast<size_t>(
+          std::find_if(params.begin(), params.end(), [&](const torch::Tensor& p) { return p.is_same(layer->weight); }) -
+          params.begin());
+      ASSERT_LT(index, masters.size());
+      const auto amax = compute_amax(masters[index]);
+      amaxes.push_back(amax.item<float>());
+      const auto expected = quantize(masters[index], compute_current_scale(amax, Fp8Format::kE4M3), Fp8Format::kE4M3);
+      const auto fp8 = layer->fp8_weight();
+      EXPECT_TRUE(BytesEqual(fp8.data.view(at::kByte), expected.data.view(at::kByte))) << "step " << step;
+      EXPECT_TRUE(BytesEqual(fp8.scale_inv, expected.scale_inv)) << "step " << step;
+    }
+    EXPECT_NE(amaxes[0], amaxes[1]) << "two weights, two scales";
+  }
 }
 
 // Back to plain LibTorch: the trained model's FP32 masters, written under the model's names,

@@ -430,7 +430,8 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
       [&](const AdamStepTensor& t) -> cuda::AdamTensorPointers {
         return {t.param.mutable_data_ptr<float>(), t.exp_avg.mutable_data_ptr(),
                 t.exp_avg_sq.mutable_data_ptr(), t.grad.const_data_ptr(),
-                optional_mutable_ptr(t.model_copy), t.param.numel(),
+                optional_mutable_ptr(t.model_copy),
+                static_cast<float*>(optional_mutable_ptr(t.amax)), t.param.numel(),
                 static_cast<float>(o.lr / (1 - std::pow(o.beta1, t.step))),
                 static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t.step)))};
       },

@@ -1,6 +1,7 @@
 // Multi-tensor Adam / AdamW over FP32 master weights (Apex's multi_tensor_apply, TE's FusedAdam
 // with master weights): one pass reads each element's master, moments and gradient and writes
-// the master, the moments and the model's half copy. Moments stored in bfloat16 (TE's FusedAdam
+// the master, the moments and the model's half copy, and measures the updated master's amax for
+// an FP8 weight's scale. Moments stored in bfloat16 (TE's FusedAdam
 // exp_avg_dtype, Megatron-Core's precision-aware optimizer) are widened when read and rounded to
 // nearest even when written; the update in between is the float32 one.
 #include <cuda_bf16.h>
@@ -34,6 +35,7 @@ __global__ void __launch_bounds__(kThreads)
   const Grad* grad = static_cast<const Grad*>(tensor.grad);
   const float neg_step_size = -tensor.step_size;
   const float inv_bias_correction2_sqrt = 1.0f / tensor.bias_correction2_sqrt;
+  uint32_t max_bits = 0;  // max|p| as ordered bits (NaN above +inf), when tensor.amax is set
 
 #pragma unroll
   for (int k = 0; k < kItemsPerThread; ++k) {
@@ -58,7 +60,10 @@ __global__ void __launch_bounds__(kThreads)
     store_moment<ExpAvg>(tensor.exp_avg, i, m);
     store_moment<ExpAvgSq>(tensor.exp_avg_sq, i, v);
     store_copy<Copy>(tensor.model_copy, i, p);
+    max_bits = max(max_bits, abs_bits(p));
   }
+  // The block's chunk is one tensor's, so the branch is the same for every thread of it.
+  if (tensor.amax != nullptr) block_amax_to_global(max_bits, tensor.amax);
 }
 
 }  // namespace

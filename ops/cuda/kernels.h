@@ -169,6 +169,7 @@ struct AdamTensorPointers {
   void* exp_avg_sq;      // the launch's exp_avg_sq type, in place
   const void* grad;      // the launch's grad type
   void* model_copy;      // the launch's copy type, or null
+  float* amax;           // max|param| after the step, accumulated (zeroed by the caller), or null
   int64_t numel;
   float step_size;              // lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)

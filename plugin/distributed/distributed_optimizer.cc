@@ -126,11 +126,15 @@ void DistributedOptimizer::make_masters(const std::vector<ParamSpec>& specs) {
     }
   }
   std::vector<int64_t> fp8_piece_slots;
+  fp8_piece_ordinal_.assign(pieces_.size(), -1);
   for (size_t i = 0; i < pieces_.size(); ++i) {
     master_shards_.push_back(pieces_[i].master);
     piece_index_[key(pieces_[i].master)] = i;
     const auto& param = params_[pieces_[i].param];
-    if (param.fp8_meta) fp8_piece_slots.push_back(param.fp8_slot);
+    if (param.fp8_meta) {
+      fp8_piece_ordinal_[i] = static_cast<int64_t>(fp8_piece_slots.size());
+      fp8_piece_slots.push_back(param.fp8_slot);
+    }
   }
   // Each local FP8 piece's weight slot, in pieces_ order (publish_params scatters their amaxes
   // with it). A rank holds at most one piece of a weight.
@@ -227,19 +231,37 @@ torch::Tensor DistributedOptimizer::half_copy(const Piece& piece) const {
 
 void DistributedOptimizer::step(torch::optim::Optimizer& optimizer, const std::optional<FusedStep>& fused) {
   torch::NoGradGuard no_grad;
+  // FP8 weights with one scale: the fused Adam step measures each piece's amax as it writes the
+  // master, so that publish_params does not read the masters a second time for them.
+  torch::Tensor piece_amaxes;
+  std::vector<bool> measured;
   if (fused) {
+    std::function<torch::Tensor(const torch::Tensor&)> amax_of;
+    if (fp8_piece_slots_.defined() && fp8_weight_scaling_ != Fp8WeightScaling::kBlocks128x128 &&
+        is_fusable_adam(optimizer)) {
+      piece_amaxes = torch::zeros({fp8_piece_slots_.numel()},
+                                  torch::TensorOptions().dtype(at::kFloat).device(fp8_piece_slots_.device()));
+      measured.assign(static_cast<size_t>(fp8_piece_slots_.numel()), false);
+      amax_of = [&](const torch::Tensor& master) {
+        const int64_t ordinal = fp8_piece_ordinal_[piece_index_.at(key(master))];
+        if (ordinal < 0) return torch::Tensor();
+        measured[static_cast<size_t>(ordinal)] = true;
+        return piece_amaxes.narrow(0, ordinal, 1);
+      };
+    }
     fused_optimizer_step(
         optimizer, fused->grad_multiplier,
         [&](const torch::Tensor& master) { return grads_[piece_index_.at(key(master))]; },
         [&](const torch::Tensor& master) { return half_copy(pieces_[piece_index_.at(key(master))]); },
-        fused->moment_dtypes);
+        fused->moment_dtypes, amax_of);
   } else {
     optimizer.step();
   }
-  publish_params(/*half_copies_written=*/fused.has_value());
+  publish_params(/*half_copies_written=*/fused.has_value(), piece_amaxes, measured);
 }
 
-void DistributedOptimizer::publish_params(bool half_copies_written) {
+void DistributedOptimizer::publish_params(bool half_copies_written, torch::Tensor piece_amaxes,
+                                          const std::vector<bool>& measured) {
   torch::NoGradGuard no_grad;
   const bool in_blocks = fp8_weight_scaling_ == Fp8WeightScaling::kBlocks128x128;
   // FP8 weights with one scale: the amax of each whole weight (all-reduced over the ranks) gives
@@ -256,8 +278,29 @@ void DistributedOptimizer::publish_params(bool half_copies_written) {
     amaxes = torch::zeros({static_cast<int64_t>(fp8_params_.size())},
                           torch::TensorOptions().dtype(at::kFloat).device(device));
     if (!fp8_masters.empty()) {
-      // max|x| of each piece (NaN when it holds one), into its weight's slot.
-      auto piece_amaxes = compute_amax_many(fp8_masters);
+      // max|x| of each piece (NaN when it holds one), into its weight's slot: as the fused Adam
+      // step measured it, else read from the master here (every piece after an unfused or SGD
+      // step; after a fused Adam step, a piece it did not update, having no gradient).
+      if (!piece_amaxes.defined()) {
+        piece_amaxes = compute_amax_many(fp8_masters);
+      } else {
+        std::vector<torch::Tensor> unmeasured;
+        std::vector<size_t> unmeasured_ordinals;
+        for (size_t j = 0; j < fp8_masters.size(); ++j) {
+          if (measured[j]) continue;
+          unmeasured.push_back(fp8_masters[j]);
+          unmeasured_ordinals.push_back(j);
+        }
+        if (!unmeasured.empty()) {
+          // Device-to-device copies into the slots (an index tensor from the host would wait
+          // for the stream).
+          const auto read = compute_amax_many(unmeasured);
+          for (size_t k = 0; k < unmeasured.size(); ++k) {
+            piece_amaxes.narrow(0, static_cast<int64_t>(unmeasured_ordinals[k]), 1)
+                .copy_(read.narrow(0, static_cast<int64_t>(k), 1));
+          }
+        }
+      }
       amaxes.index_copy_(0, fp8_piece_slots_, piece_amaxes);
     }
     if (world_size_ > 1) {

@@ -180,7 +180,10 @@ class DistributedOptimizer {
   void broadcast_seeds(std::vector<ParamSpec>& specs);
   void make_masters(const std::vector<ParamSpec>& specs);
   void point_optimizer_at_masters(torch::optim::Optimizer& optimizer);
-  void publish_params(bool half_copies_written);
+  // `piece_amaxes`: the FP8 pieces' amaxes (fp8_piece_slots_'s order) where the fused step
+  // measured them (`measured[j]`); the others, or all when undefined, are read from the masters.
+  void publish_params(bool half_copies_written, torch::Tensor piece_amaxes = {},
+                      const std::vector<bool>& measured = {});
   // publish_params' FP8 weights in 128×128 blocks, from the FP8 pieces (pieces_ indices).
   void write_fp8_weight_blocks(const std::vector<size_t>& fp8_pieces);
   torch::Tensor half_copy(const Piece& piece) const;
@@ -205,6 +208,7 @@ class DistributedOptimizer {
   std::vector<torch::Tensor> static_grads_;  // per params_ entry
   bool static_gradients_on_ = false;
   torch::Tensor fp8_piece_slots_;   // int64, on the masters' device: each local FP8 piece's slot
+  std::vector<int64_t> fp8_piece_ordinal_;  // per pieces_ entry: its index among the FP8 pieces, or -1
 };
 
 }  // namespace amp8

@@ -31,7 +31,8 @@ template <typename Options, typename State>
 void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad_multiplier,
                  const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                  const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
-                 const AdamMomentDtypes& moment_dtypes) {
+                 const AdamMomentDtypes& moment_dtypes,
+                 const std::function<torch::Tensor(const torch::Tensor&)>& amax_of) {
   auto& states = optimizer.state();
   for (auto& group : optimizer.param_groups()) {
     const auto& options = static_cast<const Options&>(group.options());
@@ -67,6 +68,7 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
         created.push_back(nullptr);
       }
       if (copy_of) entry.model_copy = copy_of(param);
+      if (amax_of) entry.amax = amax_of(param);
       tensors.push_back(std::move(entry));
     }
     fused_adam_step(tensors, step_options(options, decoupled), grad_multiplier);
@@ -189,7 +191,8 @@ void AdamMomentDtypes::check(const std::string& who) const {
 void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
                           const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                           const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
-                          const AdamMomentDtypes& moment_dtypes) {
+                          const AdamMomentDtypes& moment_dtypes,
+                          const std::function<torch::Tensor(const torch::Tensor&)>& amax_of) {
   TORCH_CHECK(is_fusable(optimizer),
               "fused_optimizer_step: expected a torch::optim::Adam or AdamW without amsgrad, or "
               "a torch::optim::SGD");
@@ -202,10 +205,10 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
     step_sgd_groups(optimizer, grad_multiplier, grad_of, copy_of);
   } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
     step_groups<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of, moment_dtypes);
+        optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of, moment_dtypes, amax_of);
   } else {
     step_groups<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of, moment_dtypes);
+        optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of, moment_dtypes, amax_of);
   }
 }
 

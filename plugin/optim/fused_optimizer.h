@@ -45,10 +45,16 @@ struct AdamMomentDtypes {
 /// `moment_dtypes`: what an Adam / AdamW param's exp_avg and exp_avg_sq are created in; a state
 /// of another dtype (a checkpoint written with other dtypes) is converted at its next step. SGD
 /// takes float32 only (an error otherwise: its momentum buffer is float32).
+///
+/// `amax_of(param)`: for Adam / AdamW, asked for each param the step updates; a defined result
+/// (one float32 element, zeroed by the caller) becomes max(amax, max|param|) over the updated
+/// param, measured by the step's own pass (AdamStepTensor::amax). SGD steps measure nothing and
+/// never ask: the caller measures what it was not asked for.
 void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
                           const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                           const std::function<torch::Tensor(const torch::Tensor&)>& copy_of = {},
-                          const AdamMomentDtypes& moment_dtypes = {});
+                          const AdamMomentDtypes& moment_dtypes = {},
+                          const std::function<torch::Tensor(const torch::Tensor&)>& amax_of = {});
 
 /// Converts an Adam / AdamW optimizer's moments that are not in `moment_dtypes` (a checkpoint
 /// written with other dtypes) to them; other optimizers are left alone. For a step that is not
