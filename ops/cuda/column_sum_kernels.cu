@@ -19,10 +19,16 @@ namespace {
 // quarter of the SMs busy and one load in flight per lane).
 constexpr int kSumCols = 8, kSumLanes = 64, kSumUnroll = 4;
 static_assert(kSumUnroll == 4, "column_sum_kernel adds its four sums by hand");
+// blockIdx.y picks the block of partial sums: 0 → out, 1 → out2 (launch_column_sum's second).
 template <typename O>
 __global__ void __launch_bounds__(kSumCols* kSumLanes)
-    column_sum_kernel(const float* __restrict__ part, int parts, int cols, O* __restrict__ out) {
+    column_sum_kernel(const float* __restrict__ part, int parts, int cols, O* __restrict__ out,
+                      O* __restrict__ out2) {
   __shared__ float acc[kSumLanes][kSumCols + 1];
+  if (blockIdx.y == 1) {
+    part += static_cast<int64_t>(parts) * cols;
+    out = out2;
+  }
   const int c = blockIdx.x * kSumCols + threadIdx.x;
   float sum[kSumUnroll] = {};
   if (c < cols) {
@@ -49,16 +55,16 @@ __global__ void __launch_bounds__(kSumCols* kSumLanes)
 }  // namespace
 
 int launch_column_sum(const float* part, int parts, int64_t cols, void* out, InputType out_type,
-                      Stream stream) {
+                      Stream stream, void* out2) {
   if (parts < 1 || cols < 1 || cols > (int64_t{1} << 30)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const dim3 block(kSumCols, kSumLanes);
-  const int grid = static_cast<int>((cols + kSumCols - 1) / kSumCols);
+  const dim3 grid(static_cast<unsigned>((cols + kSumCols - 1) / kSumCols), out2 != nullptr ? 2 : 1);
   return dispatch_input(out_type, [&](auto tag) {
     using O = decltype(tag);
     column_sum_kernel<O><<<grid, block, 0, stream>>>(part, parts, static_cast<int>(cols),
-                                                     static_cast<O*>(out));
+                                                     static_cast<O*>(out), static_cast<O*>(out2));
     return static_cast<int>(cudaGetLastError());
   });
 }

@@ -76,9 +76,11 @@ int launch_activation_amax(const void* x, const void* gate, InputType type,
                            Stream stream);
 
 // out[c] = Σ_p part[p, c] over `parts` rows of float32 partial sums [parts, cols], in a fixed
-// order, summed in float32 and rounded once to out_type (column_sum_kernels.cu).
+// order, summed in float32 and rounded once to out_type (column_sum_kernels.cu). With `out2`,
+// `part` holds a second [parts, cols] block right after the first, summed into out2 by the same
+// launch (LayerNorm's dgamma and dbeta: one launch and one tail instead of two).
 int launch_column_sum(const float* part, int parts, int64_t cols, void* out, InputType out_type,
-                      Stream stream);
+                      Stream stream, void* out2 = nullptr);
 
 int launch_amax(const void* x, InputType type, int64_t n, float* amax, Stream stream);
 

@@ -504,10 +504,12 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rm
         }
       });
       if (err != 0) return err;
+      // dgamma's and dbeta's partial sums are adjacent in `part`: one launch sums both.
+      if (dgamma != nullptr && dbeta != nullptr) {
+        return launch_column_sum(part, parts, hidden, dgamma, weight_type, stream, dbeta);
+      }
       if (dgamma != nullptr) {
-        if (auto e = launch_column_sum(dgamma_part, parts, hidden, dgamma, weight_type, stream)) {
-          return e;
-        }
+        return launch_column_sum(dgamma_part, parts, hidden, dgamma, weight_type, stream);
       }
       if (dbeta != nullptr) {
         return launch_column_sum(dbeta_part, parts, hidden, dbeta, weight_type, stream);
