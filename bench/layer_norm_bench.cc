@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
   }
   // Backward: dy and x read, dx written (6 B per element) plus dgamma/dbeta, at this shape and
   // at the GPT recipes' (350m: 8192 × 1024, 1b: 16384 × 2048); then the number of partial rows
-  // (blocks) swept around the default (one wave of resident blocks, layer_norm_bwd_parts).
+  // (blocks) swept around the default (layer_norm_bwd_parts: at most one wave of resident
+  // blocks, at least 16 rows each).
   for (const auto& [r, h] : std::vector<std::pair<int64_t, int64_t>>{
            {rows, hidden}, {8192, 1024}, {16384, 2048}}) {
     const std::string bshape = std::to_string(r) + "x" + std::to_string(h);

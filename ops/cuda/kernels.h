@@ -137,7 +137,8 @@ int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const vo
 // RMSNorm's gradient (mean unread, may be null; dbeta must be null).
 // `parts` blocks each sum dgamma/dbeta over a grid-strided share of the rows into `part`
 // [2, parts, hidden] (float32), then launch_column_sum adds them up. layer_norm_bwd_parts gives
-// one wave of resident blocks; any parts >= 1 is correct (the benchmark sweeps it).
+// at most one wave of resident blocks of at least 16 rows each; any parts >= 1 is correct (the
+// benchmark sweeps it).
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rms_norm,
                           const float* mean, const float* rstd, const void* gamma,
                           InputType weight_type,

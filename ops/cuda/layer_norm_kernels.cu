@@ -381,14 +381,20 @@ int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm) {
   return blocks;
 }
 
-// One wave of resident blocks, each a grid-strided share of the rows and one row of dgamma and
-// dbeta partial sums: more blocks would add partial rows (written, then read by the column
-// sum) without adding rows in flight.
+// At most one wave of resident blocks, each a grid-strided share of the rows and one row of
+// dgamma and dbeta partial sums: more blocks would add partial rows (written, then read by the
+// column sum) without adding rows in flight. And at least kMinRowsPerPart rows per block: a
+// partial row costs 8 bytes per column (dgamma and dbeta, written and read back) against 6 per
+// element of a row, so with fewer rows per block the partials become a sizeable share of the
+// traffic. Measured (bench/results/layer_norm_bwd_rows_per_part/, H100): at 8192 × 1024 one
+// wave is 1056 blocks of 7.75 rows, 0.36 of the copy rate; 528 blocks of 15.5 rows, 0.41.
+constexpr int64_t kMinRowsPerPart = 16;
+
 template <typename T, typename W>
 int bwd_parts(int64_t rows, const RowPlan& plan, bool rms_norm) {
   const int64_t resident =
       static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan, rms_norm);
-  return static_cast<int>(std::max<int64_t>(1, std::min(rows, resident)));
+  return static_cast<int>(std::max<int64_t>(1, std::min(rows / kMinRowsPerPart, resident)));
 }
 
 }  // namespace
