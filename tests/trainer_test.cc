@@ -132,9 +132,11 @@ TEST_P(TrainerResumeTest, ResumeIsBitIdenticalInEveryPrecision) {
   const bool cuda = GetParam() == "GPU_CUDA";
   if (cuda) {
     AMP8_REQUIRE_CUDA();
-    // Bit-identical on the GPU needs deterministic kernels (attention backward, cuBLAS).
+    // Bit-identical on the GPU needs deterministic kernels (attention backward, cuBLAS): the
+    // settings TrainerOptions::deterministic makes, so that they are what this test shows to
+    // repeat (new tensors not filled with NaN among them).
     ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 1);
-    at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+    use_deterministic_algorithms();
   }
   const torch::Device device = cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
   for (const auto& c : resume_cases()) {
@@ -192,7 +194,8 @@ TEST_F(TrainerTest, PrintsProgressLines) {
 TEST_F(TrainerTest, DeterministicTurnsOnPyTorchsDeterministicAlgorithms) {
   auto& context = at::globalContext();
   const bool algorithms = context.deterministicAlgorithms(), warn_only = context.deterministicAlgorithmsWarnOnly(),
-             cudnn = context.deterministicCuDNN(), benchmark = context.benchmarkCuDNN();
+             cudnn = context.deterministicCuDNN(), benchmark = context.benchmarkCuDNN(),
+             fill = context.deterministicFillUninitializedMemory();
   const char* env = std::getenv("CUBLAS_WORKSPACE_CONFIG");
   const std::optional<std::string> saved_env = env ? std::optional<std::string>(env) : std::nullopt;
   const auto fit_once = [](bool deterministic) {
@@ -214,8 +217,10 @@ TEST_F(TrainerTest, DeterministicTurnsOnPyTorchsDeterministicAlgorithms) {
   EXPECT_TRUE(context.benchmarkCuDNN());
   EXPECT_EQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), nullptr);
 
+  context.setDeterministicFillUninitializedMemory(true);  // PyTorch's default
   fit_once(true);
   EXPECT_TRUE(context.deterministicAlgorithms());
+  EXPECT_FALSE(context.deterministicFillUninitializedMemory()) << "a fill kernel per new tensor";
   EXPECT_FALSE(context.deterministicAlgorithmsWarnOnly()) << "an op without a deterministic variant must be an error";
   EXPECT_TRUE(context.deterministicCuDNN());
   EXPECT_FALSE(context.benchmarkCuDNN());
@@ -227,6 +232,7 @@ TEST_F(TrainerTest, DeterministicTurnsOnPyTorchsDeterministicAlgorithms) {
   EXPECT_STREQ(std::getenv("CUBLAS_WORKSPACE_CONFIG"), ":16:8");
 
   context.setDeterministicAlgorithms(algorithms, warn_only);
+  context.setDeterministicFillUninitializedMemory(fill);
   context.setDeterministicCuDNN(cudnn);
   context.setBenchmarkCuDNN(benchmark);
   if (saved_env) {
