@@ -6,7 +6,8 @@
 #   cast_transpose_bench, gpt_pretrain_main                                      (main)
 # It runs the patched GPU tests, cast_transpose_bench main/new interleaved twice, the 1b GPT step
 # (blockwise with FP8 and with bf16 weights, delayed) with each binary, and the 1b blockwise
-# step's device time by category with each. Everything is written straight under $OUT/K, so
+# step's device time by category with each, and last Nsight Compute of the staged kernel.
+# Everything is written straight under $OUT/K, so
 # what ran comes back even if the call is cut short.
 set -u
 B=.gpubin10; cd $B; for f in *.xz; do unxz -f "$f"; done; chmod +x *_test cast_transpose_bench* gpt_pretrain_*; cd ..
@@ -46,4 +47,12 @@ for v in main new; do
   echo "profile $v exit $?"; find $S/prof_$v -name step_profile.txt -exec cp {} $R/1b_blockwise_${v}_step_profile.txt \;
   head -14 $R/1b_blockwise_${v}_step_profile.txt
 done
+# Last, if the call still has time: Nsight Compute of the staged kernel (what limits it now).
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+if [ -n "$NCU" ]; then
+  timeout 100 $NCU --clock-control none --kernel-name-base mangled -k regex:quantize_1x128_staged -s 5 -c 1 --set full \
+    -o /tmp/ncu_staged $B/cast_transpose_bench_new > /tmp/ncu_staged.log 2>&1; echo "ncu exit $?"
+  $NCU -i /tmp/ncu_staged.ncu-rep --page details > $R/ncu_staged_details.txt 2>&1
+  grep -E "^ +(Duration|Memory Throughput|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|Compute \(SM\) Throughput)" $R/ncu_staged_details.txt | head -12
+fi
 echo done
