@@ -180,6 +180,62 @@ TEST_F(BlockwiseTest, CudaMatchesCpuByteForByte_CUDA) {
   }
 }
 
+// dbias_out: the column sums (a layer's bias gradient, from the read that quantizes its output
+// gradient), summed in float32 and rounded once into the bias's dtype, beside unchanged bytes.
+TEST_F(BlockwiseTest, DbiasIsTheColumnSum) {
+  const auto x = at::randn({300, 200}).to(at::kBFloat16);
+  const auto plain = quantize_blockwise(x, tiles(Fp8BlockShape::k1x128), true);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto dbias = at::full({200}, 7.0f, dtype);
+    const auto q = quantize_blockwise(x, tiles(Fp8BlockShape::k1x128), true, dbias);
+    EXPECT_TRUE(BytesEqual(dbias, x.sum(0, false, at::kFloat).to(dtype))) << dtype;
+    EXPECT_TRUE(BytesEqual(q.data.data, plain.data.data));
+    EXPECT_TRUE(BytesEqual(q.transposed.data, plain.transposed.data));
+  }
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise(x, tiles(Fp8BlockShape::k1x128), true, at::empty({199})); },
+      "quantize_blockwise: dbias_out must be a contiguous float32, bfloat16 or float16 [200]");
+}
+
+// The CUDA dbias against the CPU's column sum: from the quantizing kernel (per-tile sums, then a
+// fixed-order sum over the tiles) where it takes the shape (2-byte x with the transpose, rows %
+// 16 == 0, cols % 8 == 0: 272 × 1000, 400 × 136, 128 × 128, partial tiles included), from
+// LibTorch's sum elsewhere (float32 x, 300 × 1000, no transpose); the bytes beside it the CPU's.
+// Normal data: a lost or doubled tile of 128 rows moves a column sum by ~11, far outside the
+// rounding bound.
+TEST_F(BlockwiseTest, CudaDbiasMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const std::vector<std::tuple<int64_t, int64_t, at::ScalarType, bool>> cases = {
+      {272, 1000, at::kBFloat16, true}, {400, 136, at::kHalf, true},
+      {128, 128, at::kBFloat16, true},  {300, 1000, at::kBFloat16, true},
+      {272, 1000, at::kFloat, true},    {272, 1000, at::kBFloat16, false}};
+  for (const auto& [rows, cols, dtype, transposed] : cases) {
+    const std::string label = testing::shape_name(rows, cols) + " " + c10::toString(dtype) +
+                              (transposed ? " with the transpose" : "");
+    const auto x = at::randn({rows, cols}).to(dtype);
+    auto options = tiles(Fp8BlockShape::k1x128);
+    options.format = Fp8Format::kE5M2;  // a gradient's format under "hybrid"
+    auto dbias_cpu = at::empty({cols});
+    auto dbias_gpu = at::full({cols}, kNaN, at::kCUDA);
+    const auto cpu = quantize_blockwise(x, options, transposed, dbias_cpu);
+    const auto gpu = quantize_blockwise(x.cuda(), options, transposed, dbias_gpu);
+    EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data)) << label;
+    if (transposed) {
+      EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data)) << label;
+      EXPECT_TRUE(BytesEqual(gpu.transposed.scale_inv, cpu.transposed.scale_inv)) << label;
+    }
+    const auto bound = x.to(at::kFloat).abs().sum(0) * 1e-5f + 1e-6f;
+    const auto error = (dbias_gpu.cpu() - dbias_cpu).abs();
+    EXPECT_TRUE((error <= bound).all().item<bool>())
+        << label << ": largest error " << error.max().item<float>() << " at column "
+        << error.argmax().item<int64_t>();
+    // In the bias's half dtype: the float32 sum rounded once.
+    auto rounded = at::full({cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    quantize_blockwise(x.cuda(), options, transposed, rounded);
+    EXPECT_TRUE(BytesEqual(rounded, dbias_gpu.to(at::kBFloat16))) << label;
+  }
+}
+
 // The CPU GEMM multiplies the dequantized tiles: against float64 on the same FP8 values, and
 // within FP8 rounding of the unquantized product.
 TEST_F(BlockwiseTest, GemmIsTheProductOfTheTiles) {

@@ -144,13 +144,19 @@ __global__ void __launch_bounds__(kTileThreads, 3)
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols) packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
-  }
-  // The values of a pass, zero outside x (a zero changes no amax).
-  const auto values = [&](int pass, float (&v)[8]) {
-    const bool inside = r0 + row_in_pass + pass * kRowsPerPass < rows && gc < cols;
+    if (gr < rows && gc < cols) {
+      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+    } else {
+      // Zero bits, whole 16-byte words at a time (a zero changes no amax; element-wise 2-byte
+      // writes cost spills).
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = inside ? to_float(packs[pass].v[j]) : 0.0f;
+      for (int w = 0; w < static_cast<int>(sizeof(Pack8<T>) / 16); ++w)
+        reinterpret_cast<uint4*>(&packs[pass])[w] = make_uint4(0, 0, 0, 0);
+    }
+  }
+  const auto values = [&](int pass, float (&v)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
   };
   float column_amax[8] = {};
 #pragma unroll
@@ -204,6 +210,149 @@ __global__ void __launch_bounds__(kTileThreads, 3)
     }
     __syncthreads();
     store_transposed_tile<kBlockLen, kTileThreads>(tile_t, out_t, rows, r0, c0, cols - c0);
+  }
+}
+
+// Element `half` (0: the low 16 bits) of a word holding two 2-byte values, in float32.
+template <typename T>
+__device__ __forceinline__ float half_to_float(uint32_t word, int half);
+template <>
+__device__ __forceinline__ float half_to_float<__nv_bfloat16>(uint32_t word, int half) {
+  return __uint_as_float(half == 0 ? word << 16 : word & 0xFFFF0000u);
+}
+template <>
+__device__ __forceinline__ float half_to_float<__half>(uint32_t word, int half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(word >> (16 * half))));
+}
+
+// The same tiles for 2-byte inputs (bf16, fp16) with xᵀ, through a staged copy of the input
+// tile instead of the quantized transposed bytes. The row pass is the tile kernel's (a half-warp
+// per row, 8-byte stores), and it also leaves each thread's 16-byte packs in shared memory. The
+// column pass then reads them back a column pair (one 4-byte word) at a time: a thread takes two
+// columns over 16 rows, their amaxes are reduced over the 8 threads holding the other rows by
+// shuffles, and each thread stores its two 16-byte pieces of xᵀ's rows, 8 threads filling a
+// whole 128-byte line. No byte-wide shared stores, no transposed tile, no shared reduction of
+// column amaxes; the packs do not stay in registers across the barrier (fewer registers, more
+// resident blocks). The staged rows' 16-byte chunks are XOR-swizzled by row / 16, so that
+// neither the row pass's 16-byte stores nor the column pass's reads (8 row groups × 4 words per
+// warp) meet on a bank. Needs what the tile kernel needs with kTransposed.
+// With kDbias, the column pass also sums each column over the tile's rows (a thread's 16 rows in
+// order, then the 8 threads by a fixed shuffle tree) into dbias_part [row tiles, cols]: a
+// layer's bias gradient from the read that quantizes its output gradient (TE's
+// cast_transpose_dbias).
+template <typename T, bool kE5M2, bool kDbias>
+__global__ void __launch_bounds__(kTileThreads, 4)
+    quantize_1x128_staged_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                 BlockwiseScaling s, uint8_t* __restrict__ out,
+                                 float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
+                                 float* __restrict__ scale_inv_t, float* __restrict__ dbias_part) {
+  static_assert(sizeof(T) == 2, "the column pass reads column pairs as 4-byte words");
+  constexpr int kChunks = kBlockLen / 8;                // 16-byte chunks per row: 16
+  constexpr int kRowsPerPass = kTileThreads / kChunks;  // 16
+  constexpr int kPasses = kBlockLen / kRowsPerPass;     // 8
+  __shared__ uint4 staged[kBlockLen][kChunks];          // [row][chunk ^ (row / 16)], 32 KB
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kBlockLen;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kBlockLen;
+  const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
+  const int64_t gc = c0 + chunk * 8;
+  Pack8<T> packs[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
+    if (gr < rows && gc < cols) {
+      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+    } else {
+      // Zero bits, a whole pack at a time (element-wise 2-byte writes cost spills).
+      *reinterpret_cast<uint4*>(&packs[pass]) = make_uint4(0, 0, 0, 0);  // a zero changes no amax
+    }
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = row_in_pass + pass * kRowsPerPass;  // r / 16 == pass
+    const int64_t gr = r0 + r;
+    float v[8];
+    float amax = 0.0f;  // fmaxf drops a NaN
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v[j] = to_float(packs[pass].v[j]);
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int offset = kChunks / 2; offset > 0; offset /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+    const float scale = tile_scale<kE5M2>(amax, s);
+    if (gr < rows) {
+      uint32_t unused = 0;
+      if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
+      if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
+    }
+    staged[r][chunk ^ pass] = *reinterpret_cast<const uint4*>(&packs[pass]);
+  }
+  __syncthreads();
+  // Lane l of warp w: column pair w·4 + l % 4 (+ 32 in the second round), rows (l / 4)·16 on.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / 4;  // rows group·16 .. group·16 + 15 of the tile
+  const int64_t out_row0 = r0 + group * 16;
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    const int pair_chunk = round * 8 + warp;  // the 16-byte chunk holding the column pair
+    const int pair = pair_chunk * 4 + lane % 4;
+    uint32_t words[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      words[i] = reinterpret_cast<const uint32_t*>(&staged[group * 16 + i][pair_chunk ^ group])[lane % 4];
+    }
+    const auto value = [&](int i, int half) { return half_to_float<T>(words[i], half); };
+    float amax0 = 0.0f, amax1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      amax0 = fmaxf(amax0, fabsf(value(i, 0)));
+      amax1 = fmaxf(amax1, fabsf(value(i, 1)));
+    }
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2) {
+      amax0 = fmaxf(amax0, __shfl_xor_sync(0xFFFFFFFFu, amax0, offset));
+      amax1 = fmaxf(amax1, __shfl_xor_sync(0xFFFFFFFFu, amax1, offset));
+    }
+    const float scale0 = tile_scale<kE5M2>(amax0, s), scale1 = tile_scale<kE5M2>(amax1, s);
+    const int64_t c = c0 + 2 * pair;  // x's columns c and c + 1: xᵀ's rows
+    if (group == 0) {
+      float* scales = scale_inv_t + static_cast<int64_t>(blockIdx.y) * cols;
+      if (c < cols) scales[c] = __fdiv_rn(1.0f, scale0);
+      if (c + 1 < cols) scales[c + 1] = __fdiv_rn(1.0f, scale1);
+    }
+    if constexpr (kDbias) {
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        sum0 += value(i, 0);
+        sum1 += value(i, 1);
+      }
+#pragma unroll
+      for (int offset = 4; offset < 32; offset *= 2) {
+        sum0 += __shfl_xor_sync(0xFFFFFFFFu, sum0, offset);
+        sum1 += __shfl_xor_sync(0xFFFFFFFFu, sum1, offset);
+      }
+      if (group == 0) {
+        float* sums = dbias_part + static_cast<int64_t>(blockIdx.y) * cols;
+        if (c < cols) sums[c] = sum0;
+        if (c + 1 < cols) sums[c + 1] = sum1;
+      }
+    }
+    uint4 bytes0, bytes1;
+    uint32_t* b0 = reinterpret_cast<uint32_t*>(&bytes0);
+    uint32_t* b1 = reinterpret_cast<uint32_t*>(&bytes1);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      b0[q] = saturating_cast2<kE5M2>(value(4 * q, 0), value(4 * q + 1, 0), scale0) |
+              (saturating_cast2<kE5M2>(value(4 * q + 2, 0), value(4 * q + 3, 0), scale0) << 16);
+      b1[q] = saturating_cast2<kE5M2>(value(4 * q, 1), value(4 * q + 1, 1), scale1) |
+              (saturating_cast2<kE5M2>(value(4 * q + 2, 1), value(4 * q + 3, 1), scale1) << 16);
+    }
+    if (out_row0 < rows) {
+      if (c < cols) *reinterpret_cast<uint4*>(out_t + c * rows + out_row0) = bytes0;
+      if (c + 1 < cols) *reinterpret_cast<uint4*>(out_t + (c + 1) * rows + out_row0) = bytes1;
+    }
   }
 }
 
@@ -396,10 +545,39 @@ int dispatch_format(bool e5m2, F&& f) {
 
 }  // namespace
 
+int64_t quantize_1x128_dbias_parts(int64_t rows) { return (rows + kBlockLen - 1) / kBlockLen; }
+
 int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t cols,
                           BlockwiseScaling s, void* out, float* scale_inv, void* out_t,
-                          float* scale_inv_t, Stream stream) {
+                          float* scale_inv_t, Stream stream, float* dbias_part, void* dbias,
+                          InputType dbias_type) {
   if (rows == 0 || cols == 0) return cudaSuccess;
+  if (dbias != nullptr) {
+    // Only the staged kernel sums columns: 2-byte inputs with xᵀ, in its shape.
+    const bool staged = (type == InputType::kBFloat16 || type == InputType::kHalf) &&
+                        out_t != nullptr && cols % 8 == 0 && rows % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(out_t) % 16 == 0;
+    if (!staged) return kUnsupportedShape;
+    const int err = dispatch_input(type, [&](auto zero) {
+      using T = decltype(zero);
+      if constexpr (sizeof(T) == 2) {
+        return dispatch_format(s.e5m2, [&](auto e5m2) {
+          const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
+                          static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+          quantize_1x128_staged_kernel<T, decltype(e5m2)::value, true><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              static_cast<uint8_t*>(out_t), scale_inv_t, dbias_part);
+          return static_cast<int>(cudaGetLastError());
+        });
+      } else {
+        return kUnsupportedShape;  // not reached: checked above
+      }
+    });
+    if (err != 0) return err;
+    return launch_column_sum(dbias_part, static_cast<int>(quantize_1x128_dbias_parts(rows)), cols,
+                             dbias, dbias_type, stream);
+  }
   return dispatch_input(type, [&](auto zero) {
     using T = decltype(zero);
     return dispatch_format(s.e5m2, [&](auto e5m2) {
@@ -409,8 +587,16 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
           (!transposed || (rows % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0))) {
         const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
                         static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
-        const auto kernel = transposed ? quantize_1x128_tile_kernel<T, kE5M2, true>
-                                       : quantize_1x128_tile_kernel<T, kE5M2, false>;
+        auto kernel = transposed ? quantize_1x128_tile_kernel<T, kE5M2, true>
+                                 : quantize_1x128_tile_kernel<T, kE5M2, false>;
+        if constexpr (sizeof(T) == 2) {
+          if (transposed) {
+            quantize_1x128_staged_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
+                static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+                static_cast<uint8_t*>(out_t), scale_inv_t, nullptr);
+            return static_cast<int>(cudaGetLastError());
+          }
+        }
         kernel<<<grid, kTileThreads, 0, stream>>>(
             static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
             static_cast<uint8_t*>(out_t), scale_inv_t);
