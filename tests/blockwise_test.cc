@@ -142,15 +142,20 @@ void expect_quantize_matches_cpu(const at::Tensor& x, const BlockwiseQuantizeOpt
   EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data)) << label << " (transposed)";
   EXPECT_TRUE(BytesEqual(gpu.transposed.scale_inv, cpu.transposed.scale_inv))
       << label << " (transposed)";
+  // Without the transpose the kernels differ (no transposed tile or column pass).
+  const auto alone = quantize_blockwise(x.cuda(), options, /*transposed=*/false).data;
+  EXPECT_TRUE(BytesEqual(alone.data, cpu.data.data)) << label << " (no transpose)";
+  EXPECT_TRUE(BytesEqual(alone.scale_inv, cpu.data.scale_inv)) << label << " (no transpose)";
 }
 
 // CUDA and CPU give the same bytes: awkward shapes, every input dtype, both formats, both
 // tile shapes, with and without power-of-two scales, with NaN, infinities and zero tiles.
 TEST_F(BlockwiseTest, CudaMatchesCpuByteForByte_CUDA) {
   AMP8_REQUIRE_CUDA();
-  // Shapes for both CUDA paths of 1×128 tiles: the one-tile kernel (cols % 8 == 0, and with the
-  // transpose rows % 16 == 0; partial tiles at both edges: 272 x 1000, 16 x 200, 400 x 136) and
-  // the general one (the others).
+  // Shapes for every CUDA path: where cols % 8 == 0 (and with the transpose rows % 16 == 0;
+  // partial tiles at both edges: 272 x 1000, 16 x 200, 400 x 136, 128 x 128) the one-read 1×128
+  // kernels (the staged one for bf16 and fp16 with the transpose, the tile one otherwise) and,
+  // for bf16 and fp16, the vectorized 128×128 kernel; the general kernels for the others.
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
       {1, 130}, {257, 385}, {128, 128}, {300, 1000}, {7, 64}, {272, 1000}, {16, 200}, {400, 136}};
   for (const auto& [rows, cols] : shapes) {

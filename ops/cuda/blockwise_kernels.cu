@@ -417,6 +417,78 @@ __global__ void __launch_bounds__(kSquareThreads)
   }
 }
 
+// The same blocks for 2-byte inputs (bf16, fp16) with 16-byte loads held in registers: the
+// block's amax from one read, then its bytes from the same registers as 8-byte stores, and xᵀ's
+// (the same bytes, the same scale) through the swizzled transposed tile as whole 128-byte lines,
+// as cast_transpose writes them. Needs cols % 8 == 0 and a 16-byte aligned x; with xᵀ also
+// rows % 16 == 0 and a 16-byte aligned out_t.
+// (No minimum of resident blocks: asked for three, ptxas spills at the 80 registers it uses
+// without spilling when left alone.)
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kTileThreads)
+    quantize_128x128_vector_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                   BlockwiseScaling s, uint8_t* __restrict__ out,
+                                   float* __restrict__ scale_inv, int64_t scale_ld,
+                                   uint8_t* __restrict__ out_t, float* __restrict__ scale_inv_t,
+                                   int64_t scale_ld_t) {
+  static_assert(sizeof(T) == 2, "8 elements per 16-byte load");
+  constexpr int kChunks = kBlockLen / 8;                // threads per row: 16
+  constexpr int kRowsPerPass = kTileThreads / kChunks;  // 16
+  constexpr int kPasses = kBlockLen / kRowsPerPass;     // 8
+  __shared__ alignas(16) uint8_t tile_t[kBlockLen * kTileRows];  // [col][row], swizzled
+  __shared__ float warp_amax[kTileThreads / 32];
+  const int64_t rb = blockIdx.y, cb = blockIdx.x;
+  const int64_t r0 = rb * kBlockLen, c0 = cb * kBlockLen;
+  const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
+  const int64_t gc = c0 + chunk * 8;
+  Pack8<T> packs[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
+    if (gr < rows && gc < cols) {
+      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+    } else {
+      *reinterpret_cast<uint4*>(&packs[pass]) = make_uint4(0, 0, 0, 0);  // a zero changes no amax
+    }
+  }
+  float amax = 0.0f;  // fmaxf drops a NaN
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_float(packs[pass].v[j])));
+  }
+  amax = warp_max(amax);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+#pragma unroll
+  for (int w = 1; w < kTileThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
+  const float scale = tile_scale<kE5M2>(amax, s);
+  if (threadIdx.x == 0) {
+    const float inv = __fdiv_rn(1.0f, scale);
+    scale_inv[rb * scale_ld + cb] = inv;
+    if (scale_inv_t != nullptr) scale_inv_t[cb * scale_ld_t + rb] = inv;
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = row_in_pass + pass * kRowsPerPass;
+    const int64_t gr = r0 + r;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
+    uint32_t unused = 0;
+    const uint64_t packed = saturating_cast8<kE5M2>(v, scale, unused);
+    if (gr < rows && gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
+    if (out_t != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) tile_t[swizzled(chunk * 8 + j, r)] = static_cast<uint8_t>(packed >> (8 * j));
+    }
+  }
+  if (out_t == nullptr) return;
+  __syncthreads();
+  store_transposed_tile<kBlockLen, kTileThreads>(tile_t, out_t, rows, r0, c0, cols - c0);
+}
+
 // ---- a weight's 128×128 blocks from the shards of it ranks hold (blockwise fp8_params) ----
 // One thread block per (shard, block of its weight); its threads walk the block's rows 128
 // elements at a time (one warp per row segment, coalesced) and take only the elements the shard
@@ -629,6 +701,16 @@ int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t
       constexpr bool kE5M2 = decltype(e5m2)::value;
       const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
                       static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+      if constexpr (sizeof(T) == 2) {
+        const bool transposed = out_t != nullptr;
+        if (cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+            (!transposed || (rows % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0))) {
+          quantize_128x128_vector_kernel<T, kE5M2><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);
+          return static_cast<int>(cudaGetLastError());
+        }
+      }
       quantize_128x128_kernel<T, kE5M2><<<grid, kSquareThreads, 0, stream>>>(
           static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
           scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);
