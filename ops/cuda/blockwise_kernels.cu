@@ -120,7 +120,9 @@ __global__ void __launch_bounds__(kTransposeThreads)
 // shared memory, and its bytes through the swizzled transposed tile as whole 128-byte lines of
 // xᵀ. The two kernels above read x twice with 2- and 64-byte accesses: a quarter of the copy
 // rate, a fifth of a 1b GPT's blockwise step. Needs cols % 8 == 0 and a 16-byte aligned x; with
-// kTransposed, rows % 16 == 0 and a 16-byte aligned out_t.
+// kTransposed, rows % 16 == 0 and a 16-byte aligned out_t. With kTransposed it now serves float32
+// inputs only: 2-byte ones take the staged kernel below (this one holds its 8 packs across the
+// column pass: 80 registers, three resident blocks).
 constexpr int kTileThreads = 256;
 
 template <typename T, bool kE5M2, bool kTransposed>
