@@ -237,7 +237,6 @@ at::Tensor empty_bias_grad(const Fp8LinearSaved& saved, int64_t features, const 
   return at::empty({features}, like.options().dtype(direct ? b : at::kFloat));
 }
 
-
 // The row-major buffer whose adjacent column blocks `pieces` are (2-D, one dtype, unit column
 // stride, rows one buffer width apart, each starting where the one before ends), as one
 // [rows, Σ cols_i] view of it; undefined when they are not.
