@@ -86,8 +86,8 @@ struct Fp8BlockwiseCastTranspose {
 /// float16: the bias's own dtype), receives Σ_rows x, summed in float32 and rounded once: a
 /// layer's bias gradient from the read that quantizes its output gradient (TE's
 /// cast_transpose_dbias). On the GPU the quantizing kernel sums where it can (1×128 tiles with
-/// the transpose, bfloat16 or float16 x, rows % 16 == 0, cols % 8 == 0), in its own order;
-/// elsewhere LibTorch's column sum does.
+/// the transpose, bfloat16 or float16 x, rows % 16 == 0, cols % 8 == 0, x's data 16-byte
+/// aligned), in its own order; elsewhere LibTorch's column sum does.
 Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
                                              const BlockwiseQuantizeOptions& options,
                                              bool transposed = false,

@@ -162,8 +162,10 @@ TEST_F(BlockwiseTest, CudaMatchesCpuByteForByte_CUDA) {
     auto x = testing::random_wide({rows, cols}, at::kFloat);
     if (rows * cols > 200) {
       x.view(-1)[3] = kNaN;
+      x.view(-1)[4] = -kNaN;  // keeps its sign in float32 and float16 (bfloat16's cast drops it)
       x.view(-1)[150] = -kInf;
-      x.narrow(0, rows - 1, 1).zero_();
+      x.narrow(0, rows - 1, 1).zero_();  // zero row tiles
+      x.narrow(1, 1, 1).zero_();         // zero tiles of xᵀ
     }
     for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       for (const auto block : {Fp8BlockShape::k1x128, Fp8BlockShape::k128x128}) {
@@ -204,40 +206,68 @@ TEST_F(BlockwiseTest, DbiasIsTheColumnSum) {
 
 // The CUDA dbias against the CPU's column sum: from the quantizing kernel (per-tile sums, then a
 // fixed-order sum over the tiles) where it takes the shape (2-byte x with the transpose, rows %
-// 16 == 0, cols % 8 == 0: 272 × 1000, 400 × 136, 128 × 128, partial tiles included), from
-// LibTorch's sum elsewhere (float32 x, 300 × 1000, no transpose); the bytes beside it the CPU's.
-// Normal data: a lost or doubled tile of 128 rows moves a column sum by ~11, far outside the
-// rounding bound.
+// 16 == 0, cols % 8 == 0, aligned: 272 × 1000, 400 × 136, 128 × 128, 16 × 200, partial tiles
+// included), from LibTorch's sum elsewhere (300 × 1000, float32 x, no transpose, x 2 bytes off
+// alignment); the bytes and scales beside it the CPU's. Normal data: a lost or doubled tile of
+// 128 rows moves a column sum by ~11, far outside the rounding bound.
 TEST_F(BlockwiseTest, CudaDbiasMatchesCpu_CUDA) {
   AMP8_REQUIRE_CUDA();
-  const std::vector<std::tuple<int64_t, int64_t, at::ScalarType, bool>> cases = {
+  struct Case {
+    int64_t rows, cols;
+    at::ScalarType dtype;
+    bool transposed;
+    bool misaligned = false;  // x starts 2 bytes into its storage: LibTorch's sum instead
+  };
+  const std::vector<Case> cases = {
       {272, 1000, at::kBFloat16, true}, {400, 136, at::kHalf, true},
-      {128, 128, at::kBFloat16, true},  {300, 1000, at::kBFloat16, true},
-      {272, 1000, at::kFloat, true},    {272, 1000, at::kBFloat16, false}};
-  for (const auto& [rows, cols, dtype, transposed] : cases) {
-    const std::string label = testing::shape_name(rows, cols) + " " + c10::toString(dtype) +
-                              (transposed ? " with the transpose" : "");
-    const auto x = at::randn({rows, cols}).to(dtype);
+      {128, 128, at::kBFloat16, true},  {16, 200, at::kHalf, true},
+      {300, 1000, at::kBFloat16, true}, {272, 1000, at::kFloat, true},
+      {272, 1000, at::kBFloat16, false}, {272, 1000, at::kBFloat16, true, true}};
+  for (const auto& c : cases) {
+    const std::string label = testing::shape_name(c.rows, c.cols) + " " +
+                              c10::toString(c.dtype) + (c.transposed ? " with the transpose" : "") +
+                              (c.misaligned ? " misaligned" : "");
+    auto x = at::randn({c.rows, c.cols}).to(c.dtype);
+    // A NaN, an infinity and a zero column among the values quantized beside the sums: their
+    // columns are left out of the sum comparison (NaN and inf there on both sides).
+    x[5][3] = -kNaN;
+    x[7][11] = kInf;
+    x.narrow(1, 1, 1).zero_();
+    auto x_gpu = x.cuda();
+    if (c.misaligned) {
+      x_gpu = at::empty({x.numel() + 1}, x_gpu.options()).narrow(0, 1, x.numel()).view_as(x);
+      x_gpu.copy_(x.cuda());
+    }
     auto options = tiles(Fp8BlockShape::k1x128);
     options.format = Fp8Format::kE5M2;  // a gradient's format under "hybrid"
-    auto dbias_cpu = at::empty({cols});
-    auto dbias_gpu = at::full({cols}, kNaN, at::kCUDA);
-    const auto cpu = quantize_blockwise(x, options, transposed, dbias_cpu);
-    const auto gpu = quantize_blockwise(x.cuda(), options, transposed, dbias_gpu);
+    auto dbias_cpu = at::empty({c.cols});
+    auto dbias_gpu = at::full({c.cols}, kNaN, at::kCUDA);
+    const auto cpu = quantize_blockwise(x, options, c.transposed, dbias_cpu);
+    const auto gpu = quantize_blockwise(x_gpu, options, c.transposed, dbias_gpu);
     EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data)) << label;
-    if (transposed) {
+    EXPECT_TRUE(BytesEqual(gpu.data.scale_inv, cpu.data.scale_inv)) << label;
+    if (c.transposed) {
       EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data)) << label;
       EXPECT_TRUE(BytesEqual(gpu.transposed.scale_inv, cpu.transposed.scale_inv)) << label;
     }
+    const auto sums_gpu = dbias_gpu.cpu();
+    EXPECT_TRUE(std::isnan(sums_gpu[3].item<float>())) << label;
+    EXPECT_EQ(sums_gpu[11].item<float>(), kInf) << label;
+    EXPECT_EQ(sums_gpu[1].item<float>(), 0.0f) << label;
+    auto finite = at::ones({c.cols}, at::kBool);
+    finite[3] = false;
+    finite[11] = false;
     const auto bound = x.to(at::kFloat).abs().sum(0) * 1e-5f + 1e-6f;
-    const auto error = (dbias_gpu.cpu() - dbias_cpu).abs();
-    EXPECT_TRUE((error <= bound).all().item<bool>())
-        << label << ": largest error " << error.max().item<float>() << " at column "
-        << error.argmax().item<int64_t>();
-    // In the bias's half dtype: the float32 sum rounded once.
-    auto rounded = at::full({cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
-    quantize_blockwise(x.cuda(), options, transposed, rounded);
-    EXPECT_TRUE(BytesEqual(rounded, dbias_gpu.to(at::kBFloat16))) << label;
+    const auto error = (sums_gpu - dbias_cpu).abs();
+    EXPECT_TRUE((error <= bound).logical_or(finite.logical_not()).all().item<bool>())
+        << label << ": largest error " << error.masked_fill(finite.logical_not(), 0).max().item<float>();
+    // In the bias's half dtype: the float32 sum rounded once (compared where finite: NaN's
+    // encoding differs between conversions).
+    auto rounded = at::full({c.cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    quantize_blockwise(x_gpu, options, c.transposed, rounded);
+    EXPECT_TRUE(BytesEqual(rounded.cpu().masked_select(finite),
+                           dbias_gpu.to(at::kBFloat16).cpu().masked_select(finite)))
+        << label;
   }
 }
 

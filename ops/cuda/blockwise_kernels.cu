@@ -621,18 +621,20 @@ int dispatch_format(bool e5m2, F&& f) {
 
 int64_t quantize_1x128_dbias_parts(int64_t rows) { return (rows + kBlockLen - 1) / kBlockLen; }
 
+bool quantize_1x128_sums_columns(InputType type, int64_t rows, int64_t cols, const void* x,
+                                 const void* out_t) {
+  return (type == InputType::kBFloat16 || type == InputType::kHalf) && out_t != nullptr &&
+         rows > 0 && cols > 0 && cols % 8 == 0 && rows % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0;
+}
+
 int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t cols,
                           BlockwiseScaling s, void* out, float* scale_inv, void* out_t,
                           float* scale_inv_t, Stream stream, float* dbias_part, void* dbias,
                           InputType dbias_type) {
-  if (rows == 0 || cols == 0) return cudaSuccess;
   if (dbias != nullptr) {
-    // Only the staged kernel sums columns: 2-byte inputs with xᵀ, in its shape.
-    const bool staged = (type == InputType::kBFloat16 || type == InputType::kHalf) &&
-                        out_t != nullptr && cols % 8 == 0 && rows % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(out_t) % 16 == 0;
-    if (!staged) return kUnsupportedShape;
+    // Only the staged kernel sums columns.
+    if (!quantize_1x128_sums_columns(type, rows, cols, x, out_t)) return kUnsupportedShape;
     const int err = dispatch_input(type, [&](auto zero) {
       using T = decltype(zero);
       if constexpr (sizeof(T) == 2) {
@@ -652,6 +654,7 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
     return launch_column_sum(dbias_part, static_cast<int>(quantize_1x128_dbias_parts(rows)), cols,
                              dbias, dbias_type, stream);
   }
+  if (rows == 0 || cols == 0) return cudaSuccess;
   return dispatch_input(type, [&](auto zero) {
     using T = decltype(zero);
     return dispatch_format(s.e5m2, [&](auto e5m2) {
@@ -661,19 +664,19 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
           (!transposed || (rows % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0))) {
         const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
                         static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
-        auto kernel = transposed ? quantize_1x128_tile_kernel<T, kE5M2, true>
-                                 : quantize_1x128_tile_kernel<T, kE5M2, false>;
-        if constexpr (sizeof(T) == 2) {
-          if (transposed) {
-            quantize_1x128_staged_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
-                static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
-                static_cast<uint8_t*>(out_t), scale_inv_t, nullptr);
-            return static_cast<int>(cudaGetLastError());
-          }
+        if (!transposed) {
+          quantize_1x128_tile_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              nullptr, nullptr);
+        } else if constexpr (sizeof(T) == 2) {
+          quantize_1x128_staged_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              static_cast<uint8_t*>(out_t), scale_inv_t, nullptr);
+        } else {
+          quantize_1x128_tile_kernel<T, kE5M2, true><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              static_cast<uint8_t*>(out_t), scale_inv_t);
         }
-        kernel<<<grid, kTileThreads, 0, stream>>>(
-            static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
-            static_cast<uint8_t*>(out_t), scale_inv_t);
         return static_cast<int>(cudaGetLastError());
       }
       const int64_t tiles = rows * ((cols + kBlockLen - 1) / kBlockLen);

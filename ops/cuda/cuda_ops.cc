@@ -115,18 +115,17 @@ void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions
                                        static_cast<float>(options.amax_epsilon)};
   const bool transposed = out_t.defined();
   if (dbias_out.defined()) {
-    if (options.block == Fp8BlockShape::k1x128 && transposed) {
+    if (options.block == Fp8BlockShape::k1x128 &&
+        cuda::quantize_1x128_sums_columns(input_type(x), x.size(0), x.size(1), x.const_data_ptr(),
+                                          transposed ? out_t.const_data_ptr() : nullptr)) {
       auto part = at::empty({cuda::quantize_1x128_dbias_parts(x.size(0)), x.size(1)},
                             x.options().dtype(at::kFloat));
-      const int err = cuda::launch_quantize_1x128(
+      AMP8_CUDA_CHECK(cuda::launch_quantize_1x128(
           x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling,
           out.mutable_data_ptr(), scale_inv.mutable_data_ptr<float>(), out_t.mutable_data_ptr(),
           scale_inv_t.mutable_data_ptr<float>(), current_stream(), part.mutable_data_ptr<float>(),
-          dbias_out.mutable_data_ptr(), input_type(dbias_out));
-      if (err != cuda::kUnsupportedShape) {
-        AMP8_CUDA_CHECK(err);
-        return;
-      }
+          dbias_out.mutable_data_ptr(), input_type(dbias_out)));
+      return;
     }
     sum_rows_into(dbias_out, x);
   }

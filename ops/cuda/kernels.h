@@ -275,6 +275,9 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
                           void* dbias = nullptr, InputType dbias_type = InputType::kFloat);
 // Rows of launch_quantize_1x128's dbias_part: one per 128-row tile.
 int64_t quantize_1x128_dbias_parts(int64_t rows);
+// Whether launch_quantize_1x128 sums the columns of this x (its dbias shape, above).
+bool quantize_1x128_sums_columns(InputType type, int64_t rows, int64_t cols, const void* x,
+                                 const void* out_t);
 // x in 128×128 blocks: out [rows, cols], scale_inv of block (i, j) at i·scale_ld + j; with out_t
 // non-null also xᵀ [cols, rows] with the same scales at j·scale_ld_t + i.
 int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t cols,

@@ -6,7 +6,8 @@
 #   cast_transpose_bench, gpt_pretrain_main                                      (main)
 # It runs the patched GPU tests, cast_transpose_bench main/new interleaved twice, the 1b GPT step
 # (blockwise with FP8 and with bf16 weights, delayed) with each binary, and the 1b blockwise
-# step's device time by category with each, and last Nsight Compute of the staged kernel.
+# step's device time by category with each, compute-sanitizer (memcheck, racecheck) over the
+# kernels' tests, and last Nsight Compute of the staged kernel.
 # Everything is written straight under $OUT/K, so
 # what ran comes back even if the call is cut short.
 set -u
@@ -47,6 +48,16 @@ for v in main new; do
   echo "profile $v exit $?"; find $S/prof_$v -name step_profile.txt -exec cp {} $R/1b_blockwise_${v}_step_profile.txt \;
   head -14 $R/1b_blockwise_${v}_step_profile.txt
 done
+# Then compute-sanitizer over the new kernels' tests: out-of-bounds accesses and shared-memory
+# races that byte comparisons cannot see.
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ -n "$SAN" ]; then
+  for tool in memcheck racecheck; do
+    timeout 150 $SAN --tool $tool --error-exitcode 9 $B/blockwise_test \
+      --gtest_filter='*CudaMatchesCpuByteForByte_CUDA:*CudaDbiasMatchesCpu_CUDA' --gtest_brief=1 > $R/sanitizer_$tool.txt 2>&1
+    echo "compute-sanitizer $tool exit $?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $R/sanitizer_$tool.txt | head -4
+  done
+fi
 # Last, if the call still has time: Nsight Compute of the staged kernel (what limits it now).
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 if [ -n "$NCU" ]; then
