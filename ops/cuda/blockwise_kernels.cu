@@ -113,6 +113,57 @@ __global__ void __launch_bounds__(kTransposeThreads)
   }
 }
 
+// The one-read kernels below share a thread layout over a 128 × 128 tile of x at (r0, c0): 256
+// threads, a half-warp per row, each thread holding the 16 bytes at columns gc = c0 + 8·chunk of
+// rows r0 + row_in_pass + 16·pass (8 passes).
+constexpr int kTileThreads = 256;
+constexpr int kTileChunks = kBlockLen / 8;                    // threads per row: 16
+constexpr int kTileRowsPerPass = kTileThreads / kTileChunks;  // 16
+constexpr int kTilePasses = kBlockLen / kTileRowsPerPass;     // 8
+
+// A thread's packs of the tile, every load issued before any is used; zero bits outside x (a
+// zero changes no amax), written a whole 16-byte word at a time (element-wise 2-byte writes cost
+// spills).
+template <typename T>
+__device__ __forceinline__ void load_tile_packs(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                                int64_t r0, int64_t gc, int row_in_pass,
+                                                Pack8<T> (&packs)[kTilePasses]) {
+#pragma unroll
+  for (int pass = 0; pass < kTilePasses; ++pass) {
+    const int64_t gr = r0 + row_in_pass + pass * kTileRowsPerPass;
+    if (gr < rows && gc < cols) {
+      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+    } else {
+#pragma unroll
+      for (int w = 0; w < static_cast<int>(sizeof(Pack8<T>) / 16); ++w)
+        reinterpret_cast<uint4*>(&packs[pass])[w] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// A thread's 8 values v of row gr in its 1×128 row tile (blockIdx.x): the tile's amax over the
+// half-warp holding the row (every lane must call it), the tile's scale, the 8 bytes stored, and
+// 1 / scale into scale_inv [col tiles, rows] by the row's first thread.
+template <bool kE5M2>
+__device__ __forceinline__ void quantize_row_tile_share(const float (&v)[8], int64_t gr, int64_t gc,
+                                                        int64_t rows, int64_t cols, int chunk,
+                                                        const BlockwiseScaling& s,
+                                                        uint8_t* __restrict__ out,
+                                                        float* __restrict__ scale_inv) {
+  float amax = 0.0f;  // fmaxf drops a NaN
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+  for (int offset = kTileChunks / 2; offset > 0; offset /= 2)
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  const float scale = tile_scale<kE5M2>(amax, s);
+  if (gr < rows) {
+    uint32_t unused = 0;
+    if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
+    if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
+  }
+}
+
 // 1×128 tiles of x, and with kTransposed those of xᵀ, from one read of a 128 × 128 tile of x
 // (TE's 1-D blockwise quantization with its transpose). 256 threads: a half-warp per row, each
 // thread loading 16 bytes of 8 rows. A row tile's amax is a half-warp reduction and its bytes
@@ -123,7 +174,6 @@ __global__ void __launch_bounds__(kTransposeThreads)
 // kTransposed, rows % 16 == 0 and a 16-byte aligned out_t. With kTransposed it now serves float32
 // inputs only: 2-byte ones take the staged kernel below (this one holds its 8 packs across the
 // column pass: 80 registers, three resident blocks).
-constexpr int kTileThreads = 256;
 
 template <typename T, bool kE5M2, bool kTransposed>
 __global__ void __launch_bounds__(kTileThreads, 3)
@@ -131,9 +181,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
                                BlockwiseScaling s, uint8_t* __restrict__ out,
                                float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
                                float* __restrict__ scale_inv_t) {
-  constexpr int kChunks = kBlockLen / 8;                // threads per row
-  constexpr int kRowsPerPass = kTileThreads / kChunks;  // 16
-  constexpr int kPasses = kBlockLen / kRowsPerPass;     // 8
+  constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
   constexpr int kT = kTransposed ? 1 : 0;
   __shared__ alignas(16) uint8_t tile_t[kT ? kBlockLen * kTileRows : 1];  // [col][row], swizzled
   __shared__ float column_part[kT ? kRowsPerPass : 1][kT ? kBlockLen : 1];
@@ -143,19 +191,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
   const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
   const int64_t gc = c0 + chunk * 8;
   Pack8<T> packs[kPasses];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols) {
-      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
-    } else {
-      // Zero bits, whole 16-byte words at a time (a zero changes no amax; element-wise 2-byte
-      // writes cost spills).
-#pragma unroll
-      for (int w = 0; w < static_cast<int>(sizeof(Pack8<T>) / 16); ++w)
-        reinterpret_cast<uint4*>(&packs[pass])[w] = make_uint4(0, 0, 0, 0);
-    }
-  }
+  load_tile_packs(x, rows, cols, r0, gc, row_in_pass, packs);
   const auto values = [&](int pass, float (&v)[8]) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
@@ -166,22 +202,11 @@ __global__ void __launch_bounds__(kTileThreads, 3)
     const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
     float v[8];
     values(pass, v);
-    float amax = 0.0f;  // fmaxf drops a NaN
+    if constexpr (kTransposed) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      amax = fmaxf(amax, fabsf(v[j]));
-      if constexpr (kTransposed) column_amax[j] = fmaxf(column_amax[j], fabsf(v[j]));
+      for (int j = 0; j < 8; ++j) column_amax[j] = fmaxf(column_amax[j], fabsf(v[j]));
     }
-    // The row's 16 threads are one half of a warp.
-#pragma unroll
-    for (int offset = kChunks / 2; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-    const float scale = tile_scale<kE5M2>(amax, s);
-    if (gr < rows) {
-      uint32_t unused = 0;
-      if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
-      if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
-    }
+    quantize_row_tile_share<kE5M2>(v, gr, gc, rows, cols, chunk, s, out, scale_inv);
   }
   if constexpr (kTransposed) {
 #pragma unroll
@@ -249,45 +274,21 @@ __global__ void __launch_bounds__(kTileThreads, 4)
                                  float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
                                  float* __restrict__ scale_inv_t, float* __restrict__ dbias_part) {
   static_assert(sizeof(T) == 2, "the column pass reads column pairs as 4-byte words");
-  constexpr int kChunks = kBlockLen / 8;                // 16-byte chunks per row: 16
-  constexpr int kRowsPerPass = kTileThreads / kChunks;  // 16
-  constexpr int kPasses = kBlockLen / kRowsPerPass;     // 8
-  __shared__ uint4 staged[kBlockLen][kChunks];          // [row][chunk ^ (row / 16)], 32 KB
+  constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
+  __shared__ uint4 staged[kBlockLen][kChunks];  // [row][chunk ^ (row / 16)], 32 KB
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kBlockLen;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kBlockLen;
   const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
   const int64_t gc = c0 + chunk * 8;
   Pack8<T> packs[kPasses];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols) {
-      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
-    } else {
-      // Zero bits, a whole pack at a time (element-wise 2-byte writes cost spills).
-      *reinterpret_cast<uint4*>(&packs[pass]) = make_uint4(0, 0, 0, 0);  // a zero changes no amax
-    }
-  }
+  load_tile_packs(x, rows, cols, r0, gc, row_in_pass, packs);
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = row_in_pass + pass * kRowsPerPass;  // r / 16 == pass
-    const int64_t gr = r0 + r;
     float v[8];
-    float amax = 0.0f;  // fmaxf drops a NaN
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      v[j] = to_float(packs[pass].v[j]);
-      amax = fmaxf(amax, fabsf(v[j]));
-    }
-#pragma unroll
-    for (int offset = kChunks / 2; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-    const float scale = tile_scale<kE5M2>(amax, s);
-    if (gr < rows) {
-      uint32_t unused = 0;
-      if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
-      if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
-    }
+    for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
+    quantize_row_tile_share<kE5M2>(v, r0 + r, gc, rows, cols, chunk, s, out, scale_inv);
     staged[r][chunk ^ pass] = *reinterpret_cast<const uint4*>(&packs[pass]);
   }
   __syncthreads();
@@ -434,9 +435,7 @@ __global__ void __launch_bounds__(kTileThreads)
                                    uint8_t* __restrict__ out_t, float* __restrict__ scale_inv_t,
                                    int64_t scale_ld_t) {
   static_assert(sizeof(T) == 2, "8 elements per 16-byte load");
-  constexpr int kChunks = kBlockLen / 8;                // threads per row: 16
-  constexpr int kRowsPerPass = kTileThreads / kChunks;  // 16
-  constexpr int kPasses = kBlockLen / kRowsPerPass;     // 8
+  constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
   __shared__ alignas(16) uint8_t tile_t[kBlockLen * kTileRows];  // [col][row], swizzled
   __shared__ float warp_amax[kTileThreads / 32];
   const int64_t rb = blockIdx.y, cb = blockIdx.x;
@@ -444,15 +443,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
   const int64_t gc = c0 + chunk * 8;
   Pack8<T> packs[kPasses];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols) {
-      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
-    } else {
-      *reinterpret_cast<uint4*>(&packs[pass]) = make_uint4(0, 0, 0, 0);  // a zero changes no amax
-    }
-  }
+  load_tile_packs(x, rows, cols, r0, gc, row_in_pass, packs);
   float amax = 0.0f;  // fmaxf drops a NaN
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
