@@ -249,7 +249,7 @@ __device__ __forceinline__ float half_to_float<__nv_bfloat16>(uint32_t word, int
 }
 template <>
 __device__ __forceinline__ float half_to_float<__half>(uint32_t word, int half) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(word >> (16 * half))));
+  return to_float(__ushort_as_half(static_cast<unsigned short>(word >> (16 * half))));
 }
 
 // The same tiles for 2-byte inputs (bf16, fp16) with xᵀ, through a staged copy of the input
