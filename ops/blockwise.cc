@@ -13,6 +13,7 @@
 #include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/fp8_cpu.h"
+#include "ops/detail/row_sum.h"
 
 namespace amp8 {
 
@@ -134,7 +135,7 @@ at::Tensor Fp8BlockwiseTensor::dequantize(at::ScalarType dtype) const {
 
 Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
                                              const BlockwiseQuantizeOptions& options,
-                                             bool transposed) {
+                                             bool transposed, const at::Tensor& dbias_out) {
   TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) > 0 && x.size(1) > 0,
               "quantize_blockwise: x must be a non-empty 2-D tensor, got ",
               x.defined() ? x.sizes() : at::IntArrayRef{});
@@ -144,6 +145,7 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
   TORCH_CHECK(options.amax_epsilon >= 0 && std::isfinite(options.amax_epsilon),
               "quantize_blockwise: amax_epsilon must be finite and >= 0, got ",
               options.amax_epsilon);
+  if (dbias_out.defined()) detail::check_dbias_out(dbias_out, x, "quantize_blockwise");
   const auto in = x.contiguous();
   const int64_t rows = in.size(0), cols = in.size(1);
   const auto fp8_options = in.options().dtype(fp8_dtype(options.format));
@@ -161,12 +163,14 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
   }
   if (in.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
-    detail::quantize_blockwise_cuda(in, options, q.data, q.scale_inv, t.data, t.scale_inv);
+    detail::quantize_blockwise_cuda(in, options, q.data, q.scale_inv, t.data, t.scale_inv,
+                                    dbias_out);
     return result;
 #else
     detail::no_cuda("quantize_blockwise");
 #endif
   }
+  if (dbias_out.defined()) detail::sum_rows_into(dbias_out, in);
   if (options.block == Fp8BlockShape::k1x128) {
     quantize_cpu(in, 1, kFp8BlockLen, options, q.data, q.scale_inv, 1, rows);
     // xᵀ's tiles: 128 consecutive rows of one column of x, i.e. 1×128 along a row of xᵀ.

@@ -82,9 +82,16 @@ struct Fp8BlockwiseCastTranspose {
 /// tiles (128 consecutive rows of one column of x); for 128×128 tiles the same blocks, so the
 /// same scales, transposed. rows and cols may be any positive size.
 /// CUDA and CPU give the same bytes.
+/// `dbias_out`, when defined (a contiguous [cols] tensor on x's device, float32, bfloat16 or
+/// float16: the bias's own dtype), receives Σ_rows x, summed in float32 and rounded once: a
+/// layer's bias gradient from the read that quantizes its output gradient (TE's
+/// cast_transpose_dbias). On the GPU the quantizing kernel sums where it can (1×128 tiles with
+/// the transpose, bfloat16 or float16 x, rows % 16 == 0, cols % 8 == 0, x's data 16-byte
+/// aligned), in its own order; elsewhere LibTorch's column sum does.
 Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
                                              const BlockwiseQuantizeOptions& options,
-                                             bool transposed = false);
+                                             bool transposed = false,
+                                             const at::Tensor& dbias_out = {});
 
 /// A part of a 2-D weight [rows, cols]: its row-major elements [offset, offset + numel), e.g.
 /// the shard of it one data-parallel rank holds (Megatron's distributed optimizer cuts the

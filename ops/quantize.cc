@@ -77,20 +77,7 @@ void check_quantize_args(const at::Tensor& x, const at::Tensor& scale, const at:
   if (amax_out.defined()) detail::check_scalar_slot(amax_out, x, op, "amax_out");
 }
 
-void check_dbias_out(const at::Tensor& dbias_out, int64_t cols, const at::Device& device,
-                     std::string_view op) {
-  const auto dtype = dbias_out.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-                  dbias_out.dim() == 1 && dbias_out.size(0) == cols &&
-                  dbias_out.is_contiguous() && dbias_out.device() == device,
-              op, ": dbias_out must be a contiguous float32, bfloat16 or float16 [", cols,
-              "] tensor on ", device, ", got ", dtype, " ", dbias_out.sizes(), " on ",
-              dbias_out.device());
-}
-
-void check_dbias_out(const at::Tensor& dbias_out, const at::Tensor& x, std::string_view op) {
-  check_dbias_out(dbias_out, x.size(1), x.device(), op);
-}
+using detail::check_dbias_out;
 
 void record_amax(const at::Tensor& amax_out, float value, bool accumulate) {
   if (!amax_out.defined()) return;

@@ -142,23 +142,30 @@ void expect_quantize_matches_cpu(const at::Tensor& x, const BlockwiseQuantizeOpt
   EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data)) << label << " (transposed)";
   EXPECT_TRUE(BytesEqual(gpu.transposed.scale_inv, cpu.transposed.scale_inv))
       << label << " (transposed)";
+  // Without the transpose the kernels differ (no transposed tile or column pass).
+  const auto alone = quantize_blockwise(x.cuda(), options, /*transposed=*/false).data;
+  EXPECT_TRUE(BytesEqual(alone.data, cpu.data.data)) << label << " (no transpose)";
+  EXPECT_TRUE(BytesEqual(alone.scale_inv, cpu.data.scale_inv)) << label << " (no transpose)";
 }
 
 // CUDA and CPU give the same bytes: awkward shapes, every input dtype, both formats, both
 // tile shapes, with and without power-of-two scales, with NaN, infinities and zero tiles.
 TEST_F(BlockwiseTest, CudaMatchesCpuByteForByte_CUDA) {
   AMP8_REQUIRE_CUDA();
-  // Shapes for both CUDA paths of 1×128 tiles: the one-tile kernel (cols % 8 == 0, and with the
-  // transpose rows % 16 == 0; partial tiles at both edges: 272 x 1000, 16 x 200, 400 x 136) and
-  // the general one (the others).
+  // Shapes for every CUDA path: where cols % 8 == 0 (and with the transpose rows % 16 == 0;
+  // partial tiles at both edges: 272 x 1000, 16 x 200, 400 x 136, 128 x 128) the one-read 1×128
+  // kernels (the staged one for bf16 and fp16 with the transpose, the tile one otherwise) and,
+  // for bf16 and fp16, the vectorized 128×128 kernel; the general kernels for the others.
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
       {1, 130}, {257, 385}, {128, 128}, {300, 1000}, {7, 64}, {272, 1000}, {16, 200}, {400, 136}};
   for (const auto& [rows, cols] : shapes) {
     auto x = testing::random_wide({rows, cols}, at::kFloat);
     if (rows * cols > 200) {
       x.view(-1)[3] = kNaN;
+      x.view(-1)[4] = -kNaN;  // keeps its sign in float32 and float16 (bfloat16's cast drops it)
       x.view(-1)[150] = -kInf;
-      x.narrow(0, rows - 1, 1).zero_();
+      x.narrow(0, rows - 1, 1).zero_();  // zero row tiles
+      x.narrow(1, 1, 1).zero_();         // zero tiles of xᵀ
     }
     for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       for (const auto block : {Fp8BlockShape::k1x128, Fp8BlockShape::k128x128}) {
@@ -177,6 +184,90 @@ TEST_F(BlockwiseTest, CudaMatchesCpuByteForByte_CUDA) {
         }
       }
     }
+  }
+}
+
+// dbias_out: the column sums (a layer's bias gradient, from the read that quantizes its output
+// gradient), summed in float32 and rounded once into the bias's dtype, beside unchanged bytes.
+TEST_F(BlockwiseTest, DbiasIsTheColumnSum) {
+  const auto x = at::randn({300, 200}).to(at::kBFloat16);
+  const auto plain = quantize_blockwise(x, tiles(Fp8BlockShape::k1x128), true);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto dbias = at::full({200}, 7.0f, dtype);
+    const auto q = quantize_blockwise(x, tiles(Fp8BlockShape::k1x128), true, dbias);
+    EXPECT_TRUE(BytesEqual(dbias, x.sum(0, false, at::kFloat).to(dtype))) << dtype;
+    EXPECT_TRUE(BytesEqual(q.data.data, plain.data.data));
+    EXPECT_TRUE(BytesEqual(q.transposed.data, plain.transposed.data));
+  }
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise(x, tiles(Fp8BlockShape::k1x128), true, at::empty({199})); },
+      "quantize_blockwise: dbias_out must be a contiguous float32, bfloat16 or float16 [200]");
+}
+
+// The CUDA dbias against the CPU's column sum: from the quantizing kernel (per-tile sums, then a
+// fixed-order sum over the tiles) where it takes the shape (2-byte x with the transpose, rows %
+// 16 == 0, cols % 8 == 0, aligned: 272 × 1000, 400 × 136, 128 × 128, 16 × 200, partial tiles
+// included), from LibTorch's sum elsewhere (300 × 1000, float32 x, no transpose, x 2 bytes off
+// alignment); the bytes and scales beside it the CPU's. Normal data: a lost or doubled tile of
+// 128 rows moves a column sum by ~11, far outside the rounding bound.
+TEST_F(BlockwiseTest, CudaDbiasMatchesCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  struct Case {
+    int64_t rows, cols;
+    at::ScalarType dtype;
+    bool transposed;
+    bool misaligned = false;  // x starts 2 bytes into its storage: LibTorch's sum instead
+  };
+  const std::vector<Case> cases = {
+      {272, 1000, at::kBFloat16, true}, {400, 136, at::kHalf, true},
+      {128, 128, at::kBFloat16, true},  {16, 200, at::kHalf, true},
+      {300, 1000, at::kBFloat16, true}, {272, 1000, at::kFloat, true},
+      {272, 1000, at::kBFloat16, false}, {272, 1000, at::kBFloat16, true, true}};
+  for (const auto& c : cases) {
+    const std::string label = testing::shape_name(c.rows, c.cols) + " " +
+                              c10::toString(c.dtype) + (c.transposed ? " with the transpose" : "") +
+                              (c.misaligned ? " misaligned" : "");
+    auto x = at::randn({c.rows, c.cols}).to(c.dtype);
+    // A NaN, an infinity and a zero column among the values quantized beside the sums: their
+    // columns are left out of the sum comparison (NaN and inf there on both sides).
+    x[5][3] = -kNaN;
+    x[7][11] = kInf;
+    x.narrow(1, 1, 1).zero_();
+    auto x_gpu = x.cuda();
+    if (c.misaligned) {
+      x_gpu = at::empty({x.numel() + 1}, x_gpu.options()).narrow(0, 1, x.numel()).view_as(x);
+      x_gpu.copy_(x.cuda());
+    }
+    auto options = tiles(Fp8BlockShape::k1x128);
+    options.format = Fp8Format::kE5M2;  // a gradient's format under "hybrid"
+    auto dbias_cpu = at::empty({c.cols});
+    auto dbias_gpu = at::full({c.cols}, kNaN, at::kCUDA);
+    const auto cpu = quantize_blockwise(x, options, c.transposed, dbias_cpu);
+    const auto gpu = quantize_blockwise(x_gpu, options, c.transposed, dbias_gpu);
+    EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data)) << label;
+    EXPECT_TRUE(BytesEqual(gpu.data.scale_inv, cpu.data.scale_inv)) << label;
+    if (c.transposed) {
+      EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data)) << label;
+      EXPECT_TRUE(BytesEqual(gpu.transposed.scale_inv, cpu.transposed.scale_inv)) << label;
+    }
+    const auto sums_gpu = dbias_gpu.cpu();
+    EXPECT_TRUE(std::isnan(sums_gpu[3].item<float>())) << label;
+    EXPECT_EQ(sums_gpu[11].item<float>(), kInf) << label;
+    EXPECT_EQ(sums_gpu[1].item<float>(), 0.0f) << label;
+    auto finite = at::ones({c.cols}, at::kBool);
+    finite[3] = false;
+    finite[11] = false;
+    const auto bound = x.to(at::kFloat).abs().sum(0) * 1e-5f + 1e-6f;
+    const auto error = (sums_gpu - dbias_cpu).abs();
+    EXPECT_TRUE((error <= bound).logical_or(finite.logical_not()).all().item<bool>())
+        << label << ": largest error " << error.masked_fill(finite.logical_not(), 0).max().item<float>();
+    // In the bias's half dtype: the float32 sum rounded once (compared where finite: NaN's
+    // encoding differs between conversions).
+    auto rounded = at::full({c.cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(at::kBFloat16));
+    quantize_blockwise(x_gpu, options, c.transposed, rounded);
+    EXPECT_TRUE(BytesEqual(rounded.cpu().masked_select(finite),
+                           dbias_gpu.to(at::kBFloat16).cpu().masked_select(finite)))
+        << label;
   }
 }
 

@@ -113,6 +113,57 @@ __global__ void __launch_bounds__(kTransposeThreads)
   }
 }
 
+// The one-read kernels below share a thread layout over a 128 × 128 tile of x at (r0, c0): 256
+// threads, a half-warp per row, each thread holding the 16 bytes at columns gc = c0 + 8·chunk of
+// rows r0 + row_in_pass + 16·pass (8 passes).
+constexpr int kTileThreads = 256;
+constexpr int kTileChunks = kBlockLen / 8;                    // threads per row: 16
+constexpr int kTileRowsPerPass = kTileThreads / kTileChunks;  // 16
+constexpr int kTilePasses = kBlockLen / kTileRowsPerPass;     // 8
+
+// A thread's packs of the tile, every load issued before any is used; zero bits outside x (a
+// zero changes no amax), written a whole 16-byte word at a time (element-wise 2-byte writes cost
+// spills).
+template <typename T>
+__device__ __forceinline__ void load_tile_packs(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                                int64_t r0, int64_t gc, int row_in_pass,
+                                                Pack8<T> (&packs)[kTilePasses]) {
+#pragma unroll
+  for (int pass = 0; pass < kTilePasses; ++pass) {
+    const int64_t gr = r0 + row_in_pass + pass * kTileRowsPerPass;
+    if (gr < rows && gc < cols) {
+      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
+    } else {
+#pragma unroll
+      for (int w = 0; w < static_cast<int>(sizeof(Pack8<T>) / 16); ++w)
+        reinterpret_cast<uint4*>(&packs[pass])[w] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// A thread's 8 values v of row gr in its 1×128 row tile (blockIdx.x): the tile's amax over the
+// half-warp holding the row (every lane must call it), the tile's scale, the 8 bytes stored, and
+// 1 / scale into scale_inv [col tiles, rows] by the row's first thread.
+template <bool kE5M2>
+__device__ __forceinline__ void quantize_row_tile_share(const float (&v)[8], int64_t gr, int64_t gc,
+                                                        int64_t rows, int64_t cols, int chunk,
+                                                        const BlockwiseScaling& s,
+                                                        uint8_t* __restrict__ out,
+                                                        float* __restrict__ scale_inv) {
+  float amax = 0.0f;  // fmaxf drops a NaN
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+  for (int offset = kTileChunks / 2; offset > 0; offset /= 2)
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  const float scale = tile_scale<kE5M2>(amax, s);
+  if (gr < rows) {
+    uint32_t unused = 0;
+    if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
+    if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
+  }
+}
+
 // 1×128 tiles of x, and with kTransposed those of xᵀ, from one read of a 128 × 128 tile of x
 // (TE's 1-D blockwise quantization with its transpose). 256 threads: a half-warp per row, each
 // thread loading 16 bytes of 8 rows. A row tile's amax is a half-warp reduction and its bytes
@@ -120,8 +171,9 @@ __global__ void __launch_bounds__(kTransposeThreads)
 // shared memory, and its bytes through the swizzled transposed tile as whole 128-byte lines of
 // xᵀ. The two kernels above read x twice with 2- and 64-byte accesses: a quarter of the copy
 // rate, a fifth of a 1b GPT's blockwise step. Needs cols % 8 == 0 and a 16-byte aligned x; with
-// kTransposed, rows % 16 == 0 and a 16-byte aligned out_t.
-constexpr int kTileThreads = 256;
+// kTransposed, rows % 16 == 0 and a 16-byte aligned out_t. With kTransposed it now serves float32
+// inputs only: 2-byte ones take the staged kernel below (this one holds its 8 packs across the
+// column pass: 80 registers, three resident blocks).
 
 template <typename T, bool kE5M2, bool kTransposed>
 __global__ void __launch_bounds__(kTileThreads, 3)
@@ -129,9 +181,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
                                BlockwiseScaling s, uint8_t* __restrict__ out,
                                float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
                                float* __restrict__ scale_inv_t) {
-  constexpr int kChunks = kBlockLen / 8;                // threads per row
-  constexpr int kRowsPerPass = kTileThreads / kChunks;  // 16
-  constexpr int kPasses = kBlockLen / kRowsPerPass;     // 8
+  constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
   constexpr int kT = kTransposed ? 1 : 0;
   __shared__ alignas(16) uint8_t tile_t[kT ? kBlockLen * kTileRows : 1];  // [col][row], swizzled
   __shared__ float column_part[kT ? kRowsPerPass : 1][kT ? kBlockLen : 1];
@@ -141,16 +191,10 @@ __global__ void __launch_bounds__(kTileThreads, 3)
   const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
   const int64_t gc = c0 + chunk * 8;
   Pack8<T> packs[kPasses];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols) packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * cols + gc);
-  }
-  // The values of a pass, zero outside x (a zero changes no amax).
+  load_tile_packs(x, rows, cols, r0, gc, row_in_pass, packs);
   const auto values = [&](int pass, float (&v)[8]) {
-    const bool inside = r0 + row_in_pass + pass * kRowsPerPass < rows && gc < cols;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = inside ? to_float(packs[pass].v[j]) : 0.0f;
+    for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
   };
   float column_amax[8] = {};
 #pragma unroll
@@ -158,22 +202,11 @@ __global__ void __launch_bounds__(kTileThreads, 3)
     const int64_t gr = r0 + row_in_pass + pass * kRowsPerPass;
     float v[8];
     values(pass, v);
-    float amax = 0.0f;  // fmaxf drops a NaN
+    if constexpr (kTransposed) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      amax = fmaxf(amax, fabsf(v[j]));
-      if constexpr (kTransposed) column_amax[j] = fmaxf(column_amax[j], fabsf(v[j]));
+      for (int j = 0; j < 8; ++j) column_amax[j] = fmaxf(column_amax[j], fabsf(v[j]));
     }
-    // The row's 16 threads are one half of a warp.
-#pragma unroll
-    for (int offset = kChunks / 2; offset > 0; offset /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-    const float scale = tile_scale<kE5M2>(amax, s);
-    if (gr < rows) {
-      uint32_t unused = 0;
-      if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
-      if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
-    }
+    quantize_row_tile_share<kE5M2>(v, gr, gc, rows, cols, chunk, s, out, scale_inv);
   }
   if constexpr (kTransposed) {
 #pragma unroll
@@ -204,6 +237,125 @@ __global__ void __launch_bounds__(kTileThreads, 3)
     }
     __syncthreads();
     store_transposed_tile<kBlockLen, kTileThreads>(tile_t, out_t, rows, r0, c0, cols - c0);
+  }
+}
+
+// Element `half` (0: the low 16 bits) of a word holding two 2-byte values, in float32.
+template <typename T>
+__device__ __forceinline__ float half_to_float(uint32_t word, int half);
+template <>
+__device__ __forceinline__ float half_to_float<__nv_bfloat16>(uint32_t word, int half) {
+  return __uint_as_float(half == 0 ? word << 16 : word & 0xFFFF0000u);
+}
+template <>
+__device__ __forceinline__ float half_to_float<__half>(uint32_t word, int half) {
+  return to_float(__ushort_as_half(static_cast<unsigned short>(word >> (16 * half))));
+}
+
+// The same tiles for 2-byte inputs (bf16, fp16) with xᵀ, through a staged copy of the input
+// tile instead of the quantized transposed bytes. The row pass is the tile kernel's (a half-warp
+// per row, 8-byte stores), and it also leaves each thread's 16-byte packs in shared memory. The
+// column pass then reads them back a column pair (one 4-byte word) at a time: a thread takes two
+// columns over 16 rows, their amaxes are reduced over the 8 threads holding the other rows by
+// shuffles, and each thread stores its two 16-byte pieces of xᵀ's rows, 8 threads filling a
+// whole 128-byte line. No byte-wide shared stores, no transposed tile, no shared reduction of
+// column amaxes; the packs do not stay in registers across the barrier (fewer registers, more
+// resident blocks). The staged rows' 16-byte chunks are XOR-swizzled by row / 16, so that
+// neither the row pass's 16-byte stores nor the column pass's reads (8 row groups × 4 words per
+// warp) meet on a bank. Needs what the tile kernel needs with kTransposed.
+// With kDbias, the column pass also sums each column over the tile's rows (a thread's 16 rows in
+// order, then the 8 threads by a fixed shuffle tree) into dbias_part [row tiles, cols]: a
+// layer's bias gradient from the read that quantizes its output gradient (TE's
+// cast_transpose_dbias).
+template <typename T, bool kE5M2, bool kDbias>
+__global__ void __launch_bounds__(kTileThreads, 4)
+    quantize_1x128_staged_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                 BlockwiseScaling s, uint8_t* __restrict__ out,
+                                 float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
+                                 float* __restrict__ scale_inv_t, float* __restrict__ dbias_part) {
+  static_assert(sizeof(T) == 2, "the column pass reads column pairs as 4-byte words");
+  constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
+  __shared__ uint4 staged[kBlockLen][kChunks];  // [row][chunk ^ (row / 16)], 32 KB
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kBlockLen;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kBlockLen;
+  const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
+  const int64_t gc = c0 + chunk * 8;
+  Pack8<T> packs[kPasses];
+  load_tile_packs(x, rows, cols, r0, gc, row_in_pass, packs);
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = row_in_pass + pass * kRowsPerPass;  // r / 16 == pass
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
+    quantize_row_tile_share<kE5M2>(v, r0 + r, gc, rows, cols, chunk, s, out, scale_inv);
+    staged[r][chunk ^ pass] = *reinterpret_cast<const uint4*>(&packs[pass]);
+  }
+  __syncthreads();
+  // Lane l of warp w: column pair w·4 + l % 4 (+ 32 in the second round), rows (l / 4)·16 on.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / 4;  // rows group·16 .. group·16 + 15 of the tile
+  const int64_t out_row0 = r0 + group * 16;
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    const int pair_chunk = round * 8 + warp;  // the 16-byte chunk holding the column pair
+    const int pair = pair_chunk * 4 + lane % 4;
+    uint32_t words[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      words[i] = reinterpret_cast<const uint32_t*>(&staged[group * 16 + i][pair_chunk ^ group])[lane % 4];
+    }
+    const auto value = [&](int i, int half) { return half_to_float<T>(words[i], half); };
+    float amax0 = 0.0f, amax1 = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      amax0 = fmaxf(amax0, fabsf(value(i, 0)));
+      amax1 = fmaxf(amax1, fabsf(value(i, 1)));
+    }
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2) {
+      amax0 = fmaxf(amax0, __shfl_xor_sync(0xFFFFFFFFu, amax0, offset));
+      amax1 = fmaxf(amax1, __shfl_xor_sync(0xFFFFFFFFu, amax1, offset));
+    }
+    const float scale0 = tile_scale<kE5M2>(amax0, s), scale1 = tile_scale<kE5M2>(amax1, s);
+    const int64_t c = c0 + 2 * pair;  // x's columns c and c + 1: xᵀ's rows
+    if (group == 0) {
+      float* scales = scale_inv_t + static_cast<int64_t>(blockIdx.y) * cols;
+      if (c < cols) scales[c] = __fdiv_rn(1.0f, scale0);
+      if (c + 1 < cols) scales[c + 1] = __fdiv_rn(1.0f, scale1);
+    }
+    if constexpr (kDbias) {
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        sum0 += value(i, 0);
+        sum1 += value(i, 1);
+      }
+#pragma unroll
+      for (int offset = 4; offset < 32; offset *= 2) {
+        sum0 += __shfl_xor_sync(0xFFFFFFFFu, sum0, offset);
+        sum1 += __shfl_xor_sync(0xFFFFFFFFu, sum1, offset);
+      }
+      if (group == 0) {
+        float* sums = dbias_part + static_cast<int64_t>(blockIdx.y) * cols;
+        if (c < cols) sums[c] = sum0;
+        if (c + 1 < cols) sums[c + 1] = sum1;
+      }
+    }
+    uint4 bytes0, bytes1;
+    uint32_t* b0 = reinterpret_cast<uint32_t*>(&bytes0);
+    uint32_t* b1 = reinterpret_cast<uint32_t*>(&bytes1);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      b0[q] = saturating_cast2<kE5M2>(value(4 * q, 0), value(4 * q + 1, 0), scale0) |
+              (saturating_cast2<kE5M2>(value(4 * q + 2, 0), value(4 * q + 3, 0), scale0) << 16);
+      b1[q] = saturating_cast2<kE5M2>(value(4 * q, 1), value(4 * q + 1, 1), scale1) |
+              (saturating_cast2<kE5M2>(value(4 * q + 2, 1), value(4 * q + 3, 1), scale1) << 16);
+    }
+    if (out_row0 < rows) {
+      if (c < cols) *reinterpret_cast<uint4*>(out_t + c * rows + out_row0) = bytes0;
+      if (c + 1 < cols) *reinterpret_cast<uint4*>(out_t + (c + 1) * rows + out_row0) = bytes1;
+    }
   }
 }
 
@@ -266,6 +418,68 @@ __global__ void __launch_bounds__(kSquareThreads)
     const int64_t r = r0 + row, c = c0 + col;
     if (r < rows && c < cols) out_t[c * rows + r] = block[row][col];
   }
+}
+
+// The same blocks for 2-byte inputs (bf16, fp16) with 16-byte loads held in registers: the
+// block's amax from one read, then its bytes from the same registers as 8-byte stores, and xᵀ's
+// (the same bytes, the same scale) through the swizzled transposed tile as whole 128-byte lines,
+// as cast_transpose writes them. Needs cols % 8 == 0 and a 16-byte aligned x; with xᵀ also
+// rows % 16 == 0 and a 16-byte aligned out_t.
+// (No minimum of resident blocks: asked for three, ptxas spills at the 80 registers it uses
+// without spilling when left alone.)
+template <typename T, bool kE5M2>
+__global__ void __launch_bounds__(kTileThreads)
+    quantize_128x128_vector_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                                   BlockwiseScaling s, uint8_t* __restrict__ out,
+                                   float* __restrict__ scale_inv, int64_t scale_ld,
+                                   uint8_t* __restrict__ out_t, float* __restrict__ scale_inv_t,
+                                   int64_t scale_ld_t) {
+  static_assert(sizeof(T) == 2, "8 elements per 16-byte load");
+  constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
+  __shared__ alignas(16) uint8_t tile_t[kBlockLen * kTileRows];  // [col][row], swizzled
+  __shared__ float warp_amax[kTileThreads / 32];
+  const int64_t rb = blockIdx.y, cb = blockIdx.x;
+  const int64_t r0 = rb * kBlockLen, c0 = cb * kBlockLen;
+  const int chunk = threadIdx.x % kChunks, row_in_pass = threadIdx.x / kChunks;
+  const int64_t gc = c0 + chunk * 8;
+  Pack8<T> packs[kPasses];
+  load_tile_packs(x, rows, cols, r0, gc, row_in_pass, packs);
+  float amax = 0.0f;  // fmaxf drops a NaN
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(to_float(packs[pass].v[j])));
+  }
+  amax = warp_max(amax);
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+#pragma unroll
+  for (int w = 1; w < kTileThreads / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
+  const float scale = tile_scale<kE5M2>(amax, s);
+  if (threadIdx.x == 0) {
+    const float inv = __fdiv_rn(1.0f, scale);
+    scale_inv[rb * scale_ld + cb] = inv;
+    if (scale_inv_t != nullptr) scale_inv_t[cb * scale_ld_t + rb] = inv;
+  }
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int r = row_in_pass + pass * kRowsPerPass;
+    const int64_t gr = r0 + r;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
+    uint32_t unused = 0;
+    const uint64_t packed = saturating_cast8<kE5M2>(v, scale, unused);
+    if (gr < rows && gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
+    if (out_t != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) tile_t[swizzled(chunk * 8 + j, r)] = static_cast<uint8_t>(packed >> (8 * j));
+    }
+  }
+  if (out_t == nullptr) return;
+  __syncthreads();
+  store_transposed_tile<kBlockLen, kTileThreads>(tile_t, out_t, rows, r0, c0, cols - c0);
 }
 
 // ---- a weight's 128×128 blocks from the shards of it ranks hold (blockwise fp8_params) ----
@@ -396,9 +610,41 @@ int dispatch_format(bool e5m2, F&& f) {
 
 }  // namespace
 
+int64_t quantize_1x128_dbias_parts(int64_t rows) { return (rows + kBlockLen - 1) / kBlockLen; }
+
+bool quantize_1x128_sums_columns(InputType type, int64_t rows, int64_t cols, const void* x,
+                                 const void* out_t) {
+  return (type == InputType::kBFloat16 || type == InputType::kHalf) && out_t != nullptr &&
+         rows > 0 && cols > 0 && cols % 8 == 0 && rows % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0;
+}
+
 int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t cols,
                           BlockwiseScaling s, void* out, float* scale_inv, void* out_t,
-                          float* scale_inv_t, Stream stream) {
+                          float* scale_inv_t, Stream stream, float* dbias_part, void* dbias,
+                          InputType dbias_type) {
+  if (dbias != nullptr) {
+    // Only the staged kernel sums columns.
+    if (!quantize_1x128_sums_columns(type, rows, cols, x, out_t)) return kUnsupportedShape;
+    const int err = dispatch_input(type, [&](auto zero) {
+      using T = decltype(zero);
+      if constexpr (sizeof(T) == 2) {
+        return dispatch_format(s.e5m2, [&](auto e5m2) {
+          const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
+                          static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+          quantize_1x128_staged_kernel<T, decltype(e5m2)::value, true><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              static_cast<uint8_t*>(out_t), scale_inv_t, dbias_part);
+          return static_cast<int>(cudaGetLastError());
+        });
+      } else {
+        return kUnsupportedShape;  // not reached: checked above
+      }
+    });
+    if (err != 0) return err;
+    return launch_column_sum(dbias_part, static_cast<int>(quantize_1x128_dbias_parts(rows)), cols,
+                             dbias, dbias_type, stream);
+  }
   if (rows == 0 || cols == 0) return cudaSuccess;
   return dispatch_input(type, [&](auto zero) {
     using T = decltype(zero);
@@ -409,11 +655,19 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
           (!transposed || (rows % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0))) {
         const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
                         static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
-        const auto kernel = transposed ? quantize_1x128_tile_kernel<T, kE5M2, true>
-                                       : quantize_1x128_tile_kernel<T, kE5M2, false>;
-        kernel<<<grid, kTileThreads, 0, stream>>>(
-            static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
-            static_cast<uint8_t*>(out_t), scale_inv_t);
+        if (!transposed) {
+          quantize_1x128_tile_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              nullptr, nullptr);
+        } else if constexpr (sizeof(T) == 2) {
+          quantize_1x128_staged_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              static_cast<uint8_t*>(out_t), scale_inv_t, nullptr);
+        } else {
+          quantize_1x128_tile_kernel<T, kE5M2, true><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              static_cast<uint8_t*>(out_t), scale_inv_t);
+        }
         return static_cast<int>(cudaGetLastError());
       }
       const int64_t tiles = rows * ((cols + kBlockLen - 1) / kBlockLen);
@@ -443,6 +697,16 @@ int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t
       constexpr bool kE5M2 = decltype(e5m2)::value;
       const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
                       static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+      if constexpr (sizeof(T) == 2) {
+        const bool transposed = out_t != nullptr;
+        if (cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+            (!transposed || (rows % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0))) {
+          quantize_128x128_vector_kernel<T, kE5M2><<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);
+          return static_cast<int>(cudaGetLastError());
+        }
+      }
       quantize_128x128_kernel<T, kE5M2><<<grid, kSquareThreads, 0, stream>>>(
           static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
           scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);

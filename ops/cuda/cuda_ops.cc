@@ -107,12 +107,28 @@ void quantize_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& sca
 
 void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
                              const at::Tensor& out, const at::Tensor& scale_inv,
-                             const at::Tensor& out_t, const at::Tensor& scale_inv_t) {
+                             const at::Tensor& out_t, const at::Tensor& scale_inv_t,
+                             const at::Tensor& dbias_out) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cuda::BlockwiseScaling scaling{options.format == Fp8Format::kE5M2,
                                        options.power_of_2_scales,
                                        static_cast<float>(options.amax_epsilon)};
   const bool transposed = out_t.defined();
+  if (dbias_out.defined()) {
+    if (options.block == Fp8BlockShape::k1x128 &&
+        cuda::quantize_1x128_sums_columns(input_type(x), x.size(0), x.size(1), x.const_data_ptr(),
+                                          transposed ? out_t.const_data_ptr() : nullptr)) {
+      auto part = at::empty({cuda::quantize_1x128_dbias_parts(x.size(0)), x.size(1)},
+                            x.options().dtype(at::kFloat));
+      AMP8_CUDA_CHECK(cuda::launch_quantize_1x128(
+          x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling,
+          out.mutable_data_ptr(), scale_inv.mutable_data_ptr<float>(), out_t.mutable_data_ptr(),
+          scale_inv_t.mutable_data_ptr<float>(), current_stream(), part.mutable_data_ptr<float>(),
+          dbias_out.mutable_data_ptr(), input_type(dbias_out)));
+      return;
+    }
+    sum_rows_into(dbias_out, x);
+  }
   if (options.block == Fp8BlockShape::k1x128) {
     AMP8_CUDA_CHECK(cuda::launch_quantize_1x128(
         x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling, out.mutable_data_ptr(),

@@ -67,7 +67,13 @@ __device__ __forceinline__ uint32_t saturating_cast2(float v0, float v1, float s
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+// The hardware conversion (cvt.f32.f16) gives a NaN without its sign; LibTorch's conversion, and
+// so the CPU reference, keeps it, and a negative NaN quantizes to 0xFF.
+__device__ __forceinline__ float to_float(__half v) {
+  const float f = __half2float(v);
+  if (!isnan(f)) return f;
+  return __uint_as_float((static_cast<uint32_t>(__half_as_ushort(v) & 0x8000u) << 16) | 0x7FC00000u);
+}
 
 // float32 → T, rounded to nearest even.
 template <typename T>

@@ -264,9 +264,20 @@ struct BlockwiseScaling {
 // x [rows, cols] in 1×128 row tiles into out [rows, cols] with scale_inv [ceil(cols/128), rows];
 // with out_t non-null also xᵀ [cols, rows] in its own 1×128 tiles, scale_inv_t
 // [ceil(rows/128), cols].
+// With `dbias` non-null also dbias[c] = Σ_r x[r, c] ([cols] in dbias_type, summed in float32)
+// from the same read: per-tile column sums into `dbias_part` [quantize_1x128_dbias_parts(rows),
+// cols], then launch_column_sum. Only with xᵀ, for bfloat16 or float16 x and the fast shape
+// (cols % 8 == 0, rows % 16 == 0, 16-byte aligned x and out_t); otherwise it launches nothing
+// and returns kUnsupportedShape.
 int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t cols,
                           BlockwiseScaling scaling, void* out, float* scale_inv, void* out_t,
-                          float* scale_inv_t, Stream stream);
+                          float* scale_inv_t, Stream stream, float* dbias_part = nullptr,
+                          void* dbias = nullptr, InputType dbias_type = InputType::kFloat);
+// Rows of launch_quantize_1x128's dbias_part: one per 128-row tile.
+int64_t quantize_1x128_dbias_parts(int64_t rows);
+// Whether launch_quantize_1x128 sums the columns of this x (its dbias shape, above).
+bool quantize_1x128_sums_columns(InputType type, int64_t rows, int64_t cols, const void* x,
+                                 const void* out_t);
 // x in 128×128 blocks: out [rows, cols], scale_inv of block (i, j) at i·scale_ld + j; with out_t
 // non-null also xᵀ [cols, rows] with the same scales at j·scale_ld_t + i.
 int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t cols,

@@ -45,6 +45,22 @@ inline void check_scalar_slot(const at::Tensor& t, const at::Tensor& x, std::str
               x_name, ", got ", t.device());
 }
 
+// A bias-gradient output: a contiguous float32 / bfloat16 / float16 [cols] tensor on `device`.
+inline void check_dbias_out(const at::Tensor& dbias_out, int64_t cols, const at::Device& device,
+                            std::string_view op) {
+  const auto dtype = dbias_out.scalar_type();
+  TORCH_CHECK(is_high_precision(dtype) && dbias_out.dim() == 1 && dbias_out.size(0) == cols &&
+                  dbias_out.is_contiguous() && dbias_out.device() == device,
+              op, ": dbias_out must be a contiguous float32, bfloat16 or float16 [", cols,
+              "] tensor on ", device, ", got ", dtype, " ", dbias_out.sizes(), " on ",
+              dbias_out.device());
+}
+
+// The same for the column sums of a 2-D x.
+inline void check_dbias_out(const at::Tensor& dbias_out, const at::Tensor& x, std::string_view op) {
+  check_dbias_out(dbias_out, x.size(1), x.device(), op);
+}
+
 // ---- Lists for one multi-tensor launch (sum_of_squares, compute_amax_many) ----
 
 // Why one multi-tensor launch cannot take `tensors`: its first entry that is undefined, not

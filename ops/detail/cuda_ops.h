@@ -118,10 +118,11 @@ at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType 
 
 // Blockwise FP8 (blockwise_kernels.cu): x's tiles into out / scale_inv and, when out_t is
 // defined, xᵀ's into out_t / scale_inv_t, all allocated by the caller in the layouts of
-// Fp8BlockwiseTensor (128×128 padding zeroed).
+// Fp8BlockwiseTensor (128×128 padding zeroed); dbias_out (checked) as quantize_blockwise's.
 void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
                              const at::Tensor& out, const at::Tensor& scale_inv,
-                             const at::Tensor& out_t, const at::Tensor& scale_inv_t);
+                             const at::Tensor& out_t, const at::Tensor& scale_inv_t,
+                             const at::Tensor& dbias_out = {});
 // blockwise_shard_amax and quantize_shards_blockwise (ops/blockwise.h), arguments checked.
 void blockwise_shard_amax_cuda(const std::vector<Fp8WeightShard>& shards,
                                const std::vector<at::Tensor>& amaxes);

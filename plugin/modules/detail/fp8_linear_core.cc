@@ -227,6 +227,16 @@ Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
 
 namespace {
 
+// The bias gradient's buffer, [features] on `like`'s device: in the bias's dtype, not the
+// weight's (under fp8_params the weight is FP8, and the bias gradient went through an E4M3 cast
+// — 3 mantissa bits, nothing below 2^-9 — before the autograd engine cast it back to the bias's
+// dtype); float32 for a bias of another dtype, cast by the caller.
+at::Tensor empty_bias_grad(const Fp8LinearSaved& saved, int64_t features, const at::Tensor& like) {
+  const auto b = saved.bias_dtype;
+  const bool direct = b == at::kFloat || b == at::kBFloat16 || b == at::kHalf;
+  return at::empty({features}, like.options().dtype(direct ? b : at::kFloat));
+}
+
 // The row-major buffer whose adjacent column blocks `pieces` are (2-D, one dtype, unit column
 // stride, rows one buffer width apart, each starting where the one before ends), as one
 // [rows, Σ cols_i] view of it; undefined when they are not.
@@ -289,18 +299,13 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
   // column, written in the bias's dtype. LibTorch's own column reduction read the gradient once
   // more and staged its partial sums in a workspace about the gradient's size (138 MB at
   // 16384 × 4096 in bf16).
-  // In the bias's dtype, not the weight's: under fp8_params the weight is FP8, and the bias
-  // gradient went through an E4M3 cast (3 mantissa bits, nothing below 2^-9) before the
-  // autograd engine cast it back to the bias's dtype.
   at::Tensor dbias;
   if (need_bias && saved.has_bias) {
-    const auto b = saved.bias_dtype;
-    const bool direct = b == at::kFloat || b == at::kBFloat16 || b == at::kHalf;
     // The layer's output features: twice the gradient's columns where SwiGLU's backward (d gate,
     // d up) happens in the cast.
     const int64_t features =
         activation_backward.kind == QuantizeActivation::kDSwiGlu ? 2 * columns : columns;
-    dbias = at::empty({features}, g.front().options().dtype(direct ? b : at::kFloat));
+    dbias = empty_bias_grad(saved, features, g.front());
   }
   auto g_q = activation_backward.kind == QuantizeActivation::kNone
                  ? quantize_columns_for(g, recipe, meta, Fp8Slot::kGradOutput, dbias)
@@ -390,11 +395,16 @@ Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
       g.scalar_type() != at::kHalf) {
     g = g.to(at::kFloat);
   }
-  // The padding rows are zero: they add nothing to the column sum.
-  if (need_bias && saved.has_bias) grads.bias = g.sum(0, false, at::kFloat).to(saved.bias_dtype);
+  // The bias gradient from the read that quantizes the gradient, as fp8_linear_backward's (the
+  // kernel sums where it writes the transpose; the padding rows are zero and add nothing).
+  const at::Tensor dbias =
+      need_bias && saved.has_bias ? empty_bias_grad(saved, g.size(1), g) : at::Tensor();
   auto g_q = quantize_blockwise(g, row_tiles(recipe.backward_format),
-                                /*transposed=*/need_weight || meta.fp8_params());
+                                /*transposed=*/need_weight || meta.fp8_params(), dbias);
   g = at::Tensor();
+  if (dbias.defined()) {
+    grads.bias = dbias.scalar_type() == saved.bias_dtype ? dbias : dbias.to(saved.bias_dtype);
+  }
   if (meta.fp8_params()) {
     // The FP8 weight has no autograd gradient; its master's accumulates in main_grad.
     meta.main_grad().add_product(g_q.transposed, x_t);
