@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# GPU check of blockwise_kernels.patch (issue 19), as one device call from the repository root:
-#   run(command="bash bench/results/blockwise_kernels_staged/run_kernel.sh", carry=[".gpubin10"])
+# GPU check of the blockwise kernels (issue 19; run as staged, before they landed), as one device call from the repository root:
+#   run(command="bash bench/results/blockwise_kernels/run_kernel.sh", carry=[".gpubin10"])
 # .gpubin10/ (git-ignored) holds xz-compressed binaries built on the CPU machine (MANIFEST.md):
 #   blockwise_test, fp8_linear_test, cast_transpose_bench_new, gpt_pretrain_new  (main + patch)
 #   cast_transpose_bench, gpt_pretrain_main                                      (main)
-# It runs the patched GPU tests, cast_transpose_bench main/new interleaved twice, the 1b GPT step
-# (blockwise with FP8 and with bf16 weights, delayed) with each binary, and the 1b blockwise
-# step's device time by category with each, compute-sanitizer (memcheck, racecheck) over the
-# kernels' tests, and last Nsight Compute of the staged kernel.
+# It runs the patched GPU tests, compute-sanitizer (memcheck, racecheck) over the kernels' tests,
+# cast_transpose_bench main/new interleaved twice, the 1b GPT step (blockwise with FP8 and with
+# bf16 weights, delayed) with each binary, the 1b blockwise step's device time by category with
+# each, and last Nsight Compute of the staged kernel.
 # Everything is written straight under $OUT/K, so
 # what ran comes back even if the call is cut short.
 set -u
@@ -21,6 +21,16 @@ run() { local name=$1 t=$2; shift 2; echo "== $name: $*" >> $R/tests.txt; timeou
 run blockwise 120 $B/blockwise_test --gtest_filter='*_CUDA*'
 run fp8_linear 120 $B/fp8_linear_test --gtest_filter='*_CUDA*'
 grep -E "FAILED|PASSED|Failure" $R/tests.txt | head -20
+# compute-sanitizer over the new kernels' tests: out-of-bounds accesses and shared-memory
+# races that byte comparisons cannot see.
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ -n "$SAN" ]; then
+  for tool in memcheck racecheck; do
+    timeout 90 $SAN --tool $tool --error-exitcode 9 $B/blockwise_test \
+      --gtest_filter='*CudaMatchesCpuByteForByte_CUDA:*CudaDbiasMatchesCpu_CUDA' --gtest_brief=1 > $R/sanitizer_$tool.txt 2>&1
+    echo "compute-sanitizer $tool exit $?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $R/sanitizer_$tool.txt | head -4
+  done
+fi
 for round in 1 2; do for v in cast_transpose_bench cast_transpose_bench_new; do
   timeout 90 $B/$v > $R/bench_${v}_$round.jsonl 2> $R/bench_${v}_$round.err; echo "$v round $round exit $?"
   python3 -c "
@@ -48,16 +58,6 @@ for v in main new; do
   echo "profile $v exit $?"; find $S/prof_$v -name step_profile.txt -exec cp {} $R/1b_blockwise_${v}_step_profile.txt \;
   head -14 $R/1b_blockwise_${v}_step_profile.txt
 done
-# Then compute-sanitizer over the new kernels' tests: out-of-bounds accesses and shared-memory
-# races that byte comparisons cannot see.
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
-if [ -n "$SAN" ]; then
-  for tool in memcheck racecheck; do
-    timeout 150 $SAN --tool $tool --error-exitcode 9 $B/blockwise_test \
-      --gtest_filter='*CudaMatchesCpuByteForByte_CUDA:*CudaDbiasMatchesCpu_CUDA' --gtest_brief=1 > $R/sanitizer_$tool.txt 2>&1
-    echo "compute-sanitizer $tool exit $?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $R/sanitizer_$tool.txt | head -4
-  done
-fi
 # Last, if the call still has time: Nsight Compute of the staged kernel (what limits it now).
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 if [ -n "$NCU" ]; then
