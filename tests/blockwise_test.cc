@@ -289,6 +289,23 @@ Fp8Difference fp8_difference(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTens
   return {steps.ne(0).sum().item<int64_t>(), steps.max().item<int64_t>()};
 }
 
+// Two quantizations of nearly the same values: the same tile scales, and at most `allowed` bytes
+// apart, each by one FP8 step; x's tiles and, with `transposed`, xᵀ's.
+void expect_within_one_step(const Fp8BlockwiseCastTranspose& actual,
+                            const Fp8BlockwiseCastTranspose& expected, bool transposed,
+                            int64_t allowed, const std::string& label) {
+  for (const bool t : {false, true}) {
+    if (t && !transposed) continue;
+    const auto& a = t ? actual.transposed : actual.data;
+    const auto& b = t ? expected.transposed : expected.data;
+    const std::string where = label + (t ? " (transposed)" : "");
+    const auto d = fp8_difference(a, b);
+    EXPECT_LE(d.differing, allowed) << where;
+    EXPECT_LE(d.largest_steps, 1) << where;
+    EXPECT_TRUE(BytesEqual(a.scale_inv, b.scale_inv)) << where << ": scales";
+  }
+}
+
 // The activation's values as LibTorch computes them in float32, written in x's dtype: what TE's
 // blockwise recipe quantizes (the activation in the input's precision, then its tiles).
 at::Tensor libtorch_gelu_written(const at::Tensor& x, const at::Tensor& gelu_input = {}) {
@@ -316,24 +333,14 @@ TEST_F(BlockwiseTest, GeluTilesAreTheTilesOfTheActivationWrittenInTheInputDtype)
       auto backward = forward;
       backward.format = Fp8Format::kE5M2;
       const auto allowed = 2 + rows * cols / 1000;
-      const auto expect_close = [&](const Fp8BlockwiseCastTranspose& fused,
-                                    const Fp8BlockwiseCastTranspose& reference,
-                                    const std::string& what) {
-        for (const bool t : {false, true}) {
-          const auto& a = t ? fused.transposed : fused.data;
-          const auto& b = t ? reference.transposed : reference.data;
-          const auto d = fp8_difference(a, b);
-          EXPECT_LE(d.differing, allowed) << what << (t ? " transposed " : " ") << label;
-          EXPECT_LE(d.largest_steps, 1) << what << (t ? " transposed " : " ") << label;
-          EXPECT_TRUE(BytesEqual(a.scale_inv, b.scale_inv)) << what << " scales " << label;
-        }
-      };
-      expect_close(quantize_blockwise_gelu(x, forward, true),
-                   quantize_blockwise(libtorch_gelu_written(x), forward, true), "gelu");
+      expect_within_one_step(quantize_blockwise_gelu(x, forward, true),
+                             quantize_blockwise(libtorch_gelu_written(x), forward, true), true,
+                             allowed, "gelu " + label);
       auto dbias = at::empty({cols});
       const auto fused = quantize_blockwise_dgelu(grad, x, backward, true, dbias);
       const auto written = libtorch_gelu_written(grad, x);
-      expect_close(fused, quantize_blockwise(written, backward, true), "dgelu");
+      expect_within_one_step(fused, quantize_blockwise(written, backward, true), true, allowed,
+                             "dgelu " + label);
       // FC1's bias gradient: the column sums of the values quantized (as written in x's dtype).
       const auto sums = written.to(at::kFloat).sum(0);
       EXPECT_LT(relative_error(dbias, sums), 1e-3) << label;
@@ -379,24 +386,15 @@ TEST_F(BlockwiseTest, CudaGeluTilesMatchCpu_CUDA) {
       auto options = tiles(Fp8BlockShape::k1x128);
       options.format = format;
       const auto allowed = 2 + c.rows * c.cols / 1000;
-      const auto expect_close = [&](const Fp8BlockwiseCastTranspose& gpu,
-                                    const Fp8BlockwiseCastTranspose& cpu, const std::string& what) {
-        for (const bool t : {false, true}) {
-          if (t && !c.transposed) continue;
-          const auto& a = t ? gpu.transposed : gpu.data;
-          const auto& b = t ? cpu.transposed : cpu.data;
-          const auto d = fp8_difference(a, b);
-          EXPECT_LE(d.differing, allowed) << what << (t ? " transposed " : " ") << label;
-          EXPECT_LE(d.largest_steps, 1) << what << (t ? " transposed " : " ") << label;
-          EXPECT_TRUE(BytesEqual(a.scale_inv, b.scale_inv)) << what << " scales " << label;
-        }
-      };
-      expect_close(quantize_blockwise_gelu(x.cuda(), options, c.transposed),
-                   quantize_blockwise_gelu(x, options, c.transposed), "gelu");
+      expect_within_one_step(quantize_blockwise_gelu(x.cuda(), options, c.transposed),
+                             quantize_blockwise_gelu(x, options, c.transposed), c.transposed,
+                             allowed, "gelu " + label);
       auto dbias_cpu = at::empty({c.cols});
       auto dbias_gpu = at::full({c.cols}, kNaN, at::kCUDA);
-      expect_close(quantize_blockwise_dgelu(grad.cuda(), x_gpu, options, c.transposed, dbias_gpu),
-                   quantize_blockwise_dgelu(grad, x, options, c.transposed, dbias_cpu), "dgelu");
+      expect_within_one_step(
+          quantize_blockwise_dgelu(grad.cuda(), x_gpu, options, c.transposed, dbias_gpu),
+          quantize_blockwise_dgelu(grad, x, options, c.transposed, dbias_cpu), c.transposed,
+          allowed, "dgelu " + label);
       const auto bound = libtorch_gelu_written(grad, x).to(at::kFloat).abs().sum(0) * 1e-3f + 1e-6f;
       const auto error = (dbias_gpu.cpu() - dbias_cpu).abs();
       EXPECT_TRUE((error <= bound).all().item<bool>())
