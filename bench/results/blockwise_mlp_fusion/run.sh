@@ -31,40 +31,6 @@ for shard in 0 1 2; do
   GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$shard run quantize_$shard 150 $B/quantize_test --gtest_filter='*_CUDA*' &
 done; wait
 grep -E "FAILED|Failure" $R/tests.txt | head -20
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
-if [ -n "$SAN" ]; then
-  for tool in memcheck; do
-    timeout 60 $SAN --tool $tool --error-exitcode 9 $B/blockwise_test \
-      --gtest_filter='*CudaGeluTilesMatchCpu_CUDA' --gtest_brief=1 > $R/sanitizer_$tool.txt 2>&1
-    echo "compute-sanitizer $tool exit $?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $R/sanitizer_$tool.txt | head -4
-  done
-fi
-if [ -d $N ]; then
-  run nan_blockwise 120 $N/blockwise_test --gtest_filter='*_CUDA*'
-  for shard in 0 1 2; do
-    GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$shard run nan_quantize_$shard 150 $N/quantize_test --gtest_filter='*_CUDA*' &
-  done; wait
-fi
-for round in 1 2; do for v in $B $N; do
-  [ -d $v ] || continue
-  tag=${v#.gpubin}_$round
-  timeout 120 $v/cast_transpose_bench > $R/cast_transpose_bench_$tag.jsonl 2> $R/cast_transpose_bench_$tag.err; echo "cast_transpose_bench $v round $round exit $?"
-  python3 -c "
-import json
-for l in open('$R/cast_transpose_bench_$tag.jsonl'):
-    try: r=json.loads(l)
-    except Exception: continue
-    if ('blockwise' in r.get('case','') and 'shards' not in r.get('case','')) or r.get('case')=='cast_transpose_amax': print('  ', r['case'], r.get('shape'), round(r.get('ours_ms',0),4), 'baseline', round(r.get('baseline_ms',0) or 0,4), 'speedup', round(r.get('speedup',0) or 0,3), 'of copy', round(r.get('fraction_of_copy',0),3))
-"
-done; done
-timeout 60 $B/layer_norm_bench > $R/layer_norm_bench.jsonl 2> $R/layer_norm_bench.err; echo "layer_norm_bench exit $?"
-python3 -c "
-import json
-for l in open('$R/layer_norm_bench.jsonl'):
-    try: r=json.loads(l)
-    except Exception: continue
-    if r.get('case') in ('layer_norm_bwd_bf16','rms_norm_bwd_bf16'): print('  ', r['case'], r.get('shape'), round(r.get('ours_ms',0),4), round(r.get('fraction_of_copy',0),3))
-"
 find /usr/lib/python3* -name '*.py' 2>/dev/null | sort | xargs cat > $S/stdlib.txt
 common="--config 1b --micro-batch 8 --steps 40 --log-every 20 --data $S/stdlib.txt --save-last false"
 step_round() {
@@ -83,6 +49,40 @@ for l in open('$R/step_fused_${fused}_$round.jsonl'):
   done
 }
 step_round 1
+for round in 1 2; do for v in $B $N; do
+  [ -d $v ] || continue
+  tag=${v#.gpubin}_$round
+  timeout 120 $v/cast_transpose_bench > $R/cast_transpose_bench_$tag.jsonl 2> $R/cast_transpose_bench_$tag.err; echo "cast_transpose_bench $v round $round exit $?"
+  python3 -c "
+import json
+for l in open('$R/cast_transpose_bench_$tag.jsonl'):
+    try: r=json.loads(l)
+    except Exception: continue
+    if ('blockwise' in r.get('case','') and 'shards' not in r.get('case','')) or r.get('case')=='cast_transpose_amax': print('  ', r['case'], r.get('shape'), round(r.get('ours_ms',0),4), 'baseline', round(r.get('baseline_ms',0) or 0,4), 'speedup', round(r.get('speedup',0) or 0,3), 'of copy', round(r.get('fraction_of_copy',0),3))
+"
+done; done
+if [ -d $N ]; then
+  run nan_blockwise 120 $N/blockwise_test --gtest_filter='*_CUDA*'
+  for shard in 0 1 2; do
+    GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$shard run nan_quantize_$shard 150 $N/quantize_test --gtest_filter='*_CUDA*' &
+  done; wait
+fi
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [ -n "$SAN" ]; then
+  for tool in memcheck; do
+    timeout 60 $SAN --tool $tool --error-exitcode 9 $B/blockwise_test \
+      --gtest_filter='*CudaGeluTilesMatchCpu_CUDA' --gtest_brief=1 > $R/sanitizer_$tool.txt 2>&1
+    echo "compute-sanitizer $tool exit $?"; grep -E "ERROR SUMMARY|PASSED|FAILED" $R/sanitizer_$tool.txt | head -4
+  done
+fi
+timeout 60 $B/layer_norm_bench > $R/layer_norm_bench.jsonl 2> $R/layer_norm_bench.err; echo "layer_norm_bench exit $?"
+python3 -c "
+import json
+for l in open('$R/layer_norm_bench.jsonl'):
+    try: r=json.loads(l)
+    except Exception: continue
+    if r.get('case') in ('layer_norm_bwd_bf16','rms_norm_bwd_bf16'): print('  ', r['case'], r.get('shape'), round(r.get('ours_ms',0),4), round(r.get('fraction_of_copy',0),3))
+"
 timeout 120 $B/gpt_pretrain --config 1b --micro-batch 8 --steps 14 --log-every 7 --compare bf16-mixed+fp8+blockwise+fp8-params \
   --profile $S/prof --profile-first-step 10 --profile-steps 3 --data $S/stdlib.txt --save-dir $S/prof_run --save-last false > $R/prof.log 2>&1
 echo "profile exit $? (${SECONDS} s)"; find $S/prof -name step_profile.txt -exec cp {} $R/1b_blockwise_fused_step_profile.txt \;
