@@ -469,8 +469,9 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
       EXPECT_LT(relative_error(p.value().grad(), other.grad()), bound) << p.key() << " " << where;
     }
+    const auto sequence_buffers = sequence->named_buffers();  // held, as the parameters above
     for (auto& b : fused->named_buffers()) {
-      const auto& other = sequence->named_buffers()[b.key()];
+      const auto& other = sequence_buffers[b.key()];
       if (recipe_kind == "blockwise") {
         // Its scales come from the tiles: neither side touches the FP8 metadata.
         EXPECT_TRUE(BytesEqual(b.value(), other)) << b.key() << " " << where;
