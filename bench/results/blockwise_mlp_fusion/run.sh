@@ -6,7 +6,7 @@
 # .gpubin12/ (git-ignored) holds xz-compressed binaries built on the CPU machine from e6a53e0:
 # blockwise_test, fp8_layer_norm_test, fp8_linear_test, quantize_test, gpt_model_test,
 # cast_transpose_bench, layer_norm_bench, gpt_pretrain. .gpubin13/, when carried, the same
-# of 6bb2555 (blockwise_test, quantize_test, cast_transpose_bench): its byte-for-byte tests and
+# of 6bb2555 (blockwise_test, quantize_test, cast_transpose_bench; fp8_layer_norm_test of 540b1b6): its byte-for-byte tests and
 # its cast_transpose_bench interleaved with e6a53e0's.
 # It runs every _CUDA test of those test binaries, compute-sanitizer memcheck over the
 # new kernels' test, cast_transpose_bench twice (the fused casts against LibTorch's GELU kernels
@@ -63,6 +63,7 @@ for l in open('$R/cast_transpose_bench_$tag.jsonl'):
 done; done
 if [ -d $N ]; then
   run nan_blockwise 120 $N/blockwise_test --gtest_filter='*_CUDA*'
+  [ -x $N/fp8_layer_norm_test ] && run nan_fp8_layer_norm 150 $N/fp8_layer_norm_test --gtest_filter='*_CUDA*'
   for shard in 0 1 2; do
     GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$shard run nan_quantize_$shard 150 $N/quantize_test --gtest_filter='*_CUDA*' &
   done; wait
