@@ -16,6 +16,10 @@
 namespace amp8::cuda {
 namespace {
 
+// These kernels are bound by their instructions, not by memory: their paired conversions test
+// for NaN once per pair instead of clamping each value (Fp8CastMode).
+constexpr Fp8CastMode kCastMode = Fp8CastMode::kNanBranch;
+
 constexpr int kBlockLen = 128;
 
 template <bool kE5M2>
@@ -160,7 +164,9 @@ __device__ __forceinline__ void quantize_row_tile_share(const float (&v)[8], int
   const float scale = tile_scale<kE5M2>(amax, s);
   if (gr < rows) {
     uint32_t unused = 0;
-    if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
+    if (gc < cols)
+      *reinterpret_cast<uint64_t*>(out + gr * cols + gc) =
+          saturating_cast8<kE5M2, kCastMode>(v, scale, unused);
     if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
   }
 }
@@ -231,7 +237,8 @@ __global__ void __launch_bounds__(kTileThreads, 3)
 #pragma unroll
       for (int j = 0; j < 8; j += 2) {
         const int c = chunk * 8 + j;
-        const uint32_t pair = saturating_cast2<kE5M2>(v[j], v[j + 1], column_scale[c], column_scale[c + 1]);
+        const uint32_t pair = saturating_cast2<kE5M2, kCastMode>(v[j], v[j + 1], column_scale[c],
+                                                                 column_scale[c + 1]);
         tile_t[swizzled(c, r)] = static_cast<uint8_t>(pair);
         tile_t[swizzled(c + 1, r)] = static_cast<uint8_t>(pair >> 8);
       }
@@ -369,10 +376,12 @@ __global__ void __launch_bounds__(kTileThreads, kAct == CastActivation::kDGelu ?
     uint32_t* b1 = reinterpret_cast<uint32_t*>(&bytes1);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      b0[q] = saturating_cast2<kE5M2>(value(4 * q, 0), value(4 * q + 1, 0), scale0) |
-              (saturating_cast2<kE5M2>(value(4 * q + 2, 0), value(4 * q + 3, 0), scale0) << 16);
-      b1[q] = saturating_cast2<kE5M2>(value(4 * q, 1), value(4 * q + 1, 1), scale1) |
-              (saturating_cast2<kE5M2>(value(4 * q + 2, 1), value(4 * q + 3, 1), scale1) << 16);
+      b0[q] = saturating_cast2<kE5M2, kCastMode>(value(4 * q, 0), value(4 * q + 1, 0), scale0) |
+              (saturating_cast2<kE5M2, kCastMode>(value(4 * q + 2, 0), value(4 * q + 3, 0), scale0)
+               << 16);
+      b1[q] = saturating_cast2<kE5M2, kCastMode>(value(4 * q, 1), value(4 * q + 1, 1), scale1) |
+              (saturating_cast2<kE5M2, kCastMode>(value(4 * q + 2, 1), value(4 * q + 3, 1), scale1)
+               << 16);
     }
     if (out_row0 < rows) {
       if (c < cols) *reinterpret_cast<uint4*>(out_t + c * rows + out_row0) = bytes0;
@@ -492,7 +501,7 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
     uint32_t unused = 0;
-    const uint64_t packed = saturating_cast8<kE5M2>(v, scale, unused);
+    const uint64_t packed = saturating_cast8<kE5M2, kCastMode>(v, scale, unused);
     if (gr < rows && gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
     if (out_t != nullptr) {
 #pragma unroll
