@@ -385,11 +385,6 @@ struct BlockwiseGeluMLPFunction : public torch::autograd::Function<BlockwiseGelu
     }
   };
 
-  static const Fp8BlockwiseTensor& dgrad_blocks(const Fp8LinearImpl::Fp8Call& call,
-                                                const detail::Fp8LinearSaved& saved) {
-    return saved.dgrad_weight_transposed ? call.weight_blocks.transposed : call.weight_blocks.data;
-  }
-
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
                                const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
                                const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
@@ -412,8 +407,8 @@ struct BlockwiseGeluMLPFunction : public torch::autograd::Function<BlockwiseGelu
         ctx, fc2_saved, detail::pad_rows(fc1_out, rows_padded), fc2_call.weight_blocks,
         fc2_has_bias ? fc2_bias : at::Tensor(), fc2_call.out_dtype, "fc2.x_t",
         detail::QuantizeActivation::kGelu);
-    const auto& w1 = dgrad_blocks(fc1_call, fc1_saved);
-    const auto& w2 = dgrad_blocks(fc2_call, fc2_saved);
+    const auto& w1 = detail::dgrad_weight_blocks_of(fc1_call.weight_blocks, fc1_saved);
+    const auto& w2 = detail::dgrad_weight_blocks_of(fc2_call.weight_blocks, fc2_saved);
     detail::save_tensors(ctx, SavedTensors{fc1_out, w1.data, w1.scale_inv, w2.data, w2.scale_inv});
     fc1_saved.save(ctx, "fc1");
     fc2_saved.save(ctx, "fc2");

@@ -225,6 +225,11 @@ Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
   return {Fp8Tensor(w.data.detach(), w.scale_inv, w.format), false};
 }
 
+const Fp8BlockwiseTensor& dgrad_weight_blocks_of(const Fp8BlockwiseCastTranspose& weight_blocks,
+                                                 const Fp8LinearSaved& saved) {
+  return saved.dgrad_weight_transposed ? weight_blocks.transposed : weight_blocks.data;
+}
+
 namespace {
 
 // The bias gradient's buffer, [features] on `like`'s device: in the bias's dtype, not the

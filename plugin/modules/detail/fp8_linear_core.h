@@ -179,6 +179,10 @@ at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
 /// retained (see take_input_transpose).
 Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradContext* ctx,
                                                   Fp8Format format, const std::string& key = "x_t");
+/// The blockwise dgrad operand to save in the forward: Wᵀ's 128×128 blocks, or under fp8_params
+/// (saved.dgrad_weight_transposed false) W's, transposed in the backward.
+const Fp8BlockwiseTensor& dgrad_weight_blocks_of(const Fp8BlockwiseCastTranspose& weight_blocks,
+                                                 const Fp8LinearSaved& saved);
 /// The backward GEMMs of the blockwise recipe: the output gradient quantized in 1×128 tiles
 /// (and its transpose, for wgrad, in its own tiles) in the recipe's backward format; wgrad
 /// dW = dyᵀ·x from the two transposes (1×128 × 1×128; under fp8_params into main_grad), dgrad
