@@ -3,7 +3,8 @@
 // amax, scale+cast and transpose as separate ops; with the fused bias gradient (dbias) against
 // cast_transpose + LibTorch's column sum; with GELU / GELU's backward inside the cast against
 // LibTorch's GELU kernels before it. Also the plain quantize kernel, and the blockwise
-// quantization (1×128 and 128×128 tiles, with transposes), and every FP8 weight of a GPT
+// quantization (1×128 and 128×128 tiles, with transposes; 1×128 with GELU or its backward inside
+// against LibTorch's GELU kernels before it), and every FP8 weight of a GPT
 // quantized in one quantize_many launch against one quantize per weight, and in 128×128 blocks.
 
 #include <ATen/ATen.h>
@@ -74,6 +75,38 @@ int main(int argc, char** argv) {
           .timing(ms, "cast_transpose (tensorwise, delayed scale)", ours_ms)
           .set("gbps", bytes / ms / 1e6)
           .set("fraction_of_copy", bytes / ms / 1e6 / copy_gbps)
+          .print();
+    }
+
+    // The blockwise recipe's MLP casts: GELU inside FC2's input quantization (1×128 tiles and
+    // the transpose) against LibTorch's GELU then quantize_blockwise, and GELU's backward with
+    // FC1's bias gradient inside its gradient's against LibTorch's gelu_backward then
+    // quantize_blockwise with dbias (what the blockwise MLP did before). The dGELU kernel also
+    // reads GELU's input: its bytes count them.
+    {
+      BlockwiseQuantizeOptions tiles;
+      const double fused_ms = bench::median_ms([&] { quantize_blockwise_gelu(x, tiles, true); });
+      const double separate_ms =
+          bench::median_ms([&] { quantize_blockwise(at::gelu(x, "tanh"), tiles, true); });
+      bench::Record("quantize_blockwise_gelu", shape, cmd)
+          .timing(fused_ms, "at::gelu(tanh) + quantize_blockwise", separate_ms)
+          .set("gbps", bytes / fused_ms / 1e6)
+          .set("fraction_of_copy", bytes / fused_ms / 1e6 / copy_gbps)
+          .print();
+      auto gelu_input = at::randn({rows, cols}, cuda.dtype(at::kBFloat16));
+      auto dbias = at::empty({cols}, cuda.dtype(at::kFloat));
+      tiles.format = Fp8Format::kE5M2;
+      const double dgelu_ms =
+          bench::median_ms([&] { quantize_blockwise_dgelu(x, gelu_input, tiles, true, dbias); });
+      const double dgelu_separate_ms = bench::median_ms([&] {
+        quantize_blockwise(at::gelu_backward(x, gelu_input, "tanh"), tiles, true, dbias);
+      });
+      const double dgelu_bytes = bytes + gelu_input.nbytes();
+      bench::Record("quantize_blockwise_dgelu_dbias", shape, cmd)
+          .timing(dgelu_ms, "at::gelu_backward(tanh) + quantize_blockwise with dbias",
+                  dgelu_separate_ms)
+          .set("gbps", dgelu_bytes / dgelu_ms / 1e6)
+          .set("fraction_of_copy", dgelu_bytes / dgelu_ms / 1e6 / copy_gbps)
           .print();
     }
 

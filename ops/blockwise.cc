@@ -13,6 +13,7 @@
 #include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/fp8_cpu.h"
+#include "ops/detail/gelu_values.h"
 #include "ops/detail/row_sum.h"
 
 namespace amp8 {
@@ -133,34 +134,96 @@ at::Tensor Fp8BlockwiseTensor::dequantize(at::ScalarType dtype) const {
   return (data.to(at::kFloat) * scales.reshape({rows, cols})).to(dtype);
 }
 
-Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
-                                             const BlockwiseQuantizeOptions& options,
-                                             bool transposed, const at::Tensor& dbias_out) {
-  TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) > 0 && x.size(1) > 0,
-              "quantize_blockwise: x must be a non-empty 2-D tensor, got ",
+namespace {
+
+void check_quantize_input(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
+                          const at::Tensor& dbias_out, const char* op) {
+  TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) > 0 && x.size(1) > 0, op,
+              ": x must be a non-empty 2-D tensor, got ",
               x.defined() ? x.sizes() : at::IntArrayRef{});
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                   x.scalar_type() == at::kHalf,
-              "quantize_blockwise: x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  TORCH_CHECK(options.amax_epsilon >= 0 && std::isfinite(options.amax_epsilon),
-              "quantize_blockwise: amax_epsilon must be finite and >= 0, got ",
-              options.amax_epsilon);
-  if (dbias_out.defined()) detail::check_dbias_out(dbias_out, x, "quantize_blockwise");
+              op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(options.amax_epsilon >= 0 && std::isfinite(options.amax_epsilon), op,
+              ": amax_epsilon must be finite and >= 0, got ", options.amax_epsilon);
+  if (dbias_out.defined()) detail::check_dbias_out(dbias_out, x, op);
+}
+
+// The outputs of quantize_blockwise for a contiguous x, allocated (scale grids zeroed: the
+// 128×128 grid's padding columns stay zero).
+Fp8BlockwiseCastTranspose empty_result(const at::Tensor& x,
+                                       const BlockwiseQuantizeOptions& options, bool transposed) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const auto fp8_options = x.options().dtype(fp8_dtype(options.format));
+  const auto float_options = x.options().dtype(at::kFloat);
+  Fp8BlockwiseCastTranspose result;
+  result.data = {at::empty({rows, cols}, fp8_options),
+                 at::zeros(blockwise_scale_shape(rows, cols, options.block), float_options),
+                 options.format, options.block};
+  if (transposed) {
+    result.transposed = {at::empty({cols, rows}, fp8_options),
+                         at::zeros(blockwise_scale_shape(cols, rows, options.block), float_options),
+                         options.format, options.block};
+  }
+  return result;
+}
+
+// quantize_blockwise_gelu (gelu_input undefined) and quantize_blockwise_dgelu.
+Fp8BlockwiseCastTranspose quantize_gelu_values(const at::Tensor& x, const at::Tensor& gelu_input,
+                                               const BlockwiseQuantizeOptions& options,
+                                               bool transposed, const at::Tensor& dbias_out,
+                                               const char* op) {
+  check_quantize_input(x, options, dbias_out, op);
+  const auto in = x.contiguous();
+  if (gelu_input.defined()) detail::check_gelu_input(in, gelu_input, op);
+  if (in.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    auto result = empty_result(in, options, transposed);
+    if (detail::quantize_blockwise_gelu_cuda(in, gelu_input, options, result.data.data,
+                                             result.data.scale_inv, result.transposed.data,
+                                             result.transposed.scale_inv, dbias_out)) {
+      return result;
+    }
+    // A shape the one-read kernel does not take: LibTorch's GELU (tanh computed its own way, so
+    // a value may land a float32 ulp apart), written in x's dtype, then quantized.
+    const auto values = gelu_input.defined()
+                            ? at::gelu_backward(in.to(at::kFloat), gelu_input.to(at::kFloat), "tanh")
+                            : at::gelu(in.to(at::kFloat), "tanh");
+    return quantize_blockwise(values.to(in.scalar_type()), options, transposed, dbias_out);
+#else
+    detail::no_cuda(op);
+#endif
+  }
+  return quantize_blockwise(detail::gelu_values_cpu(in, gelu_input).to(in.scalar_type()), options,
+                            transposed, dbias_out);
+}
+
+}  // namespace
+
+Fp8BlockwiseCastTranspose quantize_blockwise_gelu(const at::Tensor& x,
+                                                  const BlockwiseQuantizeOptions& options,
+                                                  bool transposed) {
+  return quantize_gelu_values(x, {}, options, transposed, {}, "quantize_blockwise_gelu");
+}
+
+Fp8BlockwiseCastTranspose quantize_blockwise_dgelu(const at::Tensor& grad,
+                                                   const at::Tensor& gelu_input,
+                                                   const BlockwiseQuantizeOptions& options,
+                                                   bool transposed, const at::Tensor& dbias_out) {
+  TORCH_CHECK(gelu_input.defined(), "quantize_blockwise_dgelu: gelu_input must be defined");
+  return quantize_gelu_values(grad, gelu_input, options, transposed, dbias_out,
+                              "quantize_blockwise_dgelu");
+}
+
+Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
+                                             const BlockwiseQuantizeOptions& options,
+                                             bool transposed, const at::Tensor& dbias_out) {
+  check_quantize_input(x, options, dbias_out, "quantize_blockwise");
   const auto in = x.contiguous();
   const int64_t rows = in.size(0), cols = in.size(1);
-  const auto fp8_options = in.options().dtype(fp8_dtype(options.format));
-  const auto float_options = in.options().dtype(at::kFloat);
-  Fp8BlockwiseCastTranspose result;
+  auto result = empty_result(in, options, transposed);
   auto& q = result.data;
-  q = {at::empty({rows, cols}, fp8_options),
-       at::zeros(blockwise_scale_shape(rows, cols, options.block), float_options),
-       options.format, options.block};
   auto& t = result.transposed;
-  if (transposed) {
-    t = {at::empty({cols, rows}, fp8_options),
-         at::zeros(blockwise_scale_shape(cols, rows, options.block), float_options),
-         options.format, options.block};
-  }
   if (in.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
     detail::quantize_blockwise_cuda(in, options, q.data, q.scale_inv, t.data, t.scale_inv,

@@ -93,6 +93,31 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
                                              bool transposed = false,
                                              const at::Tensor& dbias_out = {});
 
+/// quantize_blockwise of gelu(x), GELU's tanh approximation (ops/detail/gelu_formula.h) computed
+/// in float32 and rounded to x's dtype: the bytes of writing the activation in x's precision and
+/// then quantizing it, which is how TE quantizes an activation for its blockwise recipe, but from
+/// one read of x, with nothing written in high precision: the FP8 input of an MLP's second GEMM
+/// (and with `transposed` its weight gradient's operand) from the first GEMM's output.
+/// CUDA: one kernel for 1×128 tiles with the transpose, bfloat16 or float16 x, rows % 16 == 0,
+/// cols % 8 == 0 and 16-byte aligned data; elsewhere LibTorch's GELU written in x's dtype, then
+/// quantize_blockwise (its tanh is computed another way: a value may round differently).
+Fp8BlockwiseCastTranspose quantize_blockwise_gelu(const at::Tensor& x,
+                                                  const BlockwiseQuantizeOptions& options,
+                                                  bool transposed = false);
+
+/// quantize_blockwise of grad · gelu'(gelu_input) (the tanh approximation's derivative, float32,
+/// rounded to grad's dtype): the FP8 gradient of an MLP's first GEMM output from one read of
+/// `grad` (the gradient of GELU's output) and `gelu_input` (GELU's input: grad's shape and dtype,
+/// contiguous). `dbias_out` as quantize_blockwise's: the column sums of those rounded values (the
+/// first GEMM's bias gradient), from the same read where the kernel runs. CUDA: as
+/// quantize_blockwise_gelu, with gelu_input 16-byte aligned too; elsewhere LibTorch's GELU
+/// backward written in grad's dtype, then quantize_blockwise.
+Fp8BlockwiseCastTranspose quantize_blockwise_dgelu(const at::Tensor& grad,
+                                                   const at::Tensor& gelu_input,
+                                                   const BlockwiseQuantizeOptions& options,
+                                                   bool transposed = false,
+                                                   const at::Tensor& dbias_out = {});
+
 /// A part of a 2-D weight [rows, cols]: its row-major elements [offset, offset + numel), e.g.
 /// the shard of it one data-parallel rank holds (Megatron's distributed optimizer cuts the
 /// flattened weights anywhere); all of it is offset 0 and rows · cols elements.

@@ -8,6 +8,7 @@
 #include "ops/detail/cuda_ops.h"
 #include "ops/detail/fp8_cpu.h"
 #include "ops/detail/gelu_formula.h"
+#include "ops/detail/gelu_values.h"
 #include "ops/detail/row_sum.h"
 #include "ops/detail/scale_formula.h"
 #include "ops/swiglu.h"
@@ -84,23 +85,6 @@ void record_amax(const at::Tensor& amax_out, float value, bool accumulate) {
   amax_out.fill_(accumulate ? detail::nan_max(amax_out.item<float>(), value) : value);
 }
 
-// The CPU reference of the activation-fused casts: activation(x) in float32, by the formula
-// the kernels use; `gate` (GELU's input) only for the backward.
-at::Tensor gelu_values_cpu(const at::Tensor& x, const at::Tensor& gate) {
-  auto values = at::empty(x.sizes(), x.options().dtype(at::kFloat));
-  float* out = values.mutable_data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_gelu", [&] {
-    const auto* in = x.const_data_ptr<scalar_t>();
-    const auto* g = gate.defined() ? gate.const_data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float v = static_cast<float>(in[i]);
-        out[i] = g ? detail::gelu_tanh_backward(v, static_cast<float>(g[i])) : detail::gelu_tanh(v);
-      }
-    });
-  });
-  return values;
-}
 
 void check_activation_input(const at::Tensor& x, const at::Tensor& scale,
                             const at::Tensor& amax_out, std::string_view op) {
@@ -114,16 +98,6 @@ void check_gate_up(const at::Tensor& gate_up, std::string_view op) {
               "of columns (gate and up halves), got shape ", gate_up.sizes());
 }
 
-// gelu_input: the GELU input whose derivative multiplies grad.
-void check_gelu_input(const at::Tensor& grad, const at::Tensor& gelu_input, std::string_view op) {
-  TORCH_CHECK(gelu_input.defined(), op, ": gelu_input must be defined");
-  TORCH_CHECK(gelu_input.sizes() == grad.sizes() && gelu_input.scalar_type() == grad.scalar_type() &&
-                  gelu_input.device() == grad.device() && gelu_input.is_contiguous(),
-              op, ": gelu_input must be a contiguous ", grad.scalar_type(), " ", grad.sizes(),
-              " tensor on ", grad.device(), " (as grad), got ", gelu_input.scalar_type(), " ",
-              gelu_input.sizes(), " on ", gelu_input.device(),
-              gelu_input.is_contiguous() ? "" : ", not contiguous");
-}
 
 // gate_up: the SwiGLU input of the gradient grad of its output.
 void check_gate_up_of(const at::Tensor& grad, const at::Tensor& gate_up, std::string_view op) {
@@ -162,6 +136,27 @@ float* amax_ptr(const at::Tensor& amax_out) {
 #endif
 
 }  // namespace
+
+namespace detail {
+
+at::Tensor gelu_values_cpu(const at::Tensor& x, const at::Tensor& gate) {
+  auto values = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  float* out = values.mutable_data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_gelu", [&] {
+    const auto* in = x.const_data_ptr<scalar_t>();
+    const auto* g = gate.defined() ? gate.const_data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = static_cast<float>(in[i]);
+        out[i] = g ? gelu_tanh_backward(v, static_cast<float>(g[i])) : gelu_tanh(v);
+      }
+    });
+  });
+  return values;
+}
+
+}  // namespace detail
+
 
 Fp8Tensor quantize(const at::Tensor& x, const at::Tensor& scale, Fp8Format format,
                    const at::Tensor& amax_out, bool accumulate_amax, const at::Tensor& out_arg) {
@@ -361,7 +356,7 @@ Fp8CastTranspose cast_transpose_gelu(const at::Tensor& x, const at::Tensor& scal
     detail::no_cuda("cast_transpose_gelu");
 #endif
   }
-  return cast_transpose(gelu_values_cpu(x, {}), scale, format, amax_out, accumulate_amax);
+  return cast_transpose(detail::gelu_values_cpu(x, {}), scale, format, amax_out, accumulate_amax);
 }
 
 Fp8CastTranspose cast_transpose_swiglu(const at::Tensor& gate_up, const at::Tensor& scale,
@@ -420,7 +415,7 @@ Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& 
                                       const at::Tensor& amax_out, bool accumulate_amax,
                                       const at::Tensor& dbias_out) {
   check_activation_input(grad, scale, amax_out, "cast_transpose_dgelu");
-  check_gelu_input(grad, gelu_input, "cast_transpose_dgelu");
+  detail::check_gelu_input(grad, gelu_input, "cast_transpose_dgelu");
   if (dbias_out.defined()) check_dbias_out(dbias_out, grad, "cast_transpose_dgelu");
   if (grad.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
@@ -439,7 +434,7 @@ Fp8CastTranspose cast_transpose_dgelu(const at::Tensor& grad, const at::Tensor& 
     detail::no_cuda("cast_transpose_dgelu");
 #endif
   }
-  return cast_transpose(gelu_values_cpu(grad, gelu_input), scale, format, amax_out,
+  return cast_transpose(detail::gelu_values_cpu(grad, gelu_input), scale, format, amax_out,
                         accumulate_amax, dbias_out);
 }
 
@@ -497,14 +492,14 @@ at::Tensor activation_amax(detail::AmaxActivation activation, const at::Tensor& 
 at::Tensor compute_amax_gelu(const at::Tensor& x) {
   check_amax_input(x, "compute_amax_gelu");
   return activation_amax(detail::AmaxActivation::kGelu, x, {}, "compute_amax_gelu",
-                         [&] { return gelu_values_cpu(x, {}); });
+                         [&] { return detail::gelu_values_cpu(x, {}); });
 }
 
 at::Tensor compute_amax_dgelu(const at::Tensor& grad, const at::Tensor& gelu_input) {
   check_amax_input(grad, "compute_amax_dgelu", "grad");
-  check_gelu_input(grad, gelu_input, "compute_amax_dgelu");
+  detail::check_gelu_input(grad, gelu_input, "compute_amax_dgelu");
   return activation_amax(detail::AmaxActivation::kDGelu, grad, gelu_input, "compute_amax_dgelu",
-                         [&] { return gelu_values_cpu(grad, gelu_input); });
+                         [&] { return detail::gelu_values_cpu(grad, gelu_input); });
 }
 
 at::Tensor compute_amax_swiglu(const at::Tensor& gate_up) {

@@ -271,6 +271,154 @@ TEST_F(BlockwiseTest, CudaDbiasMatchesCpu_CUDA) {
   }
 }
 
+// ---- GELU and its backward inside the quantization (quantize_blockwise_gelu / _dgelu) ----
+
+// How many bytes of two quantizations with the same tile scales differ, and by how many FP8
+// steps at most: the codes' sign-magnitude integers, where neighbouring values differ by one.
+struct Fp8Difference {
+  int64_t differing = 0;
+  int64_t largest_steps = 0;
+};
+Fp8Difference fp8_difference(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b) {
+  const auto codes = [](const Fp8BlockwiseTensor& t) {
+    const auto bytes = t.data.cpu().view(at::kByte).to(at::kInt);
+    const auto magnitude = bytes.bitwise_and(0x7F);
+    return at::where(bytes.bitwise_and(0x80).ne(0), -magnitude, magnitude);
+  };
+  const auto steps = (codes(a) - codes(b)).abs();
+  return {steps.ne(0).sum().item<int64_t>(), steps.max().item<int64_t>()};
+}
+
+// Two quantizations of nearly the same values: the same tile scales, and at most `allowed` bytes
+// apart, each by one FP8 step; x's tiles and, with `transposed`, xᵀ's.
+void expect_within_one_step(const Fp8BlockwiseCastTranspose& actual,
+                            const Fp8BlockwiseCastTranspose& expected, bool transposed,
+                            int64_t allowed, const std::string& label) {
+  for (const bool t : {false, true}) {
+    if (t && !transposed) continue;
+    const auto& a = t ? actual.transposed : actual.data;
+    const auto& b = t ? expected.transposed : expected.data;
+    const std::string where = label + (t ? " (transposed)" : "");
+    const auto d = fp8_difference(a, b);
+    EXPECT_LE(d.differing, allowed) << where;
+    EXPECT_LE(d.largest_steps, 1) << where;
+    EXPECT_TRUE(BytesEqual(a.scale_inv, b.scale_inv)) << where << ": scales";
+  }
+}
+
+// The activation's values as LibTorch computes them in float32, written in x's dtype: what TE's
+// blockwise recipe quantizes (the activation in the input's precision, then its tiles).
+at::Tensor libtorch_gelu_written(const at::Tensor& x, const at::Tensor& gelu_input = {}) {
+  const auto values = gelu_input.defined() ? at::gelu_backward(x.to(at::kFloat),
+                                                               gelu_input.to(at::kFloat), "tanh")
+                                           : at::gelu(x.to(at::kFloat), "tanh");
+  return values.to(x.scalar_type());
+}
+
+// The fused quantization against quantize_blockwise of LibTorch's GELU (or its backward) written
+// in x's dtype, x and xᵀ, on the CPU: the same tiles but where the two tanh computations (expf
+// against LibTorch's tanh) round a value apart in x's dtype (allowed: 2 + numel / 1000, one FP8
+// step each). GELU's input stays within ±3: below -3.5 both float32 formulas compute gelu'(x)
+// as 1 + tanh(u) ≈ 1e-5 from a tanh near -1, lose most of its digits, and disagree by about 1%
+// there (a few percent of those bytes). Quantizing the float32 activation without writing it in
+// bfloat16 first moves about 3% of the bytes (double rounding), and a missing activation all of
+// them. Awkward shapes: partial tiles at both edges.
+TEST_F(BlockwiseTest, GeluTilesAreTheTilesOfTheActivationWrittenInTheInputDtype) {
+  for (const auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{300, 200}, {37, 130}}) {
+      const std::string label = testing::shape_name(rows, cols) + " " + c10::toString(dtype);
+      const auto x = (at::randn({rows, cols}) * 3).clamp(-3, 3).to(dtype);
+      const auto grad = (at::randn({rows, cols}) * 0.01).to(dtype);
+      auto forward = tiles(Fp8BlockShape::k1x128);
+      auto backward = forward;
+      backward.format = Fp8Format::kE5M2;
+      const auto allowed = 2 + rows * cols / 1000;
+      expect_within_one_step(quantize_blockwise_gelu(x, forward, true),
+                             quantize_blockwise(libtorch_gelu_written(x), forward, true), true,
+                             allowed, "gelu " + label);
+      auto dbias = at::empty({cols});
+      const auto fused = quantize_blockwise_dgelu(grad, x, backward, true, dbias);
+      const auto written = libtorch_gelu_written(grad, x);
+      expect_within_one_step(fused, quantize_blockwise(written, backward, true), true, allowed,
+                             "dgelu " + label);
+      // FC1's bias gradient: the column sums of the values quantized (as written in x's dtype).
+      const auto sums = written.to(at::kFloat).sum(0);
+      EXPECT_LT(relative_error(dbias, sums), 1e-3) << label;
+    }
+  }
+}
+
+// The one-read CUDA kernels (bfloat16 and float16 with the transpose, rows % 16 == 0, cols % 8
+// == 0: 272 × 1000, 400 × 136, 16 × 200) and the unfused path elsewhere (300 × 1000, float32,
+// no transpose, a misaligned GELU input) against the CPU: GPU and CPU compute exp in their own
+// ways (__expf against expf), so a value may land on the other side of a rounding in x's dtype
+// now and then (allowed: 2 + numel / 1000, each at most one FP8 step; GELU's input within ±3,
+// as on the CPU); the tile scales agree
+// (power-of-two scales: a tile's scale moves only when its amax crosses a power of two). A lost
+// activation, a wrong rounding or a misplaced tile moves far more. dbias (FC1's bias gradient)
+// from the kernel's per-tile column sums against the CPU's.
+TEST_F(BlockwiseTest, CudaGeluTilesMatchCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  struct Case {
+    int64_t rows, cols;
+    at::ScalarType dtype;
+    bool transposed;
+    bool misaligned = false;  // the GELU input starts 2 bytes into its storage
+  };
+  const std::vector<Case> cases = {
+      {272, 1000, at::kBFloat16, true}, {400, 136, at::kHalf, true},
+      {16, 200, at::kBFloat16, true},   {300, 1000, at::kBFloat16, true},
+      {272, 1000, at::kFloat, true},    {272, 1000, at::kBFloat16, false},
+      {272, 1000, at::kBFloat16, true, true}};
+  for (const auto& c : cases) {
+    for (const auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      const std::string label = testing::shape_name(c.rows, c.cols) + " " +
+                                c10::toString(c.dtype) + (c.transposed ? " with the transpose" : "") +
+                                (c.misaligned ? " misaligned" : "") +
+                                (format == Fp8Format::kE4M3 ? " e4m3" : " e5m2");
+      const auto x = (at::randn({c.rows, c.cols}) * 3).clamp(-3, 3).to(c.dtype);
+      const auto grad = (at::randn({c.rows, c.cols}) * 0.01).to(c.dtype);
+      auto x_gpu = x.cuda();
+      if (c.misaligned) {
+        x_gpu = at::empty({x.numel() + 1}, x_gpu.options()).narrow(0, 1, x.numel()).view_as(x);
+        x_gpu.copy_(x.cuda());
+      }
+      auto options = tiles(Fp8BlockShape::k1x128);
+      options.format = format;
+      const auto allowed = 2 + c.rows * c.cols / 1000;
+      expect_within_one_step(quantize_blockwise_gelu(x.cuda(), options, c.transposed),
+                             quantize_blockwise_gelu(x, options, c.transposed), c.transposed,
+                             allowed, "gelu " + label);
+      auto dbias_cpu = at::empty({c.cols});
+      auto dbias_gpu = at::full({c.cols}, kNaN, at::kCUDA);
+      expect_within_one_step(
+          quantize_blockwise_dgelu(grad.cuda(), x_gpu, options, c.transposed, dbias_gpu),
+          quantize_blockwise_dgelu(grad, x, options, c.transposed, dbias_cpu), c.transposed,
+          allowed, "dgelu " + label);
+      const auto bound = libtorch_gelu_written(grad, x).to(at::kFloat).abs().sum(0) * 1e-3f + 1e-6f;
+      const auto error = (dbias_gpu.cpu() - dbias_cpu).abs();
+      EXPECT_TRUE((error <= bound).all().item<bool>())
+          << label << ": largest dbias error " << error.max().item<float>();
+    }
+  }
+}
+
+TEST_F(BlockwiseTest, BadGeluInputsAreNamed) {
+  const auto grad = at::randn({16, 256}).to(at::kBFloat16);
+  const auto options = tiles(Fp8BlockShape::k1x128);
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise_dgelu(grad, at::randn({16, 256}), options); },
+      "quantize_blockwise_dgelu: gelu_input must be a contiguous BFloat16 [16, 256] tensor");
+  testing::ExpectErrorContaining([&] { quantize_blockwise_dgelu(grad, {}, options); },
+                                 "quantize_blockwise_dgelu: gelu_input must be defined");
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise_gelu(at::randn({4}), options); },
+      "quantize_blockwise_gelu: x must be a non-empty 2-D tensor");
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise_dgelu(grad, grad, options, true, at::empty({255})); },
+      "quantize_blockwise_dgelu: dbias_out must be a contiguous float32, bfloat16 or float16 [256]");
+}
+
 // The CPU GEMM multiplies the dequantized tiles: against float64 on the same FP8 values, and
 // within FP8 rounding of the unquantized product.
 TEST_F(BlockwiseTest, GemmIsTheProductOfTheTiles) {

@@ -469,12 +469,20 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
       ASSERT_TRUE(p.value().grad().defined()) << p.key();
       EXPECT_LT(relative_error(p.value().grad(), other.grad()), bound) << p.key() << " " << where;
     }
+    const auto sequence_buffers = sequence->named_buffers();  // held, as the parameters above
     for (auto& b : fused->named_buffers()) {
-      EXPECT_LT(relative_error(b.value(), sequence->named_buffers()[b.key()]), bound)
-          << b.key() << " " << where;
+      const auto& other = sequence_buffers[b.key()];
+      if (recipe_kind == "blockwise") {
+        // Its scales come from the tiles: neither side touches the FP8 metadata.
+        EXPECT_TRUE(BytesEqual(b.value(), other)) << b.key() << " " << where;
+      } else {
+        EXPECT_LT(relative_error(b.value(), other), bound) << b.key() << " " << where;
+      }
     }
   }
-  // Every slot was written (FC2's input and FC1's gradient by the fused casts).
+  // Every slot was written (FC2's input and FC1's gradient by the fused casts); the blockwise
+  // recipe keeps no amax history (its scales come from each tile).
+  if (recipe_kind == "blockwise") return;
   for (const auto& linear : {fused->ln_fc1->linear, fused->fc2}) {
     EXPECT_GT(linear->fp8_fwd_amax_history.select(1, 0).max().item<float>(), 0);
     EXPECT_GT(linear->fp8_bwd_amax_history.max().item<float>(), 0);
@@ -482,10 +490,12 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
 }
 
 // Also Llama's MLP: RMSNorm and SwiGLU (inside FC2's input cast; its backward by ops/swiglu.h)
-// against the same module with fused(false) (amp8's SwiGLU kernel between the modules).
+// against the same module with fused(false) (amp8's SwiGLU kernel between the modules). Under
+// the blockwise recipe GELU and its backward happen inside the 1×128 quantizations
+// (BlockwiseGeluMLPFunction); SwiGLU runs the modules in sequence there.
 TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence) {
   for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
-    for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
+    for (const std::string recipe_kind : {"delayed", "tensorwise", "blockwise"}) {
       mlp_matches_sequence_case(torch::kCPU, torch::kFloat, recipe_kind, 2e-3, 5, activation);
     }
   }
@@ -494,7 +504,7 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence) {
 TEST_F(Fp8LayerNormTest, LayerNormMLPMatchesItsModulesInSequence_CUDA) {
   AMP8_REQUIRE_CUDA();
   for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
-    for (const std::string recipe_kind : {"delayed", "tensorwise"}) {
+    for (const std::string recipe_kind : {"delayed", "tensorwise", "blockwise"}) {
       mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3, 5, activation);
       mlp_matches_sequence_case(torch::kCUDA, torch::kFloat, recipe_kind, 2e-3, 16, activation);
       mlp_matches_sequence_case(torch::kCUDA, torch::kBFloat16, recipe_kind, 3e-2, 5, activation);
@@ -582,23 +592,34 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPOutsideARegionIsItsModules) {
   ExpectErrorContaining([] { Fp8LayerNormMLP(0, 16); }, "hidden_size and ffn_hidden_size");
 }
 
-// Under the blockwise recipe (no fused LayerNorm or GELU casts for it yet) the fused modules
-// run their parts one after the other, each Fp8Linear blockwise: the same bytes as the parts,
-// and the same gradients.
-TEST_F(Fp8LayerNormTest, UnderTheBlockwiseRecipeTheFusedModulesRunTheirParts) {
-  auto mlp = make_mlp(torch::kCPU, 128, 256);
-  const auto x = torch::randn({3, 16, 128});
+// Under the blockwise recipe the GELU MLP runs its own function (GELU inside FC2's input
+// quantization, dGELU inside FC1's gradient's: LayerNormMLPMatchesItsModulesInSequence compares
+// its values), while a SwiGLU MLP and Fp8LayerNormLinear (no blockwise LayerNorm fusion) run
+// their parts one after the other, each Fp8Linear blockwise: the same bytes as the parts, and
+// the same gradients.
+TEST_F(Fp8LayerNormTest, UnderTheBlockwiseRecipeTheMLPFusesGeluAndTheRestRunTheirParts) {
   const auto recipe = Fp8RecipeOptions().fp8_recipe("blockwise");
+  const auto x = torch::randn({3, 16, 128});
+  {
+    auto mlp = make_mlp(torch::kCPU, 128, 256);
+    Fp8Autocast region(recipe);
+    const auto y = mlp->forward(x.clone().requires_grad_(true));
+    ASSERT_TRUE(y.grad_fn());
+    EXPECT_THAT(y.grad_fn()->name(), ::testing::HasSubstr("BlockwiseGeluMLPFunction"));
+  }
+  auto mlp = make_mlp(torch::kCPU, 128, 256, MlpActivation::kSwiGlu);
   auto run = [&](bool fused) {
     mlp->zero_grad();
+    mlp->options.fused(fused);
     const auto xr = x.clone().requires_grad_(true);
-    torch::Tensor y;
+    torch::Tensor y, ln_linear, ln_then_linear;
     {
       Fp8Autocast region(recipe);
-      y = fused ? mlp->forward(xr)
-                : mlp->fc2->forward(at::gelu(
-                      mlp->ln_fc1->linear->forward(mlp->ln_fc1->layer_norm->forward(xr)), "tanh"));
+      y = mlp->forward(xr);
+      ln_linear = mlp->ln_fc1->forward(x);
+      ln_then_linear = mlp->ln_fc1->linear->forward(mlp->ln_fc1->layer_norm->forward(x));
     }
+    EXPECT_TRUE(BytesEqual(ln_linear, ln_then_linear));
     y.sum().backward();
     return std::vector<torch::Tensor>{y, xr.grad(), mlp->ln_fc1->linear->weight.grad().clone(),
                                       mlp->fc2->weight.grad().clone()};

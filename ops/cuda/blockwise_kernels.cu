@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ops/cuda/activate.cuh"
 #include "ops/cuda/fp8_convert.cuh"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/launch_util.cuh"
@@ -14,6 +15,10 @@
 
 namespace amp8::cuda {
 namespace {
+
+// These kernels are bound by their instructions, not by memory: their paired conversions test
+// for NaN once per pair instead of clamping each value (Fp8CastMode).
+constexpr Fp8CastMode kCastMode = Fp8CastMode::kNanBranch;
 
 constexpr int kBlockLen = 128;
 
@@ -159,7 +164,9 @@ __device__ __forceinline__ void quantize_row_tile_share(const float (&v)[8], int
   const float scale = tile_scale<kE5M2>(amax, s);
   if (gr < rows) {
     uint32_t unused = 0;
-    if (gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = saturating_cast8<kE5M2>(v, scale, unused);
+    if (gc < cols)
+      *reinterpret_cast<uint64_t*>(out + gr * cols + gc) =
+          saturating_cast8<kE5M2, kCastMode>(v, scale, unused);
     if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
   }
 }
@@ -230,7 +237,8 @@ __global__ void __launch_bounds__(kTileThreads, 3)
 #pragma unroll
       for (int j = 0; j < 8; j += 2) {
         const int c = chunk * 8 + j;
-        const uint32_t pair = saturating_cast2<kE5M2>(v[j], v[j + 1], column_scale[c], column_scale[c + 1]);
+        const uint32_t pair = saturating_cast2<kE5M2, kCastMode>(v[j], v[j + 1], column_scale[c],
+                                                                 column_scale[c + 1]);
         tile_t[swizzled(c, r)] = static_cast<uint8_t>(pair);
         tile_t[swizzled(c + 1, r)] = static_cast<uint8_t>(pair >> 8);
       }
@@ -267,13 +275,22 @@ __device__ __forceinline__ float half_to_float<__half>(uint32_t word, int half) 
 // order, then the 8 threads by a fixed shuffle tree) into dbias_part [row tiles, cols]: a
 // layer's bias gradient from the read that quantizes its output gradient (TE's
 // cast_transpose_dbias).
-template <typename T, bool kE5M2, bool kDbias>
-__global__ void __launch_bounds__(kTileThreads, 4)
-    quantize_1x128_staged_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
-                                 BlockwiseScaling s, uint8_t* __restrict__ out,
+// With an activation (kGelu: gelu(x); kDGelu: x · gelu'(gate), `gate` GELU's input, laid out as
+// x), each loaded value is replaced by the activation's, rounded to T, before anything else: the
+// tiles of the activation written in T and then quantized (how TE's blockwise quantizers take an
+// activation), from one read, the activation never written. The dGELU variant holds the gate's
+// packs too: three resident blocks instead of four, at 80 registers and a 20-byte spill (two
+// blocks would take 103 registers and no spill).
+template <typename T, bool kE5M2, bool kDbias, CastActivation kAct = CastActivation::kNone>
+__global__ void __launch_bounds__(kTileThreads, kAct == CastActivation::kDGelu ? 3 : 4)
+    quantize_1x128_staged_kernel(const T* __restrict__ x, const T* __restrict__ gate, int64_t rows,
+                                 int64_t cols, BlockwiseScaling s, uint8_t* __restrict__ out,
                                  float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
                                  float* __restrict__ scale_inv_t, float* __restrict__ dbias_part) {
   static_assert(sizeof(T) == 2, "the column pass reads column pairs as 4-byte words");
+  static_assert(kAct == CastActivation::kNone || kAct == CastActivation::kGelu ||
+                    kAct == CastActivation::kDGelu,
+                "the staged kernel applies GELU or its backward only");
   constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
   __shared__ uint4 staged[kBlockLen][kChunks];  // [row][chunk ^ (row / 16)], 32 KB
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kBlockLen;
@@ -282,9 +299,21 @@ __global__ void __launch_bounds__(kTileThreads, 4)
   const int64_t gc = c0 + chunk * 8;
   Pack8<T> packs[kPasses];
   load_tile_packs(x, rows, cols, r0, gc, row_in_pass, packs);
+  // Zeros outside x stay zero through an activation: gelu(0) = 0 and 0 · gelu'(g) = 0.
+  Pack8<T> gates[kAct == CastActivation::kDGelu ? kPasses : 1];
+  if constexpr (kAct == CastActivation::kDGelu) load_tile_packs(gate, rows, cols, r0, gc, row_in_pass, gates);
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int r = row_in_pass + pass * kRowsPerPass;  // r / 16 == pass
+    if constexpr (kAct != CastActivation::kNone) {
+      float a[8];
+      activate8<kAct>(packs[pass], gates[kAct == CastActivation::kDGelu ? pass : 0], a);
+      uint4 rounded;
+      uint32_t* words = reinterpret_cast<uint32_t*>(&rounded);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) words[q] = round_pair<T>(a[2 * q], a[2 * q + 1]);
+      *reinterpret_cast<uint4*>(&packs[pass]) = rounded;
+    }
     float v[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
@@ -347,10 +376,12 @@ __global__ void __launch_bounds__(kTileThreads, 4)
     uint32_t* b1 = reinterpret_cast<uint32_t*>(&bytes1);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      b0[q] = saturating_cast2<kE5M2>(value(4 * q, 0), value(4 * q + 1, 0), scale0) |
-              (saturating_cast2<kE5M2>(value(4 * q + 2, 0), value(4 * q + 3, 0), scale0) << 16);
-      b1[q] = saturating_cast2<kE5M2>(value(4 * q, 1), value(4 * q + 1, 1), scale1) |
-              (saturating_cast2<kE5M2>(value(4 * q + 2, 1), value(4 * q + 3, 1), scale1) << 16);
+      b0[q] = saturating_cast2<kE5M2, kCastMode>(value(4 * q, 0), value(4 * q + 1, 0), scale0) |
+              (saturating_cast2<kE5M2, kCastMode>(value(4 * q + 2, 0), value(4 * q + 3, 0), scale0)
+               << 16);
+      b1[q] = saturating_cast2<kE5M2, kCastMode>(value(4 * q, 1), value(4 * q + 1, 1), scale1) |
+              (saturating_cast2<kE5M2, kCastMode>(value(4 * q + 2, 1), value(4 * q + 3, 1), scale1)
+               << 16);
     }
     if (out_row0 < rows) {
       if (c < cols) *reinterpret_cast<uint4*>(out_t + c * rows + out_row0) = bytes0;
@@ -470,7 +501,7 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
     uint32_t unused = 0;
-    const uint64_t packed = saturating_cast8<kE5M2>(v, scale, unused);
+    const uint64_t packed = saturating_cast8<kE5M2, kCastMode>(v, scale, unused);
     if (gr < rows && gc < cols) *reinterpret_cast<uint64_t*>(out + gr * cols + gc) = packed;
     if (out_t != nullptr) {
 #pragma unroll
@@ -608,6 +639,45 @@ int dispatch_format(bool e5m2, F&& f) {
   return e5m2 ? f(std::true_type{}) : f(std::false_type{});
 }
 
+// The staged kernel with xᵀ for a 2-byte x (and gate) of the shape quantize_1x128_sums_columns
+// takes, with the tiles' column sums into dbias_part and then dbias when dbias is non-null.
+template <CastActivation kAct>
+int launch_staged(const void* x, const void* gate, InputType type, int64_t rows, int64_t cols,
+                  BlockwiseScaling s, void* out, float* scale_inv, void* out_t, float* scale_inv_t,
+                  Stream stream, float* dbias_part, void* dbias, InputType dbias_type) {
+  if (!quantize_1x128_sums_columns(type, rows, cols, x, out_t) ||
+      (kAct == CastActivation::kDGelu && reinterpret_cast<uintptr_t>(gate) % 16 != 0) ||
+      (kAct == CastActivation::kGelu && dbias != nullptr)) {
+    return kUnsupportedShape;
+  }
+  const int err = dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    if constexpr (sizeof(T) == 2) {
+      return dispatch_format(s.e5m2, [&](auto e5m2) {
+        constexpr bool kE5M2 = decltype(e5m2)::value;
+        const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
+                        static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+        const auto launch = [&](auto kernel) {
+          kernel<<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), static_cast<const T*>(gate), rows, cols, s,
+              static_cast<uint8_t*>(out), scale_inv, static_cast<uint8_t*>(out_t), scale_inv_t,
+              dbias_part);
+          return static_cast<int>(cudaGetLastError());
+        };
+        if constexpr (kAct != CastActivation::kGelu) {
+          if (dbias != nullptr) return launch(quantize_1x128_staged_kernel<T, kE5M2, true, kAct>);
+        }
+        return launch(quantize_1x128_staged_kernel<T, kE5M2, false, kAct>);
+      });
+    } else {
+      return kUnsupportedShape;  // not reached: checked above
+    }
+  });
+  if (err != 0 || dbias == nullptr) return err;
+  return launch_column_sum(dbias_part, static_cast<int>(quantize_1x128_dbias_parts(rows)), cols,
+                           dbias, dbias_type, stream);
+}
+
 }  // namespace
 
 int64_t quantize_1x128_dbias_parts(int64_t rows) { return (rows + kBlockLen - 1) / kBlockLen; }
@@ -625,25 +695,9 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
                           InputType dbias_type) {
   if (dbias != nullptr) {
     // Only the staged kernel sums columns.
-    if (!quantize_1x128_sums_columns(type, rows, cols, x, out_t)) return kUnsupportedShape;
-    const int err = dispatch_input(type, [&](auto zero) {
-      using T = decltype(zero);
-      if constexpr (sizeof(T) == 2) {
-        return dispatch_format(s.e5m2, [&](auto e5m2) {
-          const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
-                          static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
-          quantize_1x128_staged_kernel<T, decltype(e5m2)::value, true><<<grid, kTileThreads, 0, stream>>>(
-              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
-              static_cast<uint8_t*>(out_t), scale_inv_t, dbias_part);
-          return static_cast<int>(cudaGetLastError());
-        });
-      } else {
-        return kUnsupportedShape;  // not reached: checked above
-      }
-    });
-    if (err != 0) return err;
-    return launch_column_sum(dbias_part, static_cast<int>(quantize_1x128_dbias_parts(rows)), cols,
-                             dbias, dbias_type, stream);
+    return launch_staged<CastActivation::kNone>(x, nullptr, type, rows, cols, s, out, scale_inv,
+                                                out_t, scale_inv_t, stream, dbias_part, dbias,
+                                                dbias_type);
   }
   if (rows == 0 || cols == 0) return cudaSuccess;
   return dispatch_input(type, [&](auto zero) {
@@ -661,7 +715,7 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
               nullptr, nullptr);
         } else if constexpr (sizeof(T) == 2) {
           quantize_1x128_staged_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
-              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+              static_cast<const T*>(x), nullptr, rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
               static_cast<uint8_t*>(out_t), scale_inv_t, nullptr);
         } else {
           quantize_1x128_tile_kernel<T, kE5M2, true><<<grid, kTileThreads, 0, stream>>>(
@@ -685,6 +739,25 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
       return static_cast<int>(cudaGetLastError());
     });
   });
+}
+
+int launch_quantize_1x128_activation(const void* x, const void* gate, InputType type,
+                                     CastActivation activation, int64_t rows, int64_t cols,
+                                     BlockwiseScaling s, void* out, float* scale_inv, void* out_t,
+                                     float* scale_inv_t, Stream stream, float* dbias_part,
+                                     void* dbias, InputType dbias_type) {
+  switch (activation) {
+    case CastActivation::kGelu:
+      return launch_staged<CastActivation::kGelu>(x, nullptr, type, rows, cols, s, out, scale_inv,
+                                                  out_t, scale_inv_t, stream, dbias_part, dbias,
+                                                  dbias_type);
+    case CastActivation::kDGelu:
+      return launch_staged<CastActivation::kDGelu>(x, gate, type, rows, cols, s, out, scale_inv,
+                                                   out_t, scale_inv_t, stream, dbias_part, dbias,
+                                                   dbias_type);
+    default:
+      return kUnsupportedShape;
+  }
 }
 
 int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t cols,

@@ -105,43 +105,75 @@ void quantize_many_cuda(const std::vector<at::Tensor>& xs, const at::Tensor& sca
                                              current_stream()));
 }
 
+namespace {
+
+cuda::BlockwiseScaling blockwise_scaling(const BlockwiseQuantizeOptions& options) {
+  return {options.format == Fp8Format::kE5M2, options.power_of_2_scales,
+          static_cast<float>(options.amax_epsilon)};
+}
+
+}  // namespace
+
 void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
                              const at::Tensor& out, const at::Tensor& scale_inv,
                              const at::Tensor& out_t, const at::Tensor& scale_inv_t,
                              const at::Tensor& dbias_out) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const cuda::BlockwiseScaling scaling{options.format == Fp8Format::kE5M2,
-                                       options.power_of_2_scales,
-                                       static_cast<float>(options.amax_epsilon)};
+  const auto scaling = blockwise_scaling(options);
   const bool transposed = out_t.defined();
-  if (dbias_out.defined()) {
-    if (options.block == Fp8BlockShape::k1x128 &&
-        cuda::quantize_1x128_sums_columns(input_type(x), x.size(0), x.size(1), x.const_data_ptr(),
-                                          transposed ? out_t.const_data_ptr() : nullptr)) {
-      auto part = at::empty({cuda::quantize_1x128_dbias_parts(x.size(0)), x.size(1)},
-                            x.options().dtype(at::kFloat));
-      AMP8_CUDA_CHECK(cuda::launch_quantize_1x128(
-          x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling,
-          out.mutable_data_ptr(), scale_inv.mutable_data_ptr<float>(), out_t.mutable_data_ptr(),
-          scale_inv_t.mutable_data_ptr<float>(), current_stream(), part.mutable_data_ptr<float>(),
-          dbias_out.mutable_data_ptr(), input_type(dbias_out)));
-      return;
-    }
-    sum_rows_into(dbias_out, x);
-  }
   if (options.block == Fp8BlockShape::k1x128) {
+    // The bias gradient from the quantizing read where the kernel sums columns; else LibTorch's.
+    const bool sums = dbias_out.defined() &&
+                      cuda::quantize_1x128_sums_columns(input_type(x), x.size(0), x.size(1),
+                                                        x.const_data_ptr(),
+                                                        transposed ? out_t.const_data_ptr() : nullptr);
+    if (dbias_out.defined() && !sums) sum_rows_into(dbias_out, x);
+    const auto part = sums ? at::empty({cuda::quantize_1x128_dbias_parts(x.size(0)), x.size(1)},
+                                       x.options().dtype(at::kFloat))
+                           : at::Tensor();
     AMP8_CUDA_CHECK(cuda::launch_quantize_1x128(
         x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling, out.mutable_data_ptr(),
         scale_inv.mutable_data_ptr<float>(), transposed ? out_t.mutable_data_ptr() : nullptr,
-        transposed ? scale_inv_t.mutable_data_ptr<float>() : nullptr, current_stream()));
-  } else {
-    AMP8_CUDA_CHECK(cuda::launch_quantize_128x128(
-        x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling, out.mutable_data_ptr(),
-        scale_inv.mutable_data_ptr<float>(), scale_inv.size(1),
-        transposed ? out_t.mutable_data_ptr() : nullptr,
-        transposed ? scale_inv_t.mutable_data_ptr<float>() : nullptr,
-        transposed ? scale_inv_t.size(1) : 0, current_stream()));
+        transposed ? scale_inv_t.mutable_data_ptr<float>() : nullptr, current_stream(),
+        sums ? part.mutable_data_ptr<float>() : nullptr,
+        sums ? dbias_out.mutable_data_ptr() : nullptr,
+        sums ? input_type(dbias_out) : cuda::InputType::kFloat));
+    return;
   }
+  if (dbias_out.defined()) sum_rows_into(dbias_out, x);
+  AMP8_CUDA_CHECK(cuda::launch_quantize_128x128(
+      x.const_data_ptr(), input_type(x), x.size(0), x.size(1), scaling, out.mutable_data_ptr(),
+      scale_inv.mutable_data_ptr<float>(), scale_inv.size(1),
+      transposed ? out_t.mutable_data_ptr() : nullptr,
+      transposed ? scale_inv_t.mutable_data_ptr<float>() : nullptr,
+      transposed ? scale_inv_t.size(1) : 0, current_stream()));
+}
+
+bool quantize_blockwise_gelu_cuda(const at::Tensor& x, const at::Tensor& gelu_input,
+                                  const BlockwiseQuantizeOptions& options, const at::Tensor& out,
+                                  const at::Tensor& scale_inv, const at::Tensor& out_t,
+                                  const at::Tensor& scale_inv_t, const at::Tensor& dbias_out) {
+  if (options.block != Fp8BlockShape::k1x128 || !out_t.defined() ||
+      !cuda::quantize_1x128_sums_columns(input_type(x), x.size(0), x.size(1), x.const_data_ptr(),
+                                         out_t.const_data_ptr()) ||
+      (gelu_input.defined() && reinterpret_cast<uintptr_t>(gelu_input.const_data_ptr()) % 16 != 0)) {
+    return false;
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto part = dbias_out.defined()
+                        ? at::empty({cuda::quantize_1x128_dbias_parts(x.size(0)), x.size(1)},
+                                    x.options().dtype(at::kFloat))
+                        : at::Tensor();
+  AMP8_CUDA_CHECK(cuda::launch_quantize_1x128_activation(
+      x.const_data_ptr(), gelu_input.defined() ? gelu_input.const_data_ptr() : nullptr,
+      input_type(x), gelu_input.defined() ? cuda::CastActivation::kDGelu : cuda::CastActivation::kGelu,
+      x.size(0), x.size(1), blockwise_scaling(options), out.mutable_data_ptr(),
+      scale_inv.mutable_data_ptr<float>(), out_t.mutable_data_ptr(),
+      scale_inv_t.mutable_data_ptr<float>(), current_stream(),
+      part.defined() ? part.mutable_data_ptr<float>() : nullptr,
+      dbias_out.defined() ? dbias_out.mutable_data_ptr() : nullptr,
+      dbias_out.defined() ? input_type(dbias_out) : cuda::InputType::kFloat));
+  return true;
 }
 
 namespace {

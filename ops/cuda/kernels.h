@@ -273,6 +273,18 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
                           BlockwiseScaling scaling, void* out, float* scale_inv, void* out_t,
                           float* scale_inv_t, Stream stream, float* dbias_part = nullptr,
                           void* dbias = nullptr, InputType dbias_type = InputType::kFloat);
+// launch_quantize_1x128 with xᵀ of activation(x): kGelu gelu(x), kDGelu x · gelu'(gate) (`gate`
+// GELU's input, x's shape and type, 16-byte aligned), each value rounded to x's type before it is
+// quantized, from one read of x (and gate); dbias (kDGelu only) the column sums of those rounded
+// values, as launch_quantize_1x128's. Only where launch_quantize_1x128 sums columns
+// (quantize_1x128_sums_columns); otherwise, and for other activations, it launches nothing and
+// returns kUnsupportedShape.
+int launch_quantize_1x128_activation(const void* x, const void* gate, InputType type,
+                                     CastActivation activation, int64_t rows, int64_t cols,
+                                     BlockwiseScaling scaling, void* out, float* scale_inv,
+                                     void* out_t, float* scale_inv_t, Stream stream,
+                                     float* dbias_part = nullptr, void* dbias = nullptr,
+                                     InputType dbias_type = InputType::kFloat);
 // Rows of launch_quantize_1x128's dbias_part: one per 128-row tile.
 int64_t quantize_1x128_dbias_parts(int64_t rows);
 // Whether launch_quantize_1x128 sums the columns of this x (its dbias shape, above).

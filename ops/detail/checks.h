@@ -145,4 +145,15 @@ inline void check_step_param_grad_copy(const at::Tensor& param, const at::Tensor
               "model_copy must be bfloat16 or float16 (a float32 param is its own master), got float32");
 }
 
+// gelu_input: the GELU input whose derivative multiplies grad.
+inline void check_gelu_input(const at::Tensor& grad, const at::Tensor& gelu_input, std::string_view op) {
+  TORCH_CHECK(gelu_input.defined(), op, ": gelu_input must be defined");
+  TORCH_CHECK(gelu_input.sizes() == grad.sizes() && gelu_input.scalar_type() == grad.scalar_type() &&
+                  gelu_input.device() == grad.device() && gelu_input.is_contiguous(),
+              op, ": gelu_input must be a contiguous ", grad.scalar_type(), " ", grad.sizes(),
+              " tensor on ", grad.device(), " (as grad), got ", gelu_input.scalar_type(), " ",
+              gelu_input.sizes(), " on ", gelu_input.device(),
+              gelu_input.is_contiguous() ? "" : ", not contiguous");
+}
+
 }  // namespace amp8::detail

@@ -123,6 +123,13 @@ void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions
                              const at::Tensor& out, const at::Tensor& scale_inv,
                              const at::Tensor& out_t, const at::Tensor& scale_inv_t,
                              const at::Tensor& dbias_out = {});
+// quantize_blockwise_gelu (gelu_input undefined) or _dgelu in one kernel, outputs and
+// arguments as quantize_blockwise_cuda's: false, having launched nothing, where the kernel does
+// not take the shape (ops/blockwise.h).
+bool quantize_blockwise_gelu_cuda(const at::Tensor& x, const at::Tensor& gelu_input,
+                                  const BlockwiseQuantizeOptions& options, const at::Tensor& out,
+                                  const at::Tensor& scale_inv, const at::Tensor& out_t,
+                                  const at::Tensor& scale_inv_t, const at::Tensor& dbias_out);
 // blockwise_shard_amax and quantize_shards_blockwise (ops/blockwise.h), arguments checked.
 void blockwise_shard_amax_cuda(const std::vector<Fp8WeightShard>& shards,
                                const std::vector<at::Tensor>& amaxes);

@@ -5,6 +5,7 @@
 #include <array>
 #include <numeric>
 
+#include "ops/blockwise.h"
 #include "ops/fp8_gemm.h"
 #include "ops/layer_norm.h"
 #include "ops/swiglu.h"
@@ -14,8 +15,9 @@
 namespace amp8 {
 namespace {
 
-// The blockwise recipe has no fused LayerNorm or GELU casts yet: under it the fused modules run
-// their parts one after the other (each Fp8Linear blockwise).
+// The blockwise recipe has no fused LayerNorm casts: under it Fp8LayerNormLinear runs its parts
+// one after the other (the Fp8Linear blockwise), and Fp8LayerNormMLP its LayerNorm as a module
+// before BlockwiseGeluMLPFunction (GELU) or its parts (SwiGLU).
 bool in_blockwise_region() {
   return Fp8Autocast::is_enabled() && Fp8Autocast::current_recipe().blockwise();
 }
@@ -365,6 +367,85 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
   }
 };
 
+// Under the blockwise recipe, FC1 → GELU → FC2 of a GELU MLP whose LayerNorm ran as a module of
+// its own: GELU inside the 1×128 quantization of FC2's input (quantize_blockwise_gelu) and its
+// backward inside that of FC1's output gradient (quantize_blockwise_dgelu, with FC1's bias
+// gradient), so neither the activation nor its gradient is written in high precision. Each is
+// rounded to the GEMM output's dtype before it is quantized, as the modules in sequence round
+// LibTorch's GELU: the two differ only where the two tanh computations round apart.
+struct BlockwiseGeluMLPFunction : public torch::autograd::Function<BlockwiseGeluMLPFunction> {
+  struct SavedTensors {
+    at::Tensor fc1_out;  ///< GELU's input [rows, ffn]
+    /// Each layer's dgrad operand in 128×128 blocks (Wᵀ, or W under fp8_params).
+    at::Tensor fc1_weight_blocks, fc1_weight_scale_inv, fc2_weight_blocks, fc2_weight_scale_inv;
+    static constexpr auto fields() {
+      using S = SavedTensors;
+      return std::array{&S::fc1_out, &S::fc1_weight_blocks, &S::fc1_weight_scale_inv,
+                        &S::fc2_weight_blocks, &S::fc2_weight_scale_inv};
+    }
+  };
+
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+                               const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
+                               const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
+                               const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
+                               bool fc1_has_bias, bool fc2_has_bias,
+                               const Fp8LinearImpl::Fp8Call& fc1_call,
+                               const Fp8LinearImpl::Fp8Call& fc2_call) {
+    const auto x2d = input.reshape({-1, fc1_weight.size(1)});
+    const int64_t rows = x2d.size(0), rows_padded = detail::padded_rows(rows);
+    const auto fc1_saved = detail::Fp8LinearSaved::of(fc1_call, rows, fc1_has_bias, input,
+                                                      fc1_weight, fc1_bias, input.sizes().vec());
+    auto fc1_out = detail::fp8_linear_forward_blockwise(
+        ctx, fc1_saved, detail::pad_rows(x2d, rows_padded), fc1_call.weight_blocks,
+        fc1_has_bias ? fc1_bias : at::Tensor(), fc1_call.out_dtype, "fc1.x_t");
+    const auto fc2_saved =
+        detail::Fp8LinearSaved::of(fc2_call, rows, fc2_has_bias, fc1_out, fc2_weight, fc2_bias,
+                                   {rows, fc2_weight.size(1)});
+    // Padding rows of zeros (where rows is not a multiple of 16) stay zero: gelu(0) = 0.
+    auto y = detail::fp8_linear_forward_blockwise(
+        ctx, fc2_saved, detail::pad_rows(fc1_out, rows_padded), fc2_call.weight_blocks,
+        fc2_has_bias ? fc2_bias : at::Tensor(), fc2_call.out_dtype, "fc2.x_t",
+        detail::QuantizeActivation::kGelu);
+    const auto& w1 = detail::dgrad_weight_blocks_of(fc1_call.weight_blocks, fc1_saved);
+    const auto& w2 = detail::dgrad_weight_blocks_of(fc2_call.weight_blocks, fc2_saved);
+    detail::save_tensors(ctx, SavedTensors{fc1_out, w1.data, w1.scale_inv, w2.data, w2.scale_inv});
+    fc1_saved.save(ctx, "fc1");
+    fc2_saved.save(ctx, "fc2");
+    return fc1_saved.unflatten(y);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grad_outputs) {
+    const auto fc1_saved = detail::Fp8LinearSaved::load(ctx, "fc1");
+    const auto fc2_saved = detail::Fp8LinearSaved::load(ctx, "fc2");
+    const auto tensors = detail::load_tensors<SavedTensors>(ctx);
+    const auto format = fc1_saved.recipe.forward_format;
+    const auto blocks = [&](const at::Tensor& data, const at::Tensor& scale_inv) {
+      return Fp8BlockwiseTensor{data, scale_inv, format, Fp8BlockShape::k128x128};
+    };
+    const auto& grad_output = grad_outputs[0];
+    // FC2: its gradients, and dgrad into GELU's output gradient.
+    auto fc2_grads = detail::fp8_linear_backward_blockwise(
+        fc2_saved, grad_output.reshape({-1, grad_output.size(-1)}),
+        detail::take_input_transpose_blockwise(ctx, format, "fc2.x_t"),
+        blocks(tensors.fc2_weight_blocks, tensors.fc2_weight_scale_inv),
+        fc2_saved.dgrad_weight_transposed, /*need_input=*/true, ctx->needs_input_grad(3),
+        ctx->needs_input_grad(4));
+    // FC1, whose output gradient is GELU's backward, computed inside its quantization.
+    auto fc1_grads = detail::fp8_linear_backward_blockwise(
+        fc1_saved, fc2_grads.input, detail::take_input_transpose_blockwise(ctx, format, "fc1.x_t"),
+        blocks(tensors.fc1_weight_blocks, tensors.fc1_weight_scale_inv),
+        fc1_saved.dgrad_weight_transposed, ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+        ctx->needs_input_grad(2), {detail::QuantizeActivation::kDGelu, tensors.fc1_out});
+    fc2_grads.input = at::Tensor();
+    if (fc1_grads.input.defined()) fc1_grads.input = fc1_saved.unflatten(fc1_grads.input);
+    return {fc1_grads.input, fc1_grads.weight, fc1_grads.bias,  fc2_grads.weight,
+            fc2_grads.bias,  torch::Tensor(),  torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(),  torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 // ---- Fp8LayerNorm ----
@@ -565,11 +646,25 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
   auto& fc1 = *ln_fc1->linear;
   auto& out = *fc2;
   const int64_t rows = input.numel() / options.hidden_size();
-  if (!options.fused() || in_blockwise_region() || !fc1.runs_in_fp8(rows) ||
+  const bool swiglu = options.activation() == MlpActivation::kSwiGlu;
+  if (!options.fused() || (in_blockwise_region() && swiglu) || !fc1.runs_in_fp8(rows) ||
       !out.runs_in_fp8(rows)) {
     // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
     // other, each deciding for itself.
     return out.forward(mlp_activation(options.activation(), ln_fc1->forward(input)));
+  }
+  if (in_blockwise_region()) {
+    const auto normalized = ln_fc1->layer_norm->forward(input);
+    auto fc1_call = fc1.prepare_fp8_call(normalized, rows);
+    auto fc2_call = out.prepare_fp8_call(normalized, rows);
+    TORCH_INTERNAL_ASSERT(fc1_call && fc2_call,
+                          "Fp8LayerNormMLP: runs_in_fp8 and prepare_fp8_call disagree");
+    const auto& fc1_anchor = fc1.grad_anchor();
+    const auto& fc2_anchor = out.grad_anchor();
+    return BlockwiseGeluMLPFunction::apply(
+        normalized, fc1.weight, fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
+        out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
+        fc1.options.bias(), out.options.bias(), *fc1_call, *fc2_call);
   }
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                   input.scalar_type() == at::kHalf,

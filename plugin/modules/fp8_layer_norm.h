@@ -198,6 +198,12 @@ struct Fp8LayerNormMLPOptions {
 ///             (cast_transpose_dgelu), which also gives FC1's bias gradient; SwiGLU's gradient
 ///             is one kernel (ops/swiglu.h) before that cast; FC2's bias gradient comes from its
 ///             own gradient's cast.
+/// Under the blockwise recipe (1×128 tiles) the LayerNorm runs as its own module (FC1
+/// quantizes its output as any input); with GELU, GELU is computed inside the 1×128
+/// quantization of FC2's input and its derivative inside that of FC1's output gradient (with
+/// FC1's bias gradient): quantize_blockwise_gelu / _dgelu, each value rounded to the compute
+/// dtype first, as TE quantizes an activation for that recipe. With SwiGLU the modules run in
+/// sequence.
 /// Otherwise (outside a region, when either layer stays in high precision, or with
 /// fused(false)) it computes ln_fc1(x), the activation (at::gelu(·, "tanh") or amp8::swiglu),
 /// fc2(·) with the two modules in sequence.

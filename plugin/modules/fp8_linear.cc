@@ -45,9 +45,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
       auto y = detail::fp8_linear_forward_blockwise(ctx, saved, x, call.weight_blocks,
                                                     has_bias ? bias : at::Tensor(),
                                                     call.out_dtype);
-      // Wᵀ's blocks, or under fp8_params W's, transposed in the backward.
-      const auto& w = saved.dgrad_weight_transposed ? call.weight_blocks.transposed
-                                                    : call.weight_blocks.data;
+      const auto& w = detail::dgrad_weight_blocks_of(call.weight_blocks, saved);
       detail::save_tensors(ctx, SavedTensors{w.data, w.scale_inv});
       return saved.unflatten(y);
     }

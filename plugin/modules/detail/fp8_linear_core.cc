@@ -225,6 +225,11 @@ Fp8DgradWeight dgrad_weight_of(const Fp8CastTranspose& weight_q) {
   return {Fp8Tensor(w.data.detach(), w.scale_inv, w.format), false};
 }
 
+const Fp8BlockwiseTensor& dgrad_weight_blocks_of(const Fp8BlockwiseCastTranspose& weight_blocks,
+                                                 const Fp8LinearSaved& saved) {
+  return saved.dgrad_weight_transposed ? weight_blocks.transposed : weight_blocks.data;
+}
+
 namespace {
 
 // The bias gradient's buffer, [features] on `like`'s device: in the bias's dtype, not the
@@ -366,19 +371,26 @@ BlockwiseQuantizeOptions row_tiles(Fp8Format format) {
 at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
                                         const Fp8LinearSaved& saved, const at::Tensor& x,
                                         const Fp8BlockwiseCastTranspose& weight_blocks,
-                                        const at::Tensor& bias, at::ScalarType out_dtype) {
-  const auto& recipe = saved.recipe;
-  auto x_q = quantize_blockwise(x, row_tiles(recipe.forward_format), /*transposed=*/true);
+                                        const at::Tensor& bias, at::ScalarType out_dtype,
+                                        const std::string& key,
+                                        QuantizeActivation::Kind activation) {
+  TORCH_INTERNAL_ASSERT(activation == QuantizeActivation::kNone ||
+                            activation == QuantizeActivation::kGelu,
+                        "fp8_linear_forward_blockwise: the input's activation is GELU or none");
+  const auto tiles = row_tiles(saved.recipe.forward_format);
+  auto x_q = activation == QuantizeActivation::kGelu
+                 ? quantize_blockwise_gelu(x, tiles, /*transposed=*/true)
+                 : quantize_blockwise(x, tiles, /*transposed=*/true);
   Fp8GemmOptions gemm;
   gemm.bias = bias;
   auto y = blockwise_gemm(x_q.data, weight_blocks.data, out_dtype, gemm);
-  save_transpose_pair(ctx, x_q.transposed.data, x_q.transposed.scale_inv, "x_t");
+  save_transpose_pair(ctx, x_q.transposed.data, x_q.transposed.scale_inv, key);
   return y.size(0) == saved.rows ? y : y.narrow(0, 0, saved.rows);
 }
 
 Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradContext* ctx,
-                                                  Fp8Format format) {
-  auto [data, scale_inv] = take_transpose_pair(ctx, "x_t");
+                                                  Fp8Format format, const std::string& key) {
+  auto [data, scale_inv] = take_transpose_pair(ctx, key);
   return {std::move(data), std::move(scale_inv), format, Fp8BlockShape::k1x128};
 }
 
@@ -386,7 +398,11 @@ Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
                                              const at::Tensor& grad_output2d,
                                              Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w,
                                              bool w_transposed, bool need_input, bool need_weight,
-                                             bool need_bias) {
+                                             bool need_bias,
+                                             const QuantizeActivation& activation_backward) {
+  TORCH_INTERNAL_ASSERT(activation_backward.kind == QuantizeActivation::kNone ||
+                            activation_backward.kind == QuantizeActivation::kDGelu,
+                        "fp8_linear_backward_blockwise: the gradient's activation is dGELU or none");
   const auto& recipe = saved.recipe;
   auto& meta = *saved.meta;
   Fp8LinearGrads grads;
@@ -399,8 +415,13 @@ Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
   // kernel sums where it writes the transpose; the padding rows are zero and add nothing).
   const at::Tensor dbias =
       need_bias && saved.has_bias ? empty_bias_grad(saved, g.size(1), g) : at::Tensor();
-  auto g_q = quantize_blockwise(g, row_tiles(recipe.backward_format),
-                                /*transposed=*/need_weight || meta.fp8_params(), dbias);
+  const auto tiles = row_tiles(recipe.backward_format);
+  const bool transposed = need_weight || meta.fp8_params();
+  auto g_q = activation_backward.kind == QuantizeActivation::kDGelu
+                 ? quantize_blockwise_dgelu(
+                       g, pad_rows(activation_backward.input.to(g.scalar_type()), g.size(0)), tiles,
+                       transposed, dbias)
+                 : quantize_blockwise(g, tiles, transposed, dbias);
   g = at::Tensor();
   if (dbias.defined()) {
     grads.bias = dbias.scalar_type() == saved.bias_dtype ? dbias : dbias.to(saved.bias_dtype);

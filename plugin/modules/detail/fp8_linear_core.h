@@ -164,27 +164,39 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
 
 /// y = x·Wᵀ (+ bias) for x [rows padded to 16, in] in the recipe's forward format, quantized
 /// here in 1×128 tiles; its transpose xᵀ (the weight gradient's operand, in its own tiles) is
-/// kept in the context's saved_data as save_input_transpose keeps the tensorwise one. The
-/// result has saved.rows rows, in `out_dtype` (float16 through a float32 GEMM output: the
-/// block-scaled GEMMs write float32 or bfloat16).
+/// kept in the context's saved_data under `key`, as save_input_transpose keeps the tensorwise
+/// one. The result has saved.rows rows, in `out_dtype` (float16 through a float32 GEMM output:
+/// the block-scaled GEMMs write float32 or bfloat16). With `activation` kGelu, x is GELU's input
+/// and the GEMM reads gelu(x), computed inside the quantization (quantize_blockwise_gelu: an
+/// MLP's second layer); kNone or kGelu only.
 at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
                                         const Fp8LinearSaved& saved, const at::Tensor& x,
                                         const Fp8BlockwiseCastTranspose& weight_blocks,
-                                        const at::Tensor& bias, at::ScalarType out_dtype);
+                                        const at::Tensor& bias, at::ScalarType out_dtype,
+                                        const std::string& key = "x_t",
+                                        QuantizeActivation::Kind activation = QuantizeActivation::kNone);
 /// The saved xᵀ of fp8_linear_forward_blockwise, freed from the context unless the graph is
 /// retained (see take_input_transpose).
 Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradContext* ctx,
-                                                  Fp8Format format);
+                                                  Fp8Format format, const std::string& key = "x_t");
+/// The blockwise dgrad operand to save in the forward: Wᵀ's 128×128 blocks, or under fp8_params
+/// (saved.dgrad_weight_transposed false) W's, transposed in the backward.
+const Fp8BlockwiseTensor& dgrad_weight_blocks_of(const Fp8BlockwiseCastTranspose& weight_blocks,
+                                                 const Fp8LinearSaved& saved);
 /// The backward GEMMs of the blockwise recipe: the output gradient quantized in 1×128 tiles
 /// (and its transpose, for wgrad, in its own tiles) in the recipe's backward format; wgrad
 /// dW = dyᵀ·x from the two transposes (1×128 × 1×128; under fp8_params into main_grad), dgrad
 /// dx = dy·W from Wᵀ's blocks (1×128 × 128×128): `w` is Wᵀ, or W itself (w_transposed false:
 /// a weight stored in blocks, transposed here only when dx is needed); the bias gradient a
-/// float32 column sum of the unquantized gradient.
+/// float32 column sum of the unquantized gradient. With `activation_backward` kDGelu (its input
+/// GELU's input, the layer's output as GELU read it, grad_output2d's shape) grad_output2d is
+/// GELU's output gradient and the gradient quantized is its product with gelu'(input), computed
+/// inside the quantization (quantize_blockwise_dgelu: an MLP's first layer).
 Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
                                              const at::Tensor& grad_output2d,
                                              Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w,
                                              bool w_transposed, bool need_input, bool need_weight,
-                                             bool need_bias);
+                                             bool need_bias,
+                                             const QuantizeActivation& activation_backward = {});
 
 }  // namespace amp8::detail
