@@ -915,6 +915,39 @@ TEST(DistributedOptimizerTest, ACheckpointThatCannotBeReshardedIsNamed) {
     trainer.load_checkpoint((dir / Trainer::checkpoint_name(4, 0, 2)).string(), *model, optimizer);
   })[0];
   EXPECT_NE(missing.find(Trainer::checkpoint_name(4, 1, 2)), std::string::npos) << missing;
+
+  // A rank's file under a name the Trainer never gives it: its other ranks' files cannot be found,
+  // which the error says at once, however many ranks the file claims (the name is read, not
+  // compared with every rank's name: 2^31 - 1 ranks took minutes).
+  const auto renamed = dir / "renamed.ckpt";
+  std::filesystem::copy_file(dir / Trainer::checkpoint_name(2, 0, 2), renamed);
+  struct ClaimsEveryRank : MixedPrecisionPlugin {
+    using MixedPrecisionPlugin::MixedPrecisionPlugin;
+    int checkpoint_world_size(torch::serialize::InputArchive&) const override {
+      return std::numeric_limits<int>::max();
+    }
+  };
+  for (const bool claims_every_rank : {false, true}) {
+    SCOPED_TRACE(claims_every_rank ? "2^31 - 1 ranks" : "2 ranks");
+    const auto start = std::chrono::steady_clock::now();
+    const auto misnamed = testing::run_ranks(1, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+      torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      std::shared_ptr<MixedPrecisionPlugin> plugin = claims_every_rank ? std::make_shared<ClaimsEveryRank>(options)
+                                      : std::make_shared<MixedPrecisionPlugin>(options);
+      plugin->set_process_group(group);
+      Trainer trainer(TrainerOptions().max_steps(8).log_every_n_steps(0), plugin);
+      trainer.load_checkpoint(renamed.string(), *model, optimizer);
+    })[0];
+    const std::string ranks = claims_every_rank ? "2147483647" : "2";
+    EXPECT_NE(misnamed.find("renamed.ckpt was written by " + ranks + " data-parallel rank(s), this run has 1; its "
+                            "other ranks' files are found by the names the Trainer gives them (step_00000002-rank0-of-" +
+                            ranks + ".ckpt, ...), and this file is named otherwise"),
+              std::string::npos)
+        << misnamed;
+    // Not a benchmark: comparing with every rank's name took ~270 s here (2^31 names), reading
+    // the name takes milliseconds; the bound only tells the two apart.
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+  }
   testing::remove_tree(dir.string());
 }
 

@@ -11,6 +11,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "ops/fp8_format.h"
 #include "ops/quantize.h"
@@ -225,6 +226,33 @@ TEST(MixedPrecisionPluginTest, AnUnfusedStepWidensBfloat16MomentsFromACheckpoint
     const auto& m = static_cast<torch::optim::AdamWParamState&>(*state).exp_avg();
     EXPECT_FALSE(m.equal(loaded[i++])) << "the widened moments were stepped";
   }
+}
+
+// The number of ranks a checkpoint says wrote it is checked before the Trainer looks for their
+// files: none, fewer or more than an int holds is an error naming dp_world_size (a fuzzed file
+// once claimed 2^31 - 1 ranks, another one that wraps to a negative int).
+TEST(MixedPrecisionPluginTest, ACheckpointsImpossibleWorldSizeIsAnError) {
+  MixedPrecisionPlugin plugin(recipes::bf16_mixed());
+  auto written_by = [&](int64_t value) {
+    torch::serialize::OutputArchive out;
+    out.write("dp_world_size", torch::tensor({value}, at::kLong));
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    const auto data = bytes.str();
+    in.load_from(data.data(), data.size());
+    return plugin.checkpoint_world_size(in);
+  };
+  EXPECT_EQ(written_by(1), 1);
+  EXPECT_EQ(written_by(3), 3);
+  EXPECT_EQ(written_by(std::numeric_limits<int>::max()), std::numeric_limits<int>::max());
+  for (const int64_t bad : {int64_t{0}, int64_t{-2}, int64_t{1} << 31, (int64_t{1} << 32) + 2}) {
+    ExpectErrorContaining([&] { written_by(bad); },
+                          "dp_world_size: expected a number of data-parallel ranks (1 to 2147483647), "
+                          "the checkpoint holds " + std::to_string(bad));
+  }
+  torch::serialize::InputArchive unsharded;  // written before the field existed: one rank
+  EXPECT_EQ(plugin.checkpoint_world_size(unsharded), 1);
 }
 
 // bfloat16 moments live only in the fused Adam / AdamW step: any other optimizer is named at

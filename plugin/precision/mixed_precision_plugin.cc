@@ -538,7 +538,12 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
 
 int MixedPrecisionPlugin::checkpoint_world_size(torch::serialize::InputArchive& archive) const {
   torch::Tensor dp_world_size;
-  return archive.try_read("dp_world_size", dp_world_size) ? static_cast<int>(dp_world_size.item<int64_t>()) : 1;
+  if (!archive.try_read("dp_world_size", dp_world_size)) return 1;
+  const int64_t written_by = dp_world_size.item<int64_t>();
+  TORCH_CHECK(written_by >= 1 && written_by <= std::numeric_limits<int>::max(),
+              "MixedPrecisionPlugin: dp_world_size: expected a number of data-parallel ranks (1 to ",
+              std::numeric_limits<int>::max(), "), the checkpoint holds ", written_by);
+  return static_cast<int>(written_by);
 }
 
 void MixedPrecisionPlugin::load_resharded(std::vector<torch::serialize::InputArchive>& archives,

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <regex>
 #include <sstream>
 
@@ -137,6 +138,25 @@ class Snapshot {
   std::string optimizer_, plugin_;
 };
 
+// What a name checkpoint_name() gives says: the step, and which of how many data-parallel
+// ranks wrote the file. nullopt for any other name.
+struct CheckpointName {
+  long long step;
+  int rank, world_size;
+};
+std::optional<CheckpointName> parse_checkpoint_name(const std::string& name) {
+  // The digit counts keep std::stoll / std::stoi in range for any name a folder may hold.
+  static const std::regex pattern(R"(step_(\d{1,18})(?:-rank(\d{1,9})-of-(\d{1,9}))?\.ckpt)");
+  std::smatch match;
+  if (!std::regex_match(name, match, pattern)) return std::nullopt;
+  CheckpointName parsed{std::stoll(match[1].str()), match[2].matched ? std::stoi(match[2].str()) : 0,
+                        match[3].matched ? std::stoi(match[3].str()) : 1};
+  if (parsed.world_size < 1 || parsed.rank >= parsed.world_size || (match[3].matched && parsed.world_size == 1)) {
+    return std::nullopt;
+  }
+  return parsed;
+}
+
 }  // namespace
 
 bool Trainer::saves_last() const { return options.save_last() && !options.checkpoint_dir().empty(); }
@@ -246,9 +266,8 @@ void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
   if (written_by != world_size) {
     const auto folder = std::filesystem::path(path).parent_path();
     const auto name = std::filesystem::path(path).filename().string();
-    bool named = false;
-    for (int j = 0; j < written_by && !named; ++j) named = name == checkpoint_name(step.item<int64_t>(), j, written_by);
-    TORCH_CHECK(named, "checkpoint ", path, " was written by ", written_by, " data-parallel rank(s), this run has ",
+    const auto parsed = parse_checkpoint_name(name);
+    TORCH_CHECK(parsed.has_value() && parsed->step == step.item<int64_t>() && parsed->world_size == written_by, "checkpoint ", path, " was written by ", written_by, " data-parallel rank(s), this run has ",
                 world_size, "; its other ranks' files are found by the names the Trainer gives them (",
                 checkpoint_name(step.item<int64_t>(), 0, written_by), ", ...), and this file is named otherwise");
     for (int j = 0; j < written_by; ++j) {
@@ -305,19 +324,13 @@ std::string Trainer::checkpoint_name(int64_t step, int rank, int world_size) {
 
 std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size,
                                        std::vector<std::string>* skipped) {
-  // Every checkpoint in the folder: (step, world size that wrote it) -> the ranks' files. (The
-  // digit counts keep std::stoll / std::stoi in range for any name a folder may hold.)
-  const std::regex pattern(R"(step_(\d{1,18})(?:-rank(\d{1,9})-of-(\d{1,9}))?\.ckpt)");
+  // Every checkpoint in the folder: (step, world size that wrote it) -> the ranks' files.
   std::map<std::pair<long long, int>, std::map<int, std::string>> checkpoints;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
-    std::smatch match;
-    const auto name = entry.path().filename().string();
-    if (!entry.is_regular_file(error) || !std::regex_match(name, match, pattern)) continue;
-    const int writers = match[3].matched ? std::stoi(match[3].str()) : 1;
-    const int writer = match[2].matched ? std::stoi(match[2].str()) : 0;
-    if (writers < 1 || writer >= writers || (match[3].matched && writers == 1)) continue;
-    checkpoints[{std::stoll(match[1].str()), writers}][writer] = entry.path().string();
+    if (!entry.is_regular_file(error)) continue;
+    const auto parsed = parse_checkpoint_name(entry.path().filename().string());
+    if (parsed) checkpoints[{parsed->step, parsed->world_size}][parsed->rank] = entry.path().string();
   }
   // Newest step first; at one step, one written by this world size first.
   std::vector<std::pair<long long, int>> order;
