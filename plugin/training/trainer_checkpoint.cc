@@ -267,7 +267,8 @@ void Trainer::load_checkpoint(const std::string& path, torch::nn::Module& model,
     const auto folder = std::filesystem::path(path).parent_path();
     const auto name = std::filesystem::path(path).filename().string();
     const auto parsed = parse_checkpoint_name(name);
-    TORCH_CHECK(parsed.has_value() && parsed->step == step.item<int64_t>() && parsed->world_size == written_by, "checkpoint ", path, " was written by ", written_by, " data-parallel rank(s), this run has ",
+    TORCH_CHECK(parsed.has_value() && parsed->step == step.item<int64_t>() && parsed->world_size == written_by,
+                "checkpoint ", path, " was written by ", written_by, " data-parallel rank(s), this run has ",
                 world_size, "; its other ranks' files are found by the names the Trainer gives them (",
                 checkpoint_name(step.item<int64_t>(), 0, written_by), ", ...), and this file is named otherwise");
     for (int j = 0; j < written_by; ++j) {
