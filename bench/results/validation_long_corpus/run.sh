@@ -3,16 +3,17 @@
 # ../validation_deterministic/ the validation loss still falls ~5% per 500 steps, so its 0.5%
 # criterion asks two runs to keep pace within ~50 steps (that MANIFEST, "In steps of training").
 # These runs go on until the curves flatten, on a corpus large enough to stay under one epoch:
-#   - corpus: every *.py of the GPU machine's standard library and of torch, torch's C++ headers
-#     and CUDA's headers (135 MB, 15099 files on the CPU machine), files in a seeded shuffle (so --data's held-out last 5%
-#     is a sample of files, not one package), written once to /tmp/long/corpus.txt;
+#   - corpus: every *.py of the GPU machine's standard library and of torch, torch's C++
+#     headers and CUDA's headers (135 MB, 15099 files on the CPU machine), files in a seeded
+#     shuffle (so --data's held-out last 5% is a sample of files, not one package), written
+#     once to /tmp/long/corpus.txt;
 #   - 350m, --steps $STEPS (default 7000, twice ../validation_deterministic/'s: 57 M tokens of
 #     8 x 1024, under half an epoch of the 95% left for training), seed $SEED, deterministic,
 #     validation every 500 steps on 20 batches; bf16-mixed and blockwise FP8 with the first and
 #     last transformer layer in bf16, at once on the one GPU.
 # 7000 steps of both take ~860 s on an H100 (430 s per 3500 in validation_deterministic/), more
-# than a call (two calls, ~18 min of device time with the start): each call runs both for $T seconds, then SIGTERM makes each save a checkpoint
-# (--save-last true) and the next call resumes it (--resume-if-exists; the resume is exact). Make
+# than a call (two calls, ~18 min of device time with the start): each call runs both for $T
+# seconds, then SIGTERM makes each save a checkpoint (--save-last true) and the next call resumes it (--resume-if-exists; the resume is exact). Make
 # the calls back to back (a machine stays warm 30 s; a cold one has lost /tmp/long and starts
 # over). From the repository root, carry .gpubin14 (gpt_pretrain of main, built on the CPU machine):
 #   run(command="SEED=1234 bash bench/results/validation_long_corpus/run.sh", carry=[".gpubin14"])
