@@ -13,9 +13,10 @@
 #     last transformer layer in bf16, at once on the one GPU.
 # 7000 steps of both take ~860 s on an H100 (430 s per 3500 in validation_deterministic/), more
 # than a call (two calls, ~18 min of device time with the start): each call runs both for $T
-# seconds, then SIGTERM makes each save a checkpoint (--save-last true) and the next call resumes it (--resume-if-exists; the resume is exact). Make
-# the calls back to back (a machine stays warm 30 s; a cold one has lost /tmp/long and starts
-# over). From the repository root, carry .gpubin14 (gpt_pretrain of main, built on the CPU machine):
+# seconds, then SIGTERM makes each save a checkpoint (--save-last true) and the next call
+# resumes it (--resume-if-exists; the resume is exact). Make the calls back to back (a machine
+# stays warm 30 s; a cold one has lost /tmp/long and starts over). From the repository root,
+# carry .gpubin14 (gpt_pretrain of main, built on the CPU machine):
 #   run(command="SEED=1234 bash bench/results/validation_long_corpus/run.sh", carry=[".gpubin14"])
 # repeated until it prints "both runs finished"; every call returns long_<seed>.tar.gz (metrics,
 # logs, corpus identity so far).
