@@ -21,7 +21,7 @@
 # repeated until it prints "both runs finished"; every call returns long_<seed>.tar.gz (metrics,
 # logs, corpus identity so far).
 set -u
-SEED=${SEED:?}; STEPS=${STEPS:-7000}; T=${T:-500}; B=.gpubin14
+SEED=${SEED:?}; STEPS=${STEPS:-7000}; T=${T:-470}; B=.gpubin14
 W=/tmp/long; mkdir -p $W
 [ -x $W/gpt_pretrain ] || { xz -dc $B/gpt_pretrain.xz > $W/gpt_pretrain && chmod +x $W/gpt_pretrain; }
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
@@ -58,7 +58,7 @@ common="--config 350m --steps $STEPS --log-every 500 --eval-every 500 --eval-ite
   --deterministic true --save-every 0 --save-last true --resume-if-exists true"
 run() {  # name, flags: runs (or resumes) one run for T seconds, then SIGTERM (it saves and exits)
   local name=$1; shift
-  timeout -s TERM -k 120 $T $W/gpt_pretrain $common --save-dir $W/run_${SEED}_$name "$@" >> $R/log_$name.txt 2>&1
+  timeout -s TERM -k 60 $T $W/gpt_pretrain $common --save-dir $W/run_${SEED}_$name "$@" >> $R/log_$name.txt 2>&1
   echo "$name exit $? at $(date -u +%T)" | tee -a $R/log_$name.txt
 }
 run bf16 --precision bf16-mixed &
