@@ -19,9 +19,10 @@
 # carry .gpubin14 (gpt_pretrain of main, built on the CPU machine):
 #   run(command="SEED=1234 bash bench/results/validation_long_corpus/run.sh", carry=[".gpubin14"])
 # repeated until it prints "both runs finished"; every call returns long_<seed>.tar.gz (metrics,
-# logs, corpus identity so far).
+# logs, corpus identity so far). CONFIG, STEPS, T and ENDS (bf16 layers at each end) change the
+# defaults; the CPU machine ran it with CONFIG=tiny STEPS=600 T=20 ENDS=0 (and OUT set).
 set -u
-SEED=${SEED:?}; STEPS=${STEPS:-7000}; T=${T:-470}; B=.gpubin14
+SEED=${SEED:?}; CONFIG=${CONFIG:-350m}; ENDS=${ENDS:-1}; STEPS=${STEPS:-7000}; T=${T:-470}; B=.gpubin14
 W=/tmp/long; mkdir -p $W
 [ -x $W/gpt_pretrain ] || { xz -dc $B/gpt_pretrain.xz > $W/gpt_pretrain && chmod +x $W/gpt_pretrain; }
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
@@ -31,7 +32,7 @@ R=$W/results_$SEED; mkdir -p $R
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $R/device.txt; cat $R/device.txt
 python3 -c 'import torch; print("torch", torch.__version__)' >> $R/device.txt
 if [ ! -s $W/corpus.txt ]; then
-  python3 - $W/corpus.txt > $R/corpus.txt <<'PY'
+  python3 - $W/corpus.txt > $W/corpus_identity.txt <<'PY'
 import os, random, sys, sysconfig, hashlib, torch
 roots = [(sysconfig.get_paths()["stdlib"], (".py",)), (os.path.dirname(torch.__file__), (".py", ".h", ".hpp", ".cuh")),
          ("/usr/local/cuda/include", (".h", ".hpp", ".cuh"))]
@@ -53,8 +54,8 @@ print("files", len(files), "bytes", total, "sha256", digest.hexdigest())
 for root, _ in roots: print("root", root)
 PY
 fi
-cat $R/corpus.txt
-common="--config 350m --steps $STEPS --log-every 500 --eval-every 500 --eval-iters 20 --data $W/corpus.txt --seed $SEED
+cp $W/corpus_identity.txt $R/corpus.txt; cat $R/corpus.txt
+common="--config $CONFIG --steps $STEPS --log-every 500 --eval-every 500 --eval-iters 20 --data $W/corpus.txt --seed $SEED
   --deterministic true --save-every 0 --save-last true --resume-if-exists true"
 run() {  # name, flags: runs (or resumes) one run for T seconds, then SIGTERM (it saves and exits)
   local name=$1; shift
@@ -63,7 +64,7 @@ run() {  # name, flags: runs (or resumes) one run for T seconds, then SIGTERM (i
 }
 run bf16 --precision bf16-mixed &
 run blockwise_ends_bf16 --precision bf16-mixed --fp8 hybrid --fp8-recipe blockwise --fp8-min-gemm-size 0 \
-  --num-layers-at-start-in-bf16 1 --num-layers-at-end-in-bf16 1 &
+  --num-layers-at-start-in-bf16 $ENDS --num-layers-at-end-in-bf16 $ENDS &
 wait
 done=0
 for name in bf16 blockwise_ends_bf16; do
