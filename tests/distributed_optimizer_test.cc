@@ -19,6 +19,7 @@
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 #include "plugin/distributed/process_group.h"
 #include "plugin/modules/fp8_linear.h"
@@ -886,6 +887,24 @@ TEST(DistributedOptimizerTest, ACheckpointOfNRanksLoadsIntoMRanksOnTheGpu_CUDA) 
     EXPECT_EQ(max_abs_diff(back.params, straight.params), 0.0);
     testing::remove_tree(written.string());
     testing::remove_tree(resharded.string());
+  }
+}
+
+// The names checkpoint_name gives read back as what they say; no other name does.
+TEST(DistributedOptimizerTest, CheckpointNamesReadBack) {
+  for (const auto& [step, rank, world] : std::vector<std::tuple<int64_t, int, int>>{
+           {0, 0, 1}, {4, 0, 1}, {123456789012, 0, 1}, {4, 1, 2}, {7, 2146, 2147483647}}) {
+    const auto parsed = Trainer::parse_checkpoint_name(Trainer::checkpoint_name(step, rank, world));
+    ASSERT_TRUE(parsed.has_value()) << Trainer::checkpoint_name(step, rank, world);
+    EXPECT_EQ(parsed->step, step);
+    EXPECT_EQ(parsed->rank, rank);
+    EXPECT_EQ(parsed->world_size, world);
+  }
+  for (const char* name : {"step_99999999999999999999.ckpt", "step_00000009-rank99999999999-of-2.ckpt",
+                           "step_00000009-rank0-of-1.ckpt", "step_00000009-rank2-of-2.ckpt",
+                           "step_00000009-rank0-of-0.ckpt", "step_00000009-rank0-of-2147483648.ckpt", "step_.ckpt", "step_00000009.ckpt.tmp",
+                           "renamed.ckpt"}) {
+    EXPECT_FALSE(Trainer::parse_checkpoint_name(name).has_value()) << name;
   }
 }
 

@@ -11,6 +11,7 @@
 #include <functional>
 #include <iosfwd>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -220,6 +221,14 @@ class Trainer {
                                        std::vector<std::string>* skipped = nullptr);
   /// step_<N>.ckpt; data-parallel (sharded optimizer state): step_<N>-rank<r>-of-<W>.ckpt.
   static std::string checkpoint_name(int64_t step, int rank = 0, int world_size = 1);
+  /// What a name checkpoint_name gives says: the step, and which of how many data-parallel
+  /// ranks wrote the file. nullopt for any other name (a rank past the world size, numbers
+  /// past int64 / int).
+  struct CheckpointName {
+    int64_t step;
+    int rank, world_size;
+  };
+  static std::optional<CheckpointName> parse_checkpoint_name(const std::string& name);
 
   /// Asks fit to stop after the step that is running (or before the first one); safe to call
   /// from another thread. Not from a signal handler: StopOnSignal does that part.

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -137,25 +138,6 @@ class Snapshot {
   std::vector<std::pair<torch::Tensor, torch::Tensor>> tensors_;
   std::string optimizer_, plugin_;
 };
-
-// What a name checkpoint_name() gives says: the step, and which of how many data-parallel
-// ranks wrote the file. nullopt for any other name.
-struct CheckpointName {
-  long long step;
-  int rank, world_size;
-};
-std::optional<CheckpointName> parse_checkpoint_name(const std::string& name) {
-  // The digit counts keep std::stoll / std::stoi in range for any name a folder may hold.
-  static const std::regex pattern(R"(step_(\d{1,18})(?:-rank(\d{1,9})-of-(\d{1,9}))?\.ckpt)");
-  std::smatch match;
-  if (!std::regex_match(name, match, pattern)) return std::nullopt;
-  CheckpointName parsed{std::stoll(match[1].str()), match[2].matched ? std::stoi(match[2].str()) : 0,
-                        match[3].matched ? std::stoi(match[3].str()) : 1};
-  if (parsed.world_size < 1 || parsed.rank >= parsed.world_size || (match[3].matched && parsed.world_size == 1)) {
-    return std::nullopt;
-  }
-  return parsed;
-}
 
 }  // namespace
 
@@ -321,6 +303,20 @@ std::string Trainer::checkpoint_name(int64_t step, int rank, int world_size) {
                   world_size);
   }
   return name;
+}
+
+std::optional<Trainer::CheckpointName> Trainer::parse_checkpoint_name(const std::string& name) {
+  // The digit counts keep std::stoll in range for any name a folder may hold.
+  static const std::regex pattern(R"(step_(\d{1,18})(?:-rank(\d{1,10})-of-(\d{1,10}))?\.ckpt)");
+  std::smatch match;
+  if (!std::regex_match(name, match, pattern)) return std::nullopt;
+  const int64_t rank = match[2].matched ? std::stoll(match[2].str()) : 0;
+  const int64_t world_size = match[3].matched ? std::stoll(match[3].str()) : 1;
+  if (world_size < 1 || world_size > std::numeric_limits<int>::max() || rank >= world_size ||
+      (match[3].matched && world_size == 1)) {
+    return std::nullopt;
+  }
+  return CheckpointName{std::stoll(match[1].str()), static_cast<int>(rank), static_cast<int>(world_size)};
 }
 
 std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size,

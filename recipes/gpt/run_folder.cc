@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <unistd.h>
 
 #include "plugin/training/trainer.h"
@@ -47,9 +46,8 @@ RunFolderContents inspect_run_folder(const std::string& save_dir, int rank, int 
   }
   const auto checkpoints = fs::path(save_dir) / "checkpoints";
   if (fs::is_directory(checkpoints, error)) {
-    static const std::regex pattern(R"(step_\d+(-rank\d+-of-\d+)?\.ckpt)");
     for (const auto& entry : fs::directory_iterator(checkpoints, error)) {
-      if (std::regex_match(entry.path().filename().string(), pattern)) ++contents.checkpoints;
+      if (Trainer::parse_checkpoint_name(entry.path().filename().string())) ++contents.checkpoints;
     }
     if (contents.checkpoints > 0) {
       contents.newest_checkpoint = Trainer::latest_checkpoint(checkpoints.string(), rank, world_size);
