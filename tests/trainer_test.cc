@@ -486,6 +486,55 @@ std::string raw(const char (&literal)[N]) {
 // LibTorch's unpickler sizes its memo table by the ids it reads (a corrupt id in an archive with
 // a valid trailer, found by fuzz_checkpoint_load, asked for 32 GB) and builds a storage of the
 // size the pickle claims over a record of any size. check_pickle_bounds names both before
+// Runs `signals` in a forked child that holds a StopOnSignal (window `window_ms`) and reports
+// what became of it: the exit code 0 when the stop was requested once and the child lived on,
+// or the signal that ended it. The child touches no tensors (fork after the test's set-up).
+int child_under_stop_on_signal(int window_ms, const std::function<void()>& signals) {
+  Trainer trainer(TrainerOptions().log_every_n_steps(0));
+  const pid_t child = ::fork();
+  if (child == 0) {
+    StopOnSignal stop(trainer, std::chrono::milliseconds(window_ms));
+    signals();
+    ::_exit(stop.received() == SIGTERM ? 0 : 3);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  return WIFSIGNALED(status) ? -WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+// timeout(1) sends SIGTERM to its command and then to the command's process group: one request
+// arrives twice within microseconds. It must stop the run cleanly, not end the process (before,
+// the second copy counted as an operator's second Ctrl-C, and one run in four under timeout died
+// without its checkpoint).
+TEST(StopOnSignalTest, OneSignalDeliveredTwiceIsOneRequest) {
+  EXPECT_EQ(child_under_stop_on_signal(1000, [] {
+              ::setpgid(0, 0);  // a process group of its own, as timeout gives its command
+              ::kill(::getpid(), SIGTERM);
+              ::kill(0, SIGTERM);  // the group: the child alone
+            }), 0);
+}
+
+// A repeat after the window is the operator insisting: the default action ends the process.
+// A signal of the other kind meanwhile changes nothing.
+TEST(StopOnSignalTest, ARepeatAfterTheWindowEndsTheProcess) {
+  EXPECT_EQ(child_under_stop_on_signal(20, [] {
+              ::raise(SIGTERM);
+              ::usleep(50 * 1000);
+              ::raise(SIGINT);
+            }), 0);
+  EXPECT_EQ(child_under_stop_on_signal(20, [] {
+              ::raise(SIGTERM);
+              ::usleep(50 * 1000);
+              ::raise(SIGTERM);
+            }), -SIGTERM);
+}
+
+TEST(StopOnSignalTest, ANegativeWindowIsAnError) {
+  Trainer trainer(TrainerOptions().log_every_n_steps(0));
+  ExpectErrorContaining([&] { StopOnSignal stop(trainer, std::chrono::milliseconds(-1)); },
+                        "StopOnSignal: same_request_window must be >= 0 ms, got -1 ms");
+}
+
 // LibTorch sees them, and a checkpoint big enough to need LONG_BINPUT ids still loads.
 TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchReadsThem) {
   auto expect_bad = [](const std::string& pickle, const std::string& message) {

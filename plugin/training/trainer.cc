@@ -5,6 +5,7 @@
 
 #include <signal.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include <atomic>
 #include <cmath>
@@ -372,27 +373,46 @@ namespace {
 
 std::atomic<Trainer*> g_stop_target{nullptr};
 volatile std::sig_atomic_t g_stop_signal = 0;
+std::atomic<int64_t> g_stop_signal_ns{0};          // when g_stop_signal arrived (CLOCK_MONOTONIC)
+std::atomic<int64_t> g_same_request_window_ns{0};  // StopOnSignal's same_request_window
 struct sigaction g_previous_term, g_previous_int;
 
+int64_t monotonic_ns() {  // clock_gettime is async-signal-safe (POSIX), steady_clock is not said to be
+  struct timespec now {};
+  ::clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<int64_t>(now.tv_sec) * 1000000000 + now.tv_nsec;
+}
+
 extern "C" void on_stop_signal(int signal) {
-  if (g_stop_signal == signal) {  // asked twice: the default action from now on
-    std::signal(signal, SIG_DFL);
-    std::raise(signal);
+  const int64_t now = monotonic_ns();
+  if (g_stop_signal != 0) {  // the stop is already requested
+    // A repeat within the window is the first signal delivered twice: timeout(1), and launchers
+    // that signal a worker and then its process group, do that. A later repeat of the same
+    // signal is the operator insisting (a second Ctrl-C): the default action from now on.
+    if (signal == g_stop_signal && now - g_stop_signal_ns.load() >= g_same_request_window_ns.load()) {
+      std::signal(signal, SIG_DFL);
+      std::raise(signal);
+    }
     return;
   }
+  g_stop_signal_ns.store(now);
   g_stop_signal = signal;
   if (Trainer* trainer = g_stop_target.load()) trainer->request_stop();
 }
 
 }  // namespace
 
-StopOnSignal::StopOnSignal(Trainer& trainer) {
-  static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<Trainer*>::is_always_lock_free,
+StopOnSignal::StopOnSignal(Trainer& trainer, std::chrono::milliseconds same_request_window) {
+  static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<Trainer*>::is_always_lock_free &&
+                    std::atomic<int64_t>::is_always_lock_free,
                 "the signal handler needs lock-free atomics");
+  TORCH_CHECK(same_request_window.count() >= 0, "StopOnSignal: same_request_window must be >= 0 ms, got ",
+              same_request_window.count(), " ms");
   Trainer* expected = nullptr;
   TORCH_CHECK(g_stop_target.compare_exchange_strong(expected, &trainer),
               "StopOnSignal: another StopOnSignal is active in this process");
   g_stop_signal = 0;
+  g_same_request_window_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(same_request_window).count());
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);

@@ -286,12 +286,15 @@ class Trainer {
 /// Stops a Trainer cleanly on SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C), as
 /// Megatron's exit-signal handler does: while it lives, those signals call
 /// trainer.request_stop() (an atomic store, safe in a signal handler), so fit finishes the step,
-/// saves a checkpoint and returns with stopped() true. A second signal of the same kind restores
-/// the default action (a second Ctrl-C ends the process). The previous handlers come back when
-/// it is destroyed. One at a time per process.
+/// saves a checkpoint and returns with stopped() true. One signal is often delivered twice:
+/// timeout(1), and launchers that signal a worker and then its process group, send both copies
+/// within microseconds. So a repeat of the first signal within `same_request_window` of it is the
+/// same request; a repeat after that restores the default action (a second Ctrl-C ends the
+/// process), and another kind of signal changes nothing. The previous handlers come back when it
+/// is destroyed. One at a time per process.
 class StopOnSignal {
  public:
-  explicit StopOnSignal(Trainer& trainer);
+  explicit StopOnSignal(Trainer& trainer, std::chrono::milliseconds same_request_window = std::chrono::seconds(1));
   ~StopOnSignal();
   StopOnSignal(const StopOnSignal&) = delete;
   StopOnSignal& operator=(const StopOnSignal&) = delete;
