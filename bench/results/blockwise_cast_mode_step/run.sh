@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Next GPU check for issue 19 (prepared 2026-12-06, session 33; not yet run), as one device call
+# GPU check for issue 19 (prepared 2026-12-06, session 33; run 2026-12-06, session 35: MANIFEST.md), as one device call
 # from the repository root:
 #   run(command="bash bench/results/blockwise_cast_mode_step/run.sh", carry=[".gpubin14", ".gpubin12", ".gpubin13"])
 # .gpubin14/ (git-ignored): main at 2826a3b built on the CPU machine (gpt_pretrain,
