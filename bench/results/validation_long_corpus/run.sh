@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21's next runs (prepared 2026-12-06, session 34; not yet run). Why: at step 3500 of
+# Issue 21's runs past the descent (prepared 2026-12-06, session 34; run with SEED=1234 in session 35:
+# MANIFEST.md). Why: at step 3500 of
 # ../validation_deterministic/ the validation loss still falls ~5% per 500 steps, so its 0.5%
 # criterion asks two runs to keep pace within ~50 steps (that MANIFEST, "In steps of training").
 # These runs go on until the curves flatten, on a corpus large enough to stay under one epoch:
