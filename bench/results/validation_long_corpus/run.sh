@@ -21,9 +21,11 @@
 #   run(command="SEED=1234 bash bench/results/validation_long_corpus/run.sh", carry=[".gpubin14"])
 # repeated until it prints "both runs finished"; every call returns long_<seed>.tar.gz (metrics,
 # logs, corpus identity so far). CONFIG, STEPS, T and ENDS (bf16 layers at each end) change the
-# defaults; the CPU machine ran it with CONFIG=tiny STEPS=600 T=20 ENDS=0 (and OUT set).
+# defaults; the CPU machine ran it with CONFIG=tiny STEPS=600 T=20 ENDS=0 (and OUT set). BIN names
+# the folder of gpt_pretrain.xz (default .gpubin14; .gpubin16 = main at 5ba0ec5, whose
+# gpt_pretrain keeps its SIGTERM checkpoint under timeout: MANIFEST.md).
 set -u
-SEED=${SEED:?}; CONFIG=${CONFIG:-350m}; ENDS=${ENDS:-1}; STEPS=${STEPS:-7000}; T=${T:-470}; B=.gpubin14
+SEED=${SEED:?}; CONFIG=${CONFIG:-350m}; ENDS=${ENDS:-1}; STEPS=${STEPS:-7000}; T=${T:-470}; B=${BIN:-.gpubin14}
 W=/tmp/long; mkdir -p $W
 [ -x $W/gpt_pretrain ] || { xz -dc $B/gpt_pretrain.xz > $W/gpt_pretrain && chmod +x $W/gpt_pretrain; }
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
