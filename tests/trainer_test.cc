@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <cstdlib>
 #include <limits>
 #include <fstream>
