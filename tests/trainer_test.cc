@@ -478,15 +478,6 @@ TEST_F(TrainerTest, CheckpointSurvivesAWriterKilledMidWrite) {
   EXPECT_TRUE(killed_mid_write) << "no attempt killed the writer mid-write";
 }
 
-// A string literal's bytes, zeros included.
-template <size_t N>
-std::string raw(const char (&literal)[N]) {
-  return std::string(literal, N - 1);
-}
-
-// LibTorch's unpickler sizes its memo table by the ids it reads (a corrupt id in an archive with
-// a valid trailer, found by fuzz_checkpoint_load, asked for 32 GB) and builds a storage of the
-// size the pickle claims over a record of any size. check_pickle_bounds names both before
 // Runs `signals` in a forked child that holds a StopOnSignal (window `window_ms`) and reports
 // what became of it: the exit code 0 when the stop was requested once and the child lived on,
 // or the signal that ended it. The child touches no tensors (fork after the test's set-up).
@@ -536,6 +527,15 @@ TEST(StopOnSignalTest, ANegativeWindowIsAnError) {
                         "StopOnSignal: same_request_window must be >= 0 ms, got -1 ms");
 }
 
+// A string literal's bytes, zeros included.
+template <size_t N>
+std::string raw(const char (&literal)[N]) {
+  return std::string(literal, N - 1);
+}
+
+// LibTorch's unpickler sizes its memo table by the ids it reads (a corrupt id in an archive with
+// a valid trailer, found by fuzz_checkpoint_load, asked for 32 GB) and builds a storage of the
+// size the pickle claims over a record of any size. check_pickle_bounds names both before
 // LibTorch sees them, and a checkpoint big enough to need LONG_BINPUT ids still loads.
 TEST_F(TrainerTest, CorruptPicklesAreNamedBeforeLibTorchReadsThem) {
   auto expect_bad = [](const std::string& pickle, const std::string& message) {

@@ -11,8 +11,8 @@
 #include <functional>
 #include <iosfwd>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <type_traits>
