@@ -213,6 +213,25 @@ TEST(LossPlotTest, WritesOnePolylinePerCurve) {
   std::filesystem::remove(path);
 }
 
+// The y axis names what the curves hold: the loss by default, or what the caller says (a
+// difference between runs, in percent, goes below zero).
+TEST(LossPlotTest, TheYAxisSaysWhatItShows) {
+  const auto path = std::filesystem::temp_directory_path() / ("amp8_plot_y_" + std::to_string(::getpid()) + ".svg");
+  auto read = [&] {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  LossCurve gap{"fp8", {}, {{500, -1.0}, {1000, 3.1}, {1500, 2.4}}};
+  write_loss_svg(path.string(), {gap}, "title");
+  EXPECT_NE(read().find(">loss</text>"), std::string::npos);
+  write_loss_svg(path.string(), {gap}, "title", "FP8 - bf16 <% of bf16>");
+  const std::string svg = read();
+  std::filesystem::remove(path);
+  EXPECT_NE(svg.find(">FP8 - bf16 &lt;% of bf16&gt;</text>"), std::string::npos);
+  EXPECT_EQ(svg.find(">loss</text>"), std::string::npos);
+  EXPECT_NE(svg.find(">-1<"), std::string::npos) << "a tick below zero";
+}
+
 // A long noisy run with an early spike, as pretraining draws them: rounded ticks, the spike cut
 // off (with a note) rather than flattening the curve, a moving average over the raw steps, and
 // a legend that is not clipped by the picture's edge.

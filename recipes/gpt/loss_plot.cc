@@ -67,7 +67,7 @@ std::vector<std::pair<double, double>> smoothed(const std::vector<std::pair<doub
 }  // namespace
 
 void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curves,
-                    const std::string& title) {
+                    const std::string& title, const std::string& y_label) {
   // The legend goes under the plot, one line per curve, so no name is cut off.
   const double width = 820, left = 70, right = 30, top = 44, plot_h = 380;
   const double legend_top = top + plot_h + 52, line_h = 18;
@@ -150,7 +150,7 @@ void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curve
       << "<text x=\"" << left + plot_w / 2 << "\" y=\"" << top + plot_h + 38
       << "\" text-anchor=\"middle\">step</text>\n"
       << "<text x=\"16\" y=\"" << top + plot_h / 2 << "\" transform=\"rotate(-90 16 " << top + plot_h / 2
-      << ")\" text-anchor=\"middle\">loss</text>\n";
+      << ")\" text-anchor=\"middle\">" << escape(y_label) << "</text>\n";
   if (clipped) {
     svg << "<text x=\"" << left + plot_w << "\" y=\"" << top - 6 << "\" text-anchor=\"end\" fill=\"#666\">"
         << "values above " << tick_label(y_max, y_spacing) << " (the first steps, spikes) cut off</text>\n";

@@ -14,7 +14,7 @@ struct LossCurve {
 };
 
 /// Writes the curves into one SVG picture, atomically (temporary file + rename): steps on x,
-/// loss on y, both with rounded ticks (1, 2 or 5 x 10^k apart); the legend under the plot, one
+/// `y_label` (the loss, by default) on y, both with rounded ticks (1, 2 or 5 x 10^k apart); the legend under the plot, one
 /// full line per curve. A curve of more than 100 points is drawn faint, every step, with its
 /// moving average (an EMA over about a fiftieth of the curve, debiased as TensorBoard does) on
 /// top. The y range ends at the 98th percentile of the values after the first 5% of the steps
@@ -23,6 +23,6 @@ struct LossCurve {
 /// Validation points are circles joined by a dashed line in the curve's colour. Non-finite
 /// losses are left out of the lines. Throws naming the path when it cannot be written.
 void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curves,
-                    const std::string& title);
+                    const std::string& title, const std::string& y_label = "loss");
 
 }  // namespace amp8::recipes

@@ -19,11 +19,12 @@
 # stays warm 30 s; a cold one has lost /tmp/long and starts over). From the repository root,
 # carry .gpubin14 (gpt_pretrain of main, built on the CPU machine):
 #   run(command="SEED=1234 bash bench/results/validation_long_corpus/run.sh", carry=[".gpubin14"])
-# repeated until it prints "both runs finished"; every call returns long_<seed>.tar.gz (metrics,
-# logs, corpus identity so far). CONFIG, STEPS, T and ENDS (bf16 layers at each end) change the
-# defaults; the CPU machine ran it with CONFIG=tiny STEPS=600 T=20 ENDS=0 (and OUT set). BIN names
-# the folder of gpt_pretrain.xz (default .gpubin14; .gpubin16 = main at 5ba0ec5, whose
-# gpt_pretrain keeps its SIGTERM checkpoint under timeout: MANIFEST.md).
+# repeated until it prints "all runs finished"; every call returns long_<seed>.tar.gz (metrics,
+# logs, corpus identity so far). CONFIG, STEPS, T, ENDS (bf16 layers at each end), RECIPES (the
+# FP8 runs, default blockwise) and BF16=0 (no bf16-mixed run) change the defaults; the CPU
+# machine ran it with CONFIG=tiny STEPS=600 T=20 ENDS=0 (and OUT set). BIN names the folder of
+# gpt_pretrain.xz (default .gpubin14; .gpubin16 = main at 5ba0ec5, whose gpt_pretrain keeps its
+# SIGTERM checkpoint under timeout: MANIFEST.md).
 set -u
 SEED=${SEED:?}; CONFIG=${CONFIG:-350m}; ENDS=${ENDS:-1}; STEPS=${STEPS:-7000}; T=${T:-470}; B=${BIN:-.gpubin14}
 W=/tmp/long; mkdir -p $W
@@ -65,18 +66,24 @@ run() {  # name, flags: runs (or resumes) one run for T seconds, then SIGTERM (i
   timeout -s TERM -k 60 $T $W/gpt_pretrain $common --save-dir $W/run_${SEED}_$name "$@" >> $R/log_$name.txt 2>&1
   echo "$name exit $? at $(date -u +%T)" | tee -a $R/log_$name.txt
 }
-run bf16 --precision bf16-mixed &
-run blockwise_ends_bf16 --precision bf16-mixed --fp8 hybrid --fp8-recipe blockwise --fp8-min-gemm-size 0 \
-  --num-layers-at-start-in-bf16 $ENDS --num-layers-at-end-in-bf16 $ENDS &
+# RECIPES: the FP8 runs (default blockwise); BF16=0 leaves out the bf16-mixed run (deterministic:
+# an earlier call's on the same GPU kind is the same run).
+names=""
+[ "${BF16:-1}" = 1 ] && { run bf16 --precision bf16-mixed & names="bf16"; }
+for recipe in ${RECIPES:-blockwise}; do
+  run ${recipe}_ends_bf16 --precision bf16-mixed --fp8 hybrid --fp8-recipe $recipe --fp8-min-gemm-size 0 \
+    --num-layers-at-start-in-bf16 $ENDS --num-layers-at-end-in-bf16 $ENDS &
+  names="$names ${recipe}_ends_bf16"
+done
 wait
 done=0
-for name in bf16 blockwise_ends_bf16; do
+for name in $names; do
   cp $W/run_${SEED}_$name/metrics.jsonl $R/metrics_${SEED}_$name.jsonl 2>/dev/null
   cp $W/run_${SEED}_$name/loss.svg $R/loss_${SEED}_$name.svg 2>/dev/null
   last=$(grep -o '"step":[0-9]*' $R/metrics_${SEED}_$name.jsonl 2>/dev/null | tail -1 | cut -d: -f2)
   echo "$name: step ${last:-0} of $STEPS; validation: $(grep -o '"val_loss":[0-9.]*' $R/metrics_${SEED}_$name.jsonl 2>/dev/null | cut -d: -f2 | cut -c1-6 | tr '\n' ' ')"
   [ "${last:-0}" = "$STEPS" ] && done=$((done + 1))
 done
-[ $done = 2 ] && echo "both runs finished"
+[ $done = $(echo $names | wc -w) ] && echo "all runs finished"
 df -h /tmp | tail -1
 tar -czf $OUT/long_$SEED.tar.gz -C $R .
