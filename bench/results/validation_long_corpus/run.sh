@@ -67,14 +67,27 @@ run() {  # name, flags: runs (or resumes) one run for T seconds, then SIGTERM (i
   echo "$name exit $? at $(date -u +%T)" | tee -a $R/log_$name.txt
 }
 # RECIPES: the FP8 runs (default blockwise); BF16=0 leaves out the bf16-mixed run (deterministic:
-# an earlier call's on the same GPU kind is the same run).
+# an earlier call's on the same GPU kind is the same run). VARIANTS, instead of RECIPES, names
+# each FP8 run and its flags after the common FP8 ones: "NAME:FLAGS;NAME:FLAGS", e.g.
+# VARIANTS="blockwise_ends2:--fp8-recipe blockwise --num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2"
 names=""
 [ "${BF16:-1}" = 1 ] && { run bf16 --precision bf16-mixed & names="bf16"; }
-for recipe in ${RECIPES:-blockwise}; do
-  run ${recipe}_ends_bf16 --precision bf16-mixed --fp8 hybrid --fp8-recipe $recipe --fp8-min-gemm-size 0 \
-    --num-layers-at-start-in-bf16 $ENDS --num-layers-at-end-in-bf16 $ENDS &
-  names="$names ${recipe}_ends_bf16"
-done
+fp8_common="--precision bf16-mixed --fp8 hybrid --fp8-min-gemm-size 0"
+if [ -n "${VARIANTS:-}" ]; then
+  IFS=';' read -ra variants <<< "$VARIANTS"
+  for variant in "${variants[@]}"; do
+    name=${variant%%:*}; flags=${variant#*:}
+    # shellcheck disable=SC2086  # FLAGS are words
+    run $name $fp8_common $flags &
+    names="$names $name"
+  done
+else
+  for recipe in ${RECIPES:-blockwise}; do
+    run ${recipe}_ends_bf16 $fp8_common --fp8-recipe $recipe \
+      --num-layers-at-start-in-bf16 $ENDS --num-layers-at-end-in-bf16 $ENDS &
+    names="$names ${recipe}_ends_bf16"
+  done
+fi
 wait
 done=0
 for name in $names; do
