@@ -5,7 +5,8 @@
 // LibTorch's GELU kernels before it. Also the plain quantize kernel, and the blockwise
 // quantization (1×128 and 128×128 tiles, with transposes; 1×128 with GELU or its backward inside
 // against LibTorch's GELU kernels before it), and every FP8 weight of a GPT
-// quantized in one quantize_many launch against one quantize per weight, and in 128×128 blocks.
+// quantized in one quantize_many launch against one quantize per weight, and in 128×128 blocks
+// (in two passes over shards, and in one read of whole weights).
 
 #include <ATen/ATen.h>
 
@@ -282,6 +283,16 @@ int main(int argc, char** argv) {
         .timing(blocks_ms, "quantize_many (one scale per weight)", many_ms)
         .set("tensors", static_cast<double>(masters.size()))
         .set("gbps", 9.0 * elements / blocks_ms / 1e6)  // read 4 bytes twice, write 1 per element
+        .print();
+    // The same whole weights in one read each (one rank holds them all; DistributedOptimizer at
+    // world size 1): quantize_whole_weights_blockwise against the two passes above.
+    const double whole_ms = bench::median_ms(
+        [&] { quantize_whole_weights_blockwise(shards, weight_block_options(), outs, scale_invs); });
+    bench::Record("quantize_whole_weights_blockwise", std::string(config) + ": " + std::to_string(masters.size()) +
+                                                          " FP8 weights in 128x128 blocks from float32 masters", cmd)
+        .timing(whole_ms, "blockwise_shard_amax + quantize_shards_blockwise", blocks_ms)
+        .set("tensors", static_cast<double>(masters.size()))
+        .set("gbps", 5.0 * elements / whole_ms / 1e6)  // read 4 bytes, write 1 per element
         .print();
   }
   return 0;

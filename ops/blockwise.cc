@@ -345,6 +345,32 @@ void check_shards(const char* fn, const std::vector<Fp8WeightShard>& shards,
   }
 }
 
+// quantize_shards_blockwise's and quantize_whole_weights_blockwise's options and outputs.
+void check_shard_outputs(const char* fn, const std::vector<Fp8WeightShard>& shards,
+                         const BlockwiseQuantizeOptions& options, const std::vector<at::Tensor>& outs,
+                         const std::vector<at::Tensor>& scale_invs) {
+  TORCH_CHECK(options.block == Fp8BlockShape::k128x128, fn,
+              ": options.block must be 128x128 (a weight's blocks), got 1x128");
+  TORCH_CHECK(outs.size() == shards.size() && scale_invs.size() == shards.size(), fn, ": ",
+              shards.size(), " shards but ", outs.size(), " outs and ", scale_invs.size(),
+              " scale_invs");
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    TORCH_CHECK(outs[i].defined() && outs[i].is_contiguous() &&
+                    outs[i].numel() == s.values.numel() &&
+                    outs[i].scalar_type() == fp8_dtype(options.format) &&
+                    outs[i].device() == s.values.device(),
+                fn, ": outs[", i, "] must be contiguous ", fp8_dtype(options.format), " with ",
+                s.values.numel(), " elements on ", s.values.device());
+    const auto shape = blockwise_scale_shape(s.rows, s.cols, Fp8BlockShape::k128x128);
+    TORCH_CHECK(scale_invs[i].defined() && scale_invs[i].scalar_type() == at::kFloat &&
+                    scale_invs[i].sizes() == at::IntArrayRef(shape) &&
+                    scale_invs[i].is_contiguous() && scale_invs[i].device() == s.values.device(),
+                fn, ": scale_invs[", i, "] must be contiguous float32 ", at::IntArrayRef(shape),
+                " on ", s.values.device());
+  }
+}
+
 // Calls f(i, block) for each element i of the shard with the index of its 128×128 block in a
 // [ceil(rows/128), ceil(cols/128)] grid.
 template <typename F>
@@ -388,26 +414,7 @@ void quantize_shards_blockwise(const std::vector<Fp8WeightShard>& shards,
                                const std::vector<at::Tensor>& scale_invs) {
   const char* fn = "quantize_shards_blockwise";
   check_shards(fn, shards, amaxes);
-  TORCH_CHECK(options.block == Fp8BlockShape::k128x128, fn,
-              ": options.block must be 128x128 (a weight's blocks), got 1x128");
-  TORCH_CHECK(outs.size() == shards.size() && scale_invs.size() == shards.size(), fn, ": ",
-              shards.size(), " shards but ", outs.size(), " outs and ", scale_invs.size(),
-              " scale_invs");
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const auto& s = shards[i];
-    TORCH_CHECK(outs[i].defined() && outs[i].is_contiguous() &&
-                    outs[i].numel() == s.values.numel() &&
-                    outs[i].scalar_type() == fp8_dtype(options.format) &&
-                    outs[i].device() == s.values.device(),
-                fn, ": outs[", i, "] must be contiguous ", fp8_dtype(options.format), " with ",
-                s.values.numel(), " elements on ", s.values.device());
-    const auto shape = blockwise_scale_shape(s.rows, s.cols, Fp8BlockShape::k128x128);
-    TORCH_CHECK(scale_invs[i].defined() && scale_invs[i].scalar_type() == at::kFloat &&
-                    scale_invs[i].sizes() == at::IntArrayRef(shape) &&
-                    scale_invs[i].is_contiguous() && scale_invs[i].device() == s.values.device(),
-                fn, ": scale_invs[", i, "] must be contiguous float32 ", at::IntArrayRef(shape),
-                " on ", s.values.device());
-  }
+  check_shard_outputs(fn, shards, options, outs, scale_invs);
   if (shards.empty()) return;
   if (shards.front().values.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
@@ -446,6 +453,40 @@ void quantize_shards_blockwise(const std::vector<Fp8WeightShard>& shards,
       write(outs[k].mutable_data_ptr<c10::Float8_e5m2>());
     }
   }
+}
+
+void quantize_whole_weights_blockwise(const std::vector<Fp8WeightShard>& shards,
+                                      const BlockwiseQuantizeOptions& options,
+                                      const std::vector<at::Tensor>& outs,
+                                      const std::vector<at::Tensor>& scale_invs) {
+  const char* fn = "quantize_whole_weights_blockwise";
+  std::vector<at::Tensor> amaxes;
+  amaxes.reserve(shards.size());
+  for (const auto& s : shards) {
+    amaxes.push_back(s.values.defined() && s.rows > 0 && s.cols > 0
+                         ? at::zeros(blockwise_amax_shape(s.rows, s.cols), s.values.options().dtype(at::kFloat))
+                         : at::Tensor());
+  }
+  check_shards(fn, shards, amaxes);
+  check_shard_outputs(fn, shards, options, outs, scale_invs);
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    TORCH_CHECK(s.offset == 0 && s.values.numel() == s.rows * s.cols, fn, ": shards[", i,
+                "] holds elements [", s.offset, ", ", s.offset + s.values.numel(), ") of a ", s.rows,
+                " x ", s.cols, " weight; it must hold all of it (a part needs the other parts' block "
+                "amaxes: blockwise_shard_amax, an all-reduce, then quantize_shards_blockwise)");
+  }
+  if (shards.empty()) return;
+  if (shards.front().values.is_cuda()) {
+#ifdef AMP8_WITH_CUDA
+    detail::quantize_whole_weights_blockwise_cuda(shards, options, outs, scale_invs);
+    return;
+#else
+    detail::no_cuda(fn);
+#endif
+  }
+  blockwise_shard_amax(shards, amaxes);
+  quantize_shards_blockwise(shards, amaxes, options, outs, scale_invs);
 }
 
 Fp8BlockwiseTensor transpose_blocks(const Fp8BlockwiseTensor& w) {

@@ -148,6 +148,16 @@ void quantize_shards_blockwise(const std::vector<Fp8WeightShard>& shards,
                                const std::vector<at::Tensor>& outs,
                                const std::vector<at::Tensor>& scale_invs);
 
+/// blockwise_shard_amax into zeroed amaxes, then quantize_shards_blockwise, for shards that each
+/// hold a whole weight (offset 0, rows · cols elements), whose blocks need no other rank's amax:
+/// the same bytes in outs and scale_invs. A part of a weight is an error. CUDA: one read of each
+/// weight (the 128×128 kernel of quantize_blockwise, writing into outs), where the two calls
+/// read it twice; one launch per weight.
+void quantize_whole_weights_blockwise(const std::vector<Fp8WeightShard>& shards,
+                                      const BlockwiseQuantizeOptions& options,
+                                      const std::vector<at::Tensor>& outs,
+                                      const std::vector<at::Tensor>& scale_invs);
+
 /// A weight in 128×128 blocks, transposed: the bytes (a byte transpose) and the scale grid, so
 /// Wᵀ [cols, rows] has exactly W's blocks (what dgrad reads of a weight stored in blocks).
 Fp8BlockwiseTensor transpose_blocks(const Fp8BlockwiseTensor& w);

@@ -594,6 +594,76 @@ TEST_F(BlockwiseTest, ShardsOfAWeightQuantizeAsTheWholeWeight) {
   }
 }
 
+// Whole weights (one rank holds them all) in one call: quantize_blockwise's bytes and scales of
+// each weight, in every input dtype and both formats; a block with an outlier, an all-zero block,
+// a NaN, and edges that are not whole blocks.
+struct WholeWeights {
+  std::vector<Fp8WeightShard> shards;
+  std::vector<at::Tensor> outs, scale_invs;
+};
+
+WholeWeights whole_weights(const std::vector<at::Tensor>& weights, Fp8Format format) {
+  WholeWeights w;
+  for (const auto& weight : weights) {
+    const int64_t rows = weight.size(0), cols = weight.size(1);
+    w.shards.push_back({weight.reshape({-1}), rows, cols, 0});
+    w.outs.push_back(at::empty({rows * cols}, weight.options().dtype(fp8_dtype(format))));
+    w.scale_invs.push_back(at::zeros(blockwise_scale_shape(rows, cols, Fp8BlockShape::k128x128),
+                                     weight.options().dtype(at::kFloat)));
+  }
+  return w;
+}
+
+std::vector<at::Tensor> awkward_weights(at::ScalarType dtype) {
+  std::vector<at::Tensor> weights;
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {200, 176}, {257, 385}, {128, 128}, {7, 130}, {1, 1}, {384, 256}}) {
+    auto w = testing::random_wide({rows, cols}, at::kFloat);
+    w[0][cols > 1 ? 1 : 0] = 1e5f;  // an outlier in block (0, 0)
+    if (rows > 128 && cols > 128) w.narrow(0, 128, 72).narrow(1, 128, 48).zero_();
+    if (rows * cols > 1) w[rows - 1][cols - 1] = kNaN;
+    weights.push_back(w.to(dtype));
+  }
+  return weights;
+}
+
+TEST_F(BlockwiseTest, WholeWeightsQuantizeAsQuantizeBlockwise) {
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (format == Fp8Format::kE4M3 ? " e4m3" : " e5m2"));
+      const auto weights = awkward_weights(dtype);
+      auto w = whole_weights(weights, format);
+      const auto options = weight_block_options(format);
+      quantize_whole_weights_blockwise(w.shards, options, w.outs, w.scale_invs);
+      for (size_t k = 0; k < weights.size(); ++k) {
+        const auto expected = quantize_blockwise(weights[k], options).data;
+        EXPECT_TRUE(BytesEqual(w.outs[k].view(weights[k].sizes()), expected.data)) << "weight " << k;
+        EXPECT_TRUE(BytesEqual(w.scale_invs[k], expected.scale_inv)) << "weight " << k;
+      }
+    }
+  }
+}
+
+TEST_F(BlockwiseTest, APartOfAWeightIsNotWhole) {
+  const auto values = at::randn({100});
+  auto w = whole_weights({values.view({10, 10})}, Fp8Format::kE4M3);
+  w.shards[0] = {values.narrow(0, 1, 99), 10, 10, 1};
+  w.outs[0] = at::empty({99}, at::kFloat8_e4m3fn);
+  testing::ExpectErrorContaining(
+      [&] { quantize_whole_weights_blockwise(w.shards, weight_block_options(), w.outs, w.scale_invs); },
+      "quantize_whole_weights_blockwise: shards[0] holds elements [1, 100) of a 10 x 10 weight; it "
+      "must hold all of it");
+  w.shards[0] = {values.narrow(0, 0, 99), 10, 10, 0};
+  testing::ExpectErrorContaining(
+      [&] { quantize_whole_weights_blockwise(w.shards, weight_block_options(), w.outs, w.scale_invs); },
+      "shards[0] holds elements [0, 99) of a 10 x 10 weight");
+  w = whole_weights({values.view({10, 10})}, Fp8Format::kE4M3);
+  w.outs[0] = at::empty({100}, at::kFloat8_e5m2);
+  testing::ExpectErrorContaining(
+      [&] { quantize_whole_weights_blockwise(w.shards, weight_block_options(), w.outs, w.scale_invs); },
+      "quantize_whole_weights_blockwise: outs[0] must be contiguous Float8_e4m3fn with 100 elements");
+}
+
 // A weight in blocks transposed is the transpose quantize_blockwise makes from the values.
 TEST_F(BlockwiseTest, TransposedBlocksAreTheTransposeOfTheValues) {
   for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{200, 176}, {130, 7}, {128, 384}}) {
@@ -677,6 +747,34 @@ TEST_F(BlockwiseTest, ShardKernelsMatchCpuByteForByte_CUDA) {
       for (size_t k = 0; k < shards.size(); ++k) {
         EXPECT_TRUE(BytesEqual(outs_gpu[k].cpu(), outs_cpu[k])) << "bytes of shard " << k;
         EXPECT_TRUE(BytesEqual(scale_gpu[k].cpu(), scale_cpu[k])) << "scale_inv of shard " << k;
+      }
+    }
+  }
+}
+
+// The one-read CUDA path against the CPU's two passes: every input dtype and format; 16-byte
+// loads where cols % 8 == 0 and the data are aligned (384 × 256, 200 × 176, 128 × 128, FP32
+// masters included), the element-wise kernel elsewhere (odd widths; values two elements off
+// alignment; an output one byte off).
+TEST_F(BlockwiseTest, WholeWeightKernelsMatchCpuByteForByte_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (format == Fp8Format::kE4M3 ? " e4m3" : " e5m2"));
+      auto weights = awkward_weights(dtype);
+      // Values and an output off their alignment: views into larger buffers.
+      weights.push_back(at::randn({384 * 256 + 2}).to(dtype).narrow(0, 2, 384 * 256).view({384, 256}));
+      auto cpu = whole_weights(weights, format);
+      std::vector<at::Tensor> gpu_weights;
+      for (const auto& w : weights) gpu_weights.push_back(w.cuda());
+      auto gpu = whole_weights(gpu_weights, format);
+      gpu.outs.back() = at::empty({384 * 256 + 1}, gpu.outs.back().options()).narrow(0, 1, 384 * 256);
+      const auto options = weight_block_options(format);
+      quantize_whole_weights_blockwise(cpu.shards, options, cpu.outs, cpu.scale_invs);
+      quantize_whole_weights_blockwise(gpu.shards, options, gpu.outs, gpu.scale_invs);
+      for (size_t k = 0; k < weights.size(); ++k) {
+        EXPECT_TRUE(BytesEqual(gpu.outs[k].cpu(), cpu.outs[k])) << "bytes of weight " << k;
+        EXPECT_TRUE(BytesEqual(gpu.scale_invs[k].cpu(), cpu.scale_invs[k])) << "scale_inv of weight " << k;
       }
     }
   }

@@ -451,10 +451,11 @@ __global__ void __launch_bounds__(kSquareThreads)
   }
 }
 
-// The same blocks for 2-byte inputs (bf16, fp16) with 16-byte loads held in registers: the
-// block's amax from one read, then its bytes from the same registers as 8-byte stores, and xᵀ's
-// (the same bytes, the same scale) through the swizzled transposed tile as whole 128-byte lines,
-// as cast_transpose writes them. Needs cols % 8 == 0 and a 16-byte aligned x; with xᵀ also
+// The same blocks with 16-byte loads held in registers (8 elements per thread and pass: one load
+// of bf16 or fp16, two of float32, e.g. an FP32 master weight): the block's amax from one read,
+// then its bytes from the same registers as 8-byte stores, and xᵀ's (the same bytes, the same
+// scale) through the swizzled transposed tile as whole 128-byte lines, as cast_transpose writes
+// them. Needs cols % 8 == 0, a 16-byte aligned x and an 8-byte aligned out; with xᵀ also
 // rows % 16 == 0 and a 16-byte aligned out_t.
 // (No minimum of resident blocks: asked for three, ptxas spills at the 80 registers it uses
 // without spilling when left alone.)
@@ -465,7 +466,7 @@ __global__ void __launch_bounds__(kTileThreads)
                                    float* __restrict__ scale_inv, int64_t scale_ld,
                                    uint8_t* __restrict__ out_t, float* __restrict__ scale_inv_t,
                                    int64_t scale_ld_t) {
-  static_assert(sizeof(T) == 2, "8 elements per 16-byte load");
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "8 elements per one or two 16-byte loads");
   constexpr int kChunks = kTileChunks, kRowsPerPass = kTileRowsPerPass, kPasses = kTilePasses;
   __shared__ alignas(16) uint8_t tile_t[kBlockLen * kTileRows];  // [col][row], swizzled
   __shared__ float warp_amax[kTileThreads / 32];
@@ -770,15 +771,14 @@ int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t
       constexpr bool kE5M2 = decltype(e5m2)::value;
       const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
                       static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
-      if constexpr (sizeof(T) == 2) {
-        const bool transposed = out_t != nullptr;
-        if (cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-            (!transposed || (rows % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0))) {
-          quantize_128x128_vector_kernel<T, kE5M2><<<grid, kTileThreads, 0, stream>>>(
-              static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
-              scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);
-          return static_cast<int>(cudaGetLastError());
-        }
+      const bool transposed = out_t != nullptr;
+      if (cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(out) % 8 == 0 &&
+          (!transposed || (rows % 16 == 0 && reinterpret_cast<uintptr_t>(out_t) % 16 == 0))) {
+        quantize_128x128_vector_kernel<T, kE5M2><<<grid, kTileThreads, 0, stream>>>(
+            static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
+            scale_ld, static_cast<uint8_t*>(out_t), scale_inv_t, scale_ld_t);
+        return static_cast<int>(cudaGetLastError());
       }
       quantize_128x128_kernel<T, kE5M2><<<grid, kSquareThreads, 0, stream>>>(
           static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,

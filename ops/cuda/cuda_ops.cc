@@ -228,12 +228,27 @@ void quantize_shards_blockwise_cuda(const std::vector<Fp8WeightShard>& shards,
     table[i].scale_inv = scale_invs[i].mutable_data_ptr<float>();
     table[i].scale_ld = scale_invs[i].size(1);
   }
-  const cuda::BlockwiseScaling scaling{options.format == Fp8Format::kE5M2,
-                                       options.power_of_2_scales,
-                                       static_cast<float>(options.amax_epsilon)};
   AMP8_CUDA_CHECK(cuda::launch_quantize_shards_blockwise(
-      table.data(), static_cast<int>(table.size()), input_type(shards.front().values), scaling,
+      table.data(), static_cast<int>(table.size()), input_type(shards.front().values), blockwise_scaling(options),
       current_stream()));
+}
+
+void quantize_whole_weights_blockwise_cuda(const std::vector<Fp8WeightShard>& shards,
+                                           const BlockwiseQuantizeOptions& options,
+                                           const std::vector<at::Tensor>& outs,
+                                           const std::vector<at::Tensor>& scale_invs) {
+  const c10::cuda::CUDAGuard guard(shards.front().values.device());
+  const auto scaling = blockwise_scaling(options);
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    TORCH_CHECK(s.values.device() == shards.front().values.device(),
+                "quantize_whole_weights_blockwise: on CUDA every shard must be on the first's device (",
+                shards.front().values.device(), "), got ", s.values.device());
+    AMP8_CUDA_CHECK(cuda::launch_quantize_128x128(
+        s.values.const_data_ptr(), input_type(s.values), s.rows, s.cols, scaling,
+        outs[i].mutable_data_ptr(), scale_invs[i].mutable_data_ptr<float>(), scale_invs[i].size(1),
+        nullptr, nullptr, 0, current_stream()));
+  }
 }
 
 namespace {

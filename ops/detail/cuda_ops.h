@@ -138,6 +138,11 @@ void quantize_shards_blockwise_cuda(const std::vector<Fp8WeightShard>& shards,
                                     const BlockwiseQuantizeOptions& options,
                                     const std::vector<at::Tensor>& outs,
                                     const std::vector<at::Tensor>& scale_invs);
+// quantize_whole_weights_blockwise (ops/blockwise.h), arguments checked.
+void quantize_whole_weights_blockwise_cuda(const std::vector<Fp8WeightShard>& shards,
+                                           const BlockwiseQuantizeOptions& options,
+                                           const std::vector<at::Tensor>& outs,
+                                           const std::vector<at::Tensor>& scale_invs);
 // cuBLASLt's block-scaled FP8 GEMM; arguments checked: bias undefined or bfloat16 [N], out /
 // accumulate, nothing else.
 at::Tensor fp8_blockwise_gemm_cuda(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,

@@ -378,6 +378,15 @@ void DistributedOptimizer::write_fp8_weight_blocks(const std::vector<size_t>& fp
     shards[slot].offset = piece.offset;
     outs[slot] = piece.target.view({-1});
   }
+  // One rank holds every weight whole: each block's amax is its own, and one read of the
+  // masters quantizes it.
+  const bool whole = world_size_ == 1 && std::all_of(shards.begin(), shards.end(), [](const auto& s) {
+                       return s.offset == 0 && s.values.numel() == s.rows * s.cols;
+                     });
+  if (whole) {
+    quantize_whole_weights_blockwise(shards, weight_block_options(), outs, scale_invs);
+    return;
+  }
   blockwise_shard_amax(shards, amaxes);
   if (world_size_ > 1) {
     std::vector<torch::Tensor> tensors{all_amaxes};

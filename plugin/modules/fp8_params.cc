@@ -70,11 +70,8 @@ void Fp8LinearImpl::update_fp8_weight_blocks(const torch::Tensor& master) {
   }
   values = values.contiguous();
   const int64_t rows = weight.size(0), cols = weight.size(1);
-  const std::vector<Fp8WeightShard> shards{{values.reshape({-1}), rows, cols, 0}};
-  const std::vector<at::Tensor> amaxes{at::zeros(blockwise_amax_shape(rows, cols), values.options().dtype(at::kFloat))};
-  blockwise_shard_amax(shards, amaxes);
-  quantize_shards_blockwise(shards, amaxes, weight_block_options(),
-                            {weight.view({-1})}, {meta_->weight_scale_inv_blocks()});
+  quantize_whole_weights_blockwise({{values.reshape({-1}), rows, cols, 0}}, weight_block_options(),
+                                   {weight.view({-1})}, {meta_->weight_scale_inv_blocks()});
 }
 
 void Fp8LinearImpl::update_fp8_weight(const torch::Tensor& master) {
