@@ -232,6 +232,21 @@ TEST(LossPlotTest, TheYAxisSaysWhatItShows) {
   EXPECT_NE(svg.find(">-1<"), std::string::npos) << "a tick below zero";
 }
 
+// A run against a reference, step by step in percent: only steps both have, no division by zero.
+TEST(LossPlotTest, RelativeToTakesTheStepsBothHave) {
+  const LossCurve reference{"ref", {{1, 4.0}, {2, 2.0}, {3, 0.0}}, {{2, 2.5}}};
+  const LossCurve run{"fp8 (final 2.1)", {{1, 5.0}, {2, 1.9}, {3, 1.0}, {4, 1.0}}, {{2, 2.6}, {4, 2.0}}};
+  const auto gap = relative_to(run, reference, "fp8");
+  EXPECT_EQ(gap.name, "fp8");
+  ASSERT_EQ(gap.points.size(), 2u);
+  EXPECT_EQ(gap.points[0], std::make_pair(1.0, 25.0));
+  EXPECT_EQ(gap.points[1].first, 2.0);
+  EXPECT_NEAR(gap.points[1].second, -5.0, 1e-12);
+  ASSERT_EQ(gap.validation.size(), 1u);
+  EXPECT_EQ(gap.validation[0].first, 2.0);
+  EXPECT_NEAR(gap.validation[0].second, 4.0, 1e-12);
+}
+
 // A long noisy run with an early spike, as pretraining draws them: rounded ticks, the spike cut
 // off (with a note) rather than flattening the curve, a moving average over the raw steps, and
 // a legend that is not clipped by the picture's edge.

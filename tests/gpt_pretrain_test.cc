@@ -441,6 +441,17 @@ TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
   EXPECT_EQ(count, 2u) << "one training curve per run";
   EXPECT_EQ(dashed, 2u) << "one validation line per run (the final evaluation)";
   EXPECT_NE(svg.find("bf16-mixed+fp8 (final"), std::string::npos);
+  // The second run against the first, in percent: one training line, one validation point.
+  const auto gap = read(dir / "compare_gap.svg");
+  EXPECT_NE(gap.find("loss against 32 (same seed and data)"), std::string::npos);
+  EXPECT_NE(gap.find(">loss - 32's, % of it</text>"), std::string::npos);
+  count = dashed = 0;
+  for (size_t at = gap.find("<polyline"); at != std::string::npos; at = gap.find("<polyline", at + 1)) {
+    (gap.substr(at, gap.find('>', at) - at).find("stroke-dasharray") == std::string::npos ? count : dashed) += 1;
+  }
+  EXPECT_EQ(count, 1u);
+  EXPECT_EQ(dashed, 1u);
+  EXPECT_NE(run.out.find("difference picture"), std::string::npos);
 }
 
 TEST(GptPretrainTest, CompareSetsFp8ParamsPerRunAndSummarisesEveryRun) {
@@ -466,6 +477,8 @@ TEST(GptPretrainTest, CompareSetsFp8ParamsPerRunAndSummarisesEveryRun) {
     EXPECT_TRUE(std::isfinite(loss) && loss > 0) << row.dump();
     EXPECT_NEAR(row["final_loss_rel_diff_vs_32"].get<double>(),
                 (loss - rows[0]["final_loss"].get<double>()) / rows[0]["final_loss"].get<double>(), 1e-12);
+    const double val = row["final_val_loss"].get<double>(), val_32 = rows[0]["final_val_loss"].get<double>();
+    EXPECT_NEAR(row["final_val_loss_rel_diff_vs_32"].get<double>(), (val - val_32) / val_32, 1e-12);
     EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
   }
   EXPECT_TRUE(fs::is_regular_file(dir / "bf16-mixed_fp8_e4m3_fp8-params" / "metrics.jsonl"));

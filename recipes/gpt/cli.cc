@@ -317,8 +317,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
                  "e.g. 32,bf16-mixed,bf16-mixed+fp8; per run +fp8=e4m3, +fp8-params or +bf16-params "
-                 "override --fp8-params; writes compare.svg and compare.jsonl (final loss, tokens/s, "
-                 "peak memory, difference against the 32 and bf16-mixed runs)")->transform(lower_case());
+                 "override --fp8-params; writes compare.svg, compare_gap.svg (every run's loss against the "
+                 "first's, step by step) and compare.jsonl (final loss, tokens/s, peak memory, "
+                 "difference against the 32 and bf16-mixed runs)")->transform(lower_case());
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -476,6 +477,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     }
     TORCH_CHECK(!runs.empty(), "--compare needs at least one precision, got \"", compare, "\"");
     std::vector<LossCurve> curves;
+    std::vector<std::string> curve_runs;  // the run of each curve
     std::vector<nlohmann::json> summary;
     std::vector<std::string> failures;
     const std::string base = recipe.save_dir;
@@ -502,6 +504,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       LossCurve curve{name + " (final " + std::to_string(result.final_loss).substr(0, 6) + ")", {}, result.validation};
       for (const auto& m : result.history) curve.points.emplace_back(static_cast<double>(m.step), m.loss);
       curves.push_back(std::move(curve));
+      curve_runs.push_back(name);
       out << "gpt_pretrain: " << name << ": final loss " << result.final_loss << ", "
           << result.tokens_per_s << " tokens/s";
       out << memory_summary(result) << std::endl;
@@ -527,9 +530,15 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       });
       if (it == summary.end()) continue;
       const double ref = (*it)["final_loss"].get<double>();
+      const bool validated = it->contains("final_val_loss") && (*it)["final_val_loss"].is_number();
       for (auto& s : summary) {
         if (!s.contains("final_loss")) continue;
         s[std::string("final_loss_rel_diff_vs_") + reference] = (s["final_loss"].get<double>() - ref) / ref;
+        if (validated && s["final_val_loss"].is_number()) {
+          const double ref_val = (*it)["final_val_loss"].get<double>();
+          s[std::string("final_val_loss_rel_diff_vs_") + reference] =
+              (s["final_val_loss"].get<double>() - ref_val) / ref_val;
+        }
       }
     }
     {
@@ -540,6 +549,16 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     const auto picture = (fs::path(base) / "compare.svg").string();
     write_loss_svg(picture, curves, config + ": loss by precision (same seed and data)");
     out << "gpt_pretrain: comparison picture " << picture << std::endl;
+    if (curves.size() >= 2) {
+      // Every other run against the first, step by step on the same batches and at the
+      // evaluations: what a precision costs, without the batches' noise.
+      std::vector<LossCurve> gaps;
+      for (size_t i = 1; i < curves.size(); ++i) gaps.push_back(relative_to(curves[i], curves[0], curve_runs[i]));
+      const auto gap_picture = (fs::path(base) / "compare_gap.svg").string();
+      write_loss_svg(gap_picture, gaps, config + ": loss against " + curve_runs[0] + " (same seed and data)",
+                     "loss - " + curve_runs[0] + "'s, % of it");
+      out << "gpt_pretrain: difference picture " << gap_picture << std::endl;
+    }
     if (!failures.empty()) {
       std::string list;
       for (const auto& failure : failures) list += (list.empty() ? "" : "; ") + failure;

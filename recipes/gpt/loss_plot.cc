@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <vector>
 
@@ -65,6 +66,20 @@ std::vector<std::pair<double, double>> smoothed(const std::vector<std::pair<doub
 }
 
 }  // namespace
+
+LossCurve relative_to(const LossCurve& curve, const LossCurve& reference, const std::string& name) {
+  auto relative = [](const std::vector<std::pair<double, double>>& points,
+                     const std::vector<std::pair<double, double>>& base) {
+    const std::map<double, double> at(base.begin(), base.end());
+    std::vector<std::pair<double, double>> out;
+    for (const auto& [step, loss] : points) {
+      const auto it = at.find(step);
+      if (it != at.end() && it->second != 0) out.emplace_back(step, 100.0 * (loss - it->second) / it->second);
+    }
+    return out;
+  };
+  return {name, relative(curve.points, reference.points), relative(curve.validation, reference.validation)};
+}
 
 void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curves,
                     const std::string& title, const std::string& y_label) {

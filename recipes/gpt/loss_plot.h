@@ -13,6 +13,13 @@ struct LossCurve {
   std::vector<std::pair<double, double>> validation;
 };
 
+/// `curve` against `reference`, step by step: 100 · (loss − reference's) / reference's at every
+/// step (and every validation step) both have, named `name`; steps the reference lacks, and a
+/// reference of zero, are left out. Two runs on the same batches (same seed and data) differ
+/// step by step far less than either's loss varies from batch to batch, so this is the curve
+/// to read a precision's cost from.
+LossCurve relative_to(const LossCurve& curve, const LossCurve& reference, const std::string& name);
+
 /// Writes the curves into one SVG picture, atomically (temporary file + rename): steps on x,
 /// `y_label` (the loss, by default) on y, both with rounded ticks (1, 2 or 5 x 10^k apart); the legend under the plot, one
 /// full line per curve. A curve of more than 100 points is drawn faint, every step, with its
