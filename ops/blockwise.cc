@@ -318,10 +318,9 @@ at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTen
 namespace {
 
 // The checks both shard functions share; `fn` names the caller.
-void check_shards(const char* fn, const std::vector<Fp8WeightShard>& shards,
-                  const std::vector<at::Tensor>& amaxes) {
-  TORCH_CHECK(amaxes.size() == shards.size(), fn, ": ", shards.size(), " shards but ",
-              amaxes.size(), " amaxes");
+// Each shard's own fields, and every shard on the first's device (a CPU loop must not read a
+// CUDA tensor, nor a launch fail after writing part of the outputs).
+void check_shard_values(const char* fn, const std::vector<Fp8WeightShard>& shards) {
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& s = shards[i];
     TORCH_CHECK(s.rows > 0 && s.cols > 0, fn, ": shards[", i, "]: rows and cols must be positive, got ",
@@ -332,9 +331,22 @@ void check_shards(const char* fn, const std::vector<Fp8WeightShard>& shards,
                     s.values.scalar_type() == at::kHalf,
                 fn, ": shards[", i, "].values must be float32, bfloat16 or float16, got ",
                 s.values.scalar_type());
+    TORCH_CHECK(s.values.device() == shards.front().values.device(), fn, ": shards[", i,
+                "].values is on ", s.values.device(), ", shards[0]'s on ", shards.front().values.device(),
+                "; every shard must be on one device");
     TORCH_CHECK(s.offset >= 0 && s.offset + s.values.numel() <= s.rows * s.cols, fn, ": shards[", i,
                 "]: elements [", s.offset, ", ", s.offset + s.values.numel(),
                 ") run past its weight's ", s.rows * s.cols);
+  }
+}
+
+void check_shards(const char* fn, const std::vector<Fp8WeightShard>& shards,
+                  const std::vector<at::Tensor>& amaxes) {
+  TORCH_CHECK(amaxes.size() == shards.size(), fn, ": ", shards.size(), " shards but ",
+              amaxes.size(), " amaxes");
+  check_shard_values(fn, shards);
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
     const auto grid = blockwise_amax_shape(s.rows, s.cols);
     TORCH_CHECK(amaxes[i].defined() && amaxes[i].scalar_type() == at::kFloat &&
                     amaxes[i].sizes() == at::IntArrayRef(grid) && amaxes[i].is_contiguous() &&
@@ -460,15 +472,7 @@ void quantize_whole_weights_blockwise(const std::vector<Fp8WeightShard>& shards,
                                       const std::vector<at::Tensor>& outs,
                                       const std::vector<at::Tensor>& scale_invs) {
   const char* fn = "quantize_whole_weights_blockwise";
-  std::vector<at::Tensor> amaxes;
-  amaxes.reserve(shards.size());
-  for (const auto& s : shards) {
-    amaxes.push_back(s.values.defined() && s.rows > 0 && s.cols > 0
-                         ? at::zeros(blockwise_amax_shape(s.rows, s.cols), s.values.options().dtype(at::kFloat))
-                         : at::Tensor());
-  }
-  check_shards(fn, shards, amaxes);
-  check_shard_outputs(fn, shards, options, outs, scale_invs);
+  check_shard_values(fn, shards);
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& s = shards[i];
     TORCH_CHECK(s.offset == 0 && s.values.numel() == s.rows * s.cols, fn, ": shards[", i,
@@ -476,6 +480,7 @@ void quantize_whole_weights_blockwise(const std::vector<Fp8WeightShard>& shards,
                 " x ", s.cols, " weight; it must hold all of it (a part needs the other parts' block "
                 "amaxes: blockwise_shard_amax, an all-reduce, then quantize_shards_blockwise)");
   }
+  check_shard_outputs(fn, shards, options, outs, scale_invs);
   if (shards.empty()) return;
   if (shards.front().values.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
@@ -485,6 +490,9 @@ void quantize_whole_weights_blockwise(const std::vector<Fp8WeightShard>& shards,
     detail::no_cuda(fn);
 #endif
   }
+  std::vector<at::Tensor> amaxes;
+  amaxes.reserve(shards.size());
+  for (const auto& s : shards) amaxes.push_back(at::zeros(blockwise_amax_shape(s.rows, s.cols), at::kFloat));
   blockwise_shard_amax(shards, amaxes);
   quantize_shards_blockwise(shards, amaxes, options, outs, scale_invs);
 }

@@ -154,8 +154,8 @@ TEST_F(BlockwiseTest, CudaMatchesCpuByteForByte_CUDA) {
   AMP8_REQUIRE_CUDA();
   // Shapes for every CUDA path: where cols % 8 == 0 (and with the transpose rows % 16 == 0;
   // partial tiles at both edges: 272 x 1000, 16 x 200, 400 x 136, 128 x 128) the one-read 1×128
-  // kernels (the staged one for bf16 and fp16 with the transpose, the tile one otherwise) and,
-  // for bf16 and fp16, the vectorized 128×128 kernel; the general kernels for the others.
+  // kernels (the staged one for bf16 and fp16 with the transpose, the tile one otherwise) and
+  // the vectorized 128×128 kernel (every dtype); the general kernels for the others.
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
       {1, 130}, {257, 385}, {128, 128}, {300, 1000}, {7, 64}, {272, 1000}, {16, 200}, {400, 136}};
   for (const auto& [rows, cols] : shapes) {
@@ -703,6 +703,19 @@ TEST_F(BlockwiseTest, BadShardsAreNamed) {
                                   {at::empty({100}, at::kFloat8_e4m3fn)}, {at::zeros({1, 1})});
       },
       "scale_invs[0] must be contiguous float32 [1, 4]");
+  // Shards on two devices are refused before any is read (a CPU loop must not read another
+  // device's memory).
+  testing::ExpectErrorContaining(
+      [&] { blockwise_shard_amax({{values, 10, 10, 0}, {at::empty({100}, at::kMeta), 10, 10, 0}}, {grid, grid}); },
+      "blockwise_shard_amax: shards[1].values is on meta, shards[0]'s on cpu; every shard must be on one device");
+  testing::ExpectErrorContaining(
+      [&] {
+        quantize_whole_weights_blockwise({{values, 10, 10, 0}, {at::empty({100}, at::kMeta), 10, 10, 0}},
+                                         weight_block_options(),
+                                         {at::empty({100}, at::kFloat8_e4m3fn), at::empty({100}, at::kFloat8_e4m3fn)},
+                                         {at::zeros({1, 4}), at::zeros({1, 4})});
+      },
+      "quantize_whole_weights_blockwise: shards[1].values is on meta");
 }
 
 // The kernels against the CPU reference: many shards of several weights in one call (more than
@@ -762,11 +775,15 @@ TEST_F(BlockwiseTest, WholeWeightKernelsMatchCpuByteForByte_CUDA) {
     for (const auto format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
       SCOPED_TRACE(std::string(c10::toString(dtype)) + (format == Fp8Format::kE4M3 ? " e4m3" : " e5m2"));
       auto weights = awkward_weights(dtype);
-      // Values and an output off their alignment: views into larger buffers.
-      weights.push_back(at::randn({384 * 256 + 2}).to(dtype).narrow(0, 2, 384 * 256).view({384, 256}));
-      auto cpu = whole_weights(weights, format);
       std::vector<at::Tensor> gpu_weights;
       for (const auto& w : weights) gpu_weights.push_back(w.cuda());
+      // Values and an output off their alignment: views into larger buffers (on the GPU: a copy
+      // of a view would be aligned again).
+      const auto buffer = at::randn({384 * 256 + 2}).to(dtype);
+      weights.push_back(buffer.narrow(0, 2, 384 * 256).view({384, 256}));
+      gpu_weights.push_back(buffer.cuda().narrow(0, 2, 384 * 256).view({384, 256}));
+      ASSERT_NE(reinterpret_cast<uintptr_t>(gpu_weights.back().const_data_ptr()) % 16, 0u);
+      auto cpu = whole_weights(weights, format);
       auto gpu = whole_weights(gpu_weights, format);
       gpu.outs.back() = at::empty({384 * 256 + 1}, gpu.outs.back().options()).narrow(0, 1, 384 * 256);
       const auto options = weight_block_options(format);

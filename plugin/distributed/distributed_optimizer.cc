@@ -344,30 +344,15 @@ void DistributedOptimizer::publish_params(bool half_copies_written, torch::Tenso
 
 void DistributedOptimizer::write_fp8_weight_blocks(const std::vector<size_t>& fp8_pieces) {
   if (fp8_params_.empty()) return;
-  // Every FP8 weight's block amaxes in one buffer, so that one all-reduce (MAX) over the ranks
-  // completes the blocks a shard boundary cuts. No history: each step's scales are its own.
   const auto device = params_[fp8_params_.front()].model.device();
   const auto float_options = torch::TensorOptions().dtype(at::kFloat).device(device);
-  std::vector<int64_t> grid_sizes;
-  grid_sizes.reserve(fp8_params_.size());
-  for (size_t index : fp8_params_) {
-    const auto grid = blockwise_amax_shape(params_[index].model.size(0), params_[index].model.size(1));
-    grid_sizes.push_back(grid[0] * grid[1]);
-  }
-  const int64_t total = std::accumulate(grid_sizes.begin(), grid_sizes.end(), int64_t{0});
-  auto all_amaxes = torch::zeros({total}, float_options);
-  // Per weight (slot order): its amax grid, and a shard of what this rank holds of it; a weight
-  // with no piece here gets an empty shard, so that its scale_inv is written all the same.
+  // Per weight (slot order): a shard of what this rank holds of it; a weight with no piece here
+  // gets an empty shard, so that its scale_inv is written all the same.
   std::vector<Fp8WeightShard> shards(fp8_params_.size());
-  std::vector<torch::Tensor> amaxes(fp8_params_.size()), outs(fp8_params_.size()),
-      scale_invs(fp8_params_.size());
-  int64_t begin = 0;
+  std::vector<torch::Tensor> outs(fp8_params_.size()), scale_invs(fp8_params_.size());
   for (size_t slot = 0; slot < fp8_params_.size(); ++slot) {
     const auto& param = params_[fp8_params_[slot]];
-    const int64_t rows = param.model.size(0), cols = param.model.size(1);
-    amaxes[slot] = all_amaxes.narrow(0, begin, grid_sizes[slot]).view(blockwise_amax_shape(rows, cols));
-    begin += grid_sizes[slot];
-    shards[slot] = {torch::empty({0}, float_options), rows, cols, 0};
+    shards[slot] = {torch::empty({0}, float_options), param.model.size(0), param.model.size(1), 0};
     outs[slot] = torch::empty({0}, param.model.options());
     scale_invs[slot] = param.fp8_meta->weight_scale_inv_blocks();
   }
@@ -378,14 +363,31 @@ void DistributedOptimizer::write_fp8_weight_blocks(const std::vector<size_t>& fp
     shards[slot].offset = piece.offset;
     outs[slot] = piece.target.view({-1});
   }
-  // One rank holds every weight whole: each block's amax is its own, and one read of the
-  // masters quantizes it.
+  // One rank holds every weight whole: each block's amax is its own, and one read of each
+  // master quantizes it.
   const bool whole = world_size_ == 1 && std::all_of(shards.begin(), shards.end(), [](const auto& s) {
                        return s.offset == 0 && s.values.numel() == s.rows * s.cols;
                      });
   if (whole) {
     quantize_whole_weights_blockwise(shards, weight_block_options(), outs, scale_invs);
     return;
+  }
+  // Every FP8 weight's block amaxes in one buffer, so that one all-reduce (MAX) over the ranks
+  // completes the blocks a shard boundary cuts. No history: each step's scales are its own.
+  std::vector<int64_t> grid_sizes;
+  grid_sizes.reserve(shards.size());
+  for (const auto& shard : shards) {
+    const auto grid = blockwise_amax_shape(shard.rows, shard.cols);
+    grid_sizes.push_back(grid[0] * grid[1]);
+  }
+  auto all_amaxes =
+      torch::zeros({std::accumulate(grid_sizes.begin(), grid_sizes.end(), int64_t{0})}, float_options);
+  std::vector<torch::Tensor> amaxes(shards.size());
+  int64_t begin = 0;
+  for (size_t slot = 0; slot < shards.size(); ++slot) {
+    amaxes[slot] = all_amaxes.narrow(0, begin, grid_sizes[slot])
+                       .view(blockwise_amax_shape(shards[slot].rows, shards[slot].cols));
+    begin += grid_sizes[slot];
   }
   blockwise_shard_amax(shards, amaxes);
   if (world_size_ > 1) {
