@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # GPU check of the one-read blockwise weight write (prepared 2026-12-06, session 36; not yet run),
 # one device call from the repository root:
-#   run(command="bash bench/results/whole_weights_blockwise/run.sh", carry=[".gpubin18", ".gpubin16"])
-# .gpubin18/ (git-ignored): main at the commit in its COMMIT file, built on the CPU machine:
+#   run(command="bash bench/results/whole_weights_blockwise/run.sh", carry=[".gpubin18", ".gpubin19"])
+# .gpubin18/ (git-ignored): main at the commit in its COMMIT file (6cb0561), built on the CPU
+# machine:
 # quantize_whole_weights_blockwise (DistributedOptimizer at world size 1 and
 # update_fp8_weight_blocks write each FP8 weight's 128x128 blocks from one read of its master)
-# and the 128x128 kernel's 16-byte loads for float32. .gpubin16/: gpt_pretrain of 5ba0ec5 (the
-# two passes over the masters).
+# and the 128x128 kernel's 16-byte loads for float32. .gpubin19/: gpt_pretrain of 4010bd9, the
+# commit before (the two passes over the masters). Neither survives a new checkout: rebuild
+# them there (cmake --build for the five targets; the baseline from 4010bd9's sources).
 # 1. the _CUDA tests of blockwise_test (WholeWeightKernelsMatchCpuByteForByte_CUDA, and
 #    CudaMatchesCpuByteForByte_CUDA, whose float32 128x128 cases now take the 16-byte loads),
 #    fp8_linear_test and distributed_optimizer_test;
 # 2. cast_transpose_bench: quantize_whole_weights_blockwise against the two passes, 350m and 1b
 #    weights (predicted from the bytes: 5.9 ms -> ~2.3 ms at 1b on an H100);
-# 3. the 1b step, blockwise with FP8 weights, main against .gpubin16, interleaved twice, delayed
+# 3. the 1b step, blockwise with FP8 weights, main against .gpubin19, interleaved twice, delayed
 #    beside once (predicted ~1.02x: ~3.5 ms of the ~161 ms step).
 # Everything goes into one tarball under $OUT.
 set -u
-M=.gpubin18; B=.gpubin16
+M=.gpubin18; B=.gpubin19
 for d in $M $B; do (cd $d; for f in *.xz; do unxz -f "$f"; done; chmod +x *); done
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:/usr/local/cuda/lib64:/usr/local/cuda/lib
