@@ -56,6 +56,47 @@ TEST_F(GptModelTest, HeadIsTiedAndTheModelRunsInFp8) {
   EXPECT_LE(testing::relative_error(fp8_logits, logits), 0.1);
 }
 
+// Megatron's bf16 layers under FP8 weights (fp8_params): the layers the precision keeps in bf16
+// are built with high-precision weights (Fp8ModelInit's counts, GptModel's Fp8ModelInit::Layer
+// scopes), the others with FP8-only ones; and a kept layer built with an FP8-only weight is an
+// error at conversion, not a "bf16" layer that trains a dequantized FP8 weight.
+TEST_F(GptModelTest, LayersKeptInBf16AreBuiltWithHighPrecisionWeights) {
+  const auto config = GptConfig::named("tiny").layers(3);
+  const auto linears = [](const GptModel& model, size_t i) {
+    const auto block = model->blocks->ptr(i)->as<GptBlockImpl>();
+    return std::vector<Fp8LinearImpl*>{block->ln_qkv->linear.get(), block->proj.get(),
+                                       block->mlp->ln_fc1->linear.get(), block->mlp->fc2.get()};
+  };
+  const auto options = Fp8ConversionOptions().fp8_params(true).fp8_min_gemm_size(0)
+                           .num_layers_at_start_in_bf16(1).num_layers_at_end_in_bf16(1);
+  GptModel model = [&] {
+    Fp8ModelInit init(true, true, 1, 1);
+    return GptModel(config);
+  }();
+  EXPECT_FALSE(Fp8ModelInit::is_enabled()) << "the guard is gone";
+  for (size_t i = 0; i < 3; ++i) {
+    for (auto* linear : linears(model, i)) {
+      EXPECT_EQ(linear->options.fp8_params(), i == 1) << "blocks." << i;
+      EXPECT_EQ(linear->weight.scalar_type() == torch::kFloat8_e4m3fn, i == 1) << "blocks." << i;
+    }
+  }
+  const auto conversion = convert_to_fp8(*model, options);
+  EXPECT_EQ(conversion.kept_in_high_precision.size(), 8u);  // 4 Fp8Linear x blocks 0 and 2
+  for (size_t i = 0; i < 3; ++i) {
+    for (auto* linear : linears(model, i)) EXPECT_EQ(linear->options.keep_in_high_precision(), i != 1) << i;
+  }
+
+  GptModel fp8_everywhere = [&] {
+    Fp8ModelInit init;
+    return GptModel(config);
+  }();
+  ExpectErrorContaining([&] { convert_to_fp8(*fp8_everywhere, options); },
+                        "convert_to_fp8: blocks.0.ln_qkv.linear is in a layer kept in bf16");
+  ExpectErrorContaining([] { Fp8ModelInit init(true, true, 2, 2); GptModel model(GptConfig::named("tiny")); },
+                        "num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = 4 exceeds the model's 2 layers");
+  ExpectErrorContaining([] { Fp8ModelInit init(true, true, -1, 0); }, "Fp8ModelInit: num_layers_at_start_in_bf16");
+}
+
 // GptConfig::fused_mlp picks how a block runs its MLP, not which parameters it has: the fused
 // module (one call; FC2's forward() is not called) and its modules in sequence agree in an FP8
 // region on the same parameters, within FP8 rounding (float32 on the CPU, where the two differ

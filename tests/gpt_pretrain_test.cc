@@ -295,6 +295,16 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--recompute-method", "uniform", "--cuda-graph", "true"}, "--recompute-method and --cuda-graph cannot be combined"},
       {{"--exp-avg-dtype", "fp16"}, "--exp-avg-dtype: fp16 not in {fp32,bf16}"},
       {{"--exp-avg-sq-dtype", "fp8"}, "--exp-avg-sq-dtype: fp8 not in {fp32,bf16}"},
+      // Flags that would be dropped: each --compare run names its precision and FP8; a margin
+      // under block scaling; profiling settings without --profile; a split of byte-level data.
+      {{"--compare", "32", "--fp8", "hybrid"}, "--fp8 and --compare cannot be combined"},
+      {{"--compare", "32", "--precision", "bf16-mixed"}, "--precision and --compare cannot be combined"},
+      {{"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-recipe", "blockwise", "--fp8-margin", "2"},
+       "--fp8-margin applies to fp8 recipes \"delayed\" and \"tensorwise\" (this run: \"blockwise\""},
+      {{"--compare", "bf16-mixed+fp8+blockwise", "--fp8-margin", "1"}, "--fp8-margin applies to fp8 recipes"},
+      {{"--profile-first-step", "0"}, "--profile-first-step applies with --profile DIR only"},
+      {{"--profile-steps", "2"}, "--profile-steps applies with --profile DIR only"},
+      {{"--split", "100,0,0"}, "--split applies to --data-prefix only"},
   };
   for (const auto& c : cases) {
     auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);

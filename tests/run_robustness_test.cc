@@ -212,14 +212,29 @@ TEST(RunRobustnessTest, AResumeWithOtherSettingsIsRefusedUnlessAllowed) {
   EXPECT_EQ(metrics(dir).size(), 5u);
 }
 
-// SIGTERM (a scheduler's preemption) mid-run: the step finishes, a checkpoint is saved, the exit
-// code says so, and resuming from it gives the uninterrupted run's losses bit for bit.
-TEST(RunRobustnessTest, SigtermFinishesTheStepSavesAndResumesExactly) {
-  const auto full = scratch("full_term"), dir = scratch("term");
-  ASSERT_EQ(gpt_pretrain(tiny(full, {"--steps", "40"})).code, 0);
+// The FP8 knobs are settings of the run too: a resume with another margin, amax history or set
+// of bf16 layers is refused by name (they once resumed silently).
+TEST(RunRobustnessTest, AResumeWithOtherFp8SettingsIsRefused) {
+  const auto dir = scratch("fp8_settings");
+  const std::vector<std::string> fp8 = {"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-min-gemm-size", "0"};
+  const auto with_fp8 = [&](std::vector<std::string> more) {
+    more.insert(more.end(), fp8.begin(), fp8.end());
+    return tiny(dir, more);
+  };
+  ASSERT_EQ(gpt_pretrain(with_fp8({"--steps", "2"})).code, 0);
+  const auto other = gpt_pretrain(with_fp8({"--steps", "2", "--resume", dir.string(), "--fp8-margin", "1",
+                                            "--fp8-amax-history-len", "16", "--num-layers-at-start-in-bf16", "1"}));
+  EXPECT_NE(other.code, 0);
+  EXPECT_NE(other.err.find("was written with other settings: fp8_amax_history_len 1024 (this run: 16), fp8_margin 0 "
+                           "(this run: 1), num_layers_at_start_in_bf16 0 (this run: 1)"),
+            std::string::npos) << other.err;
+}
+
+// Runs gpt_pretrain with `args` in `dir` and sends the process SIGTERM (a scheduler's preemption)
+// once a few steps are in its metrics.
+auto run_until_sigterm(const fs::path& dir, const std::vector<std::string>& args) {
   std::atomic<bool> done{false};
   std::thread preemption([&] {
-    // Once a few steps are in the metrics, the "scheduler" sends SIGTERM to the process.
     while (!done.load()) {
       std::ifstream in(dir / "metrics.jsonl");
       const auto lines = std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
@@ -230,9 +245,18 @@ TEST(RunRobustnessTest, SigtermFinishesTheStepSavesAndResumesExactly) {
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   });
-  const auto stopped = gpt_pretrain(tiny(dir, {"--steps", "40"}));
+  const auto stopped = gpt_pretrain(tiny(dir, args));
   done = true;
   preemption.join();
+  return stopped;
+}
+
+// SIGTERM mid-run: the step finishes, a checkpoint is saved, the exit code says so, and resuming
+// from it gives the uninterrupted run's losses bit for bit.
+TEST(RunRobustnessTest, SigtermFinishesTheStepSavesAndResumesExactly) {
+  const auto full = scratch("full_term"), dir = scratch("term");
+  ASSERT_EQ(gpt_pretrain(tiny(full, {"--steps", "40"})).code, 0);
+  const auto stopped = run_until_sigterm(dir, {"--steps", "40"});
   ASSERT_EQ(stopped.code, 128 + SIGTERM) << stopped.out << stopped.err;
   const auto lines = metrics(dir);
   ASSERT_GE(lines.size(), 3u);
@@ -246,6 +270,17 @@ TEST(RunRobustnessTest, SigtermFinishesTheStepSavesAndResumesExactly) {
   const auto a = metrics(full), b = metrics(dir);
   ASSERT_EQ(b.size(), 40u);
   for (size_t i = 0; i < 40; ++i) EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+}
+
+// With --save-last false a SIGTERM saves nothing, and the message says so instead of naming a
+// checkpoint to resume from.
+TEST(RunRobustnessTest, SigtermWithoutSaveLastSaysNothingWasSaved) {
+  const auto dir = scratch("term_unsaved");
+  const auto stopped = run_until_sigterm(dir, {"--steps", "100000", "--save-last", "false"});
+  ASSERT_EQ(stopped.code, 128 + SIGTERM) << stopped.out << stopped.err;
+  EXPECT_NE(stopped.err.find("of 100000; no checkpoint saved (--save-last false)"), std::string::npos) << stopped.err;
+  EXPECT_EQ(stopped.err.find("--resume"), std::string::npos) << stopped.err;
+  EXPECT_TRUE(fs::is_empty(dir / "checkpoints"));
 }
 
 // ---- numbers and names ----

@@ -155,6 +155,13 @@ class Converter {
         // The model's own FP8 layers follow the same knobs as the swapped-in ones.
         fp8->options.fp8_min_gemm_size(options_.fp8_min_gemm_size()).keep_in_high_precision(keep_child);
         if (keep_child) {
+          // Megatron builds its bf16 layers outside the FP8 init context: a kept layer whose
+          // weight lives only in FP8 would train a dequantized FP8 weight, not a bf16 one.
+          TORCH_CHECK(!fp8->options.fp8_params(), "convert_to_fp8: ", path,
+                      " is in a layer kept in bf16 (num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16) "
+                      "but holds its weight only in FP8: it was built under an amp8::Fp8ModelInit guard. Give "
+                      "the guard the same num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16 and build "
+                      "each layer inside an Fp8ModelInit::Layer scope, or set fp8_params(false)");
           result_.kept_in_high_precision.push_back(path + " (bf16 layer)");
         } else if (fp8->fp8_eligible()) {
           ++result_.fp8_linear_count;

@@ -59,18 +59,42 @@ struct Fp8LinearOptions {
 /// in FP8 (fp8_params). With `preserve_high_precision_init_val` (default true) each module keeps
 /// its high-precision initial weight until clear_high_precision_init_val(), so that FP32 master
 /// weights are seeded from the real initial values, not from their FP8 rounding.
+///
+/// With `num_layers_at_start_in_bf16` / `num_layers_at_end_in_bf16` (Megatron-Core builds each
+/// layer under its own FP8 init context, none for its first and last layers in bf16): inside a
+/// model's `Fp8ModelInit::Layer` scope for one of those layers, modules are built with
+/// high-precision weights, so that the layers the precision keeps in bf16 train bf16 weights,
+/// not dequantized FP8 ones. Give it the counts the precision's options have.
 class Fp8ModelInit {
  public:
-  explicit Fp8ModelInit(bool enabled = true, bool preserve_high_precision_init_val = true);
+  explicit Fp8ModelInit(bool enabled = true, bool preserve_high_precision_init_val = true,
+                        int64_t num_layers_at_start_in_bf16 = 0, int64_t num_layers_at_end_in_bf16 = 0);
   ~Fp8ModelInit();
   Fp8ModelInit(const Fp8ModelInit&) = delete;
   Fp8ModelInit& operator=(const Fp8ModelInit&) = delete;
+  /// Whether a module built now keeps its weight only in FP8: inside an enabled guard and not
+  /// inside the Layer scope of a layer kept in bf16.
   static bool is_enabled();
   static bool preserve_high_precision_init_val();
+
+  /// Marks the construction of layer `index` of a model's `count` layers (its block loop:
+  /// GptModel, LlamaModel). The layers are the units num_layers_at_start/end_in_bf16 count
+  /// (convert_to_fp8: the children of the model's largest ModuleList).
+  class Layer {
+   public:
+    Layer(int64_t index, int64_t count);
+    ~Layer();
+    Layer(const Layer&) = delete;
+    Layer& operator=(const Layer&) = delete;
+
+   private:
+    bool previous_kept_;
+  };
 
  private:
   bool previous_enabled_;
   bool previous_preserve_;
+  int64_t previous_at_start_, previous_at_end_;
 };
 
 /// A drop-in replacement for torch::nn::Linear (same parameters, names and initialisation)

@@ -16,20 +16,45 @@ namespace amp8 {
 namespace {
 thread_local bool model_init_enabled = false;
 thread_local bool model_init_preserve = true;
+thread_local int64_t model_init_at_start = 0, model_init_at_end = 0;
+thread_local bool building_kept_layer = false;
 }  // namespace
 
-Fp8ModelInit::Fp8ModelInit(bool enabled, bool preserve_high_precision_init_val)
-    : previous_enabled_(model_init_enabled), previous_preserve_(model_init_preserve) {
+Fp8ModelInit::Fp8ModelInit(bool enabled, bool preserve_high_precision_init_val,
+                           int64_t num_layers_at_start_in_bf16, int64_t num_layers_at_end_in_bf16)
+    : previous_enabled_(model_init_enabled),
+      previous_preserve_(model_init_preserve),
+      previous_at_start_(model_init_at_start),
+      previous_at_end_(model_init_at_end) {
+  TORCH_CHECK(num_layers_at_start_in_bf16 >= 0 && num_layers_at_end_in_bf16 >= 0,
+              "Fp8ModelInit: num_layers_at_start_in_bf16 and num_layers_at_end_in_bf16 must be >= 0, got ",
+              num_layers_at_start_in_bf16, " and ", num_layers_at_end_in_bf16);
   model_init_enabled = enabled;
   model_init_preserve = preserve_high_precision_init_val;
+  model_init_at_start = num_layers_at_start_in_bf16;
+  model_init_at_end = num_layers_at_end_in_bf16;
 }
 
 Fp8ModelInit::~Fp8ModelInit() {
   model_init_enabled = previous_enabled_;
   model_init_preserve = previous_preserve_;
+  model_init_at_start = previous_at_start_;
+  model_init_at_end = previous_at_end_;
 }
 
-bool Fp8ModelInit::is_enabled() { return model_init_enabled; }
+Fp8ModelInit::Layer::Layer(int64_t index, int64_t count) : previous_kept_(building_kept_layer) {
+  TORCH_CHECK(index >= 0 && index < count, "Fp8ModelInit::Layer: index must be in [0, count), got ", index,
+              " of ", count);
+  TORCH_CHECK(model_init_at_start + model_init_at_end <= count,
+              "Fp8ModelInit: num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = ",
+              model_init_at_start + model_init_at_end, " exceeds the model's ", count, " layers");
+  building_kept_layer =
+      previous_kept_ || index < model_init_at_start || index >= count - model_init_at_end;
+}
+
+Fp8ModelInit::Layer::~Layer() { building_kept_layer = previous_kept_; }
+
+bool Fp8ModelInit::is_enabled() { return model_init_enabled && !building_kept_layer; }
 bool Fp8ModelInit::preserve_high_precision_init_val() { return model_init_preserve; }
 
 Fp8Tensor Fp8LinearImpl::fp8_weight() const {

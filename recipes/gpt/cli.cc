@@ -182,9 +182,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--config", config, "model config: tiny, small, 125m, 128m, 350m, 1b (GPT); llama_tiny, "
                  "llama32_1b, llama32_3b, llama3_8b, llama3_8b_4layer (Llama 3)")
       ->capture_default_str()->transform(lower_case());
-  app.add_option("--precision", precision, "32, bf16-mixed, 16-mixed (fp16-mixed), or auto (bf16-mixed on a GPU, 32 on the CPU)")
+  auto* precision_flag = app.add_option("--precision", precision, "32, bf16-mixed, 16-mixed (fp16-mixed), or auto (bf16-mixed on a GPU, 32 on the CPU)")
       ->capture_default_str()->transform(lower_case());
-  app.add_option("--fp8", fp8, "none, hybrid (E4M3 forward, E5M2 gradients) or e4m3")
+  auto* fp8_flag = app.add_option("--fp8", fp8, "none, hybrid (E4M3 forward, E5M2 gradients) or e4m3")
       ->capture_default_str()->transform(lower_case());
   // The FP8 settings below need --fp8 (or a --compare run with +fp8).
   std::vector<CLI::Option*> fp8_flags;
@@ -202,8 +202,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   fp8_flags.push_back(app.add_option("--num-layers-at-end-in-bf16", layers_end_bf16,
                                      "with FP8: transformer layers at the end kept in bf16 (default: the recipe's; tensorwise: 1)")
                           ->check(whole_number(0, kMaxBatch)));
-  fp8_flags.push_back(app.add_option("--fp8-margin", fp8_margin, "with FP8: scale = (fp8_max / amax) / 2^margin")
-                          ->capture_default_str()->check(whole_number(0, 126)));  // validate() explains > kMaxFp8Margin
+  auto* margin_flag = app.add_option("--fp8-margin", fp8_margin,
+                                     "with delayed or tensorwise FP8: scale = (fp8_max / amax) / 2^margin")
+                          ->capture_default_str()->check(whole_number(0, 126));  // validate() explains > kMaxFp8Margin
+  fp8_flags.push_back(margin_flag);
   auto* history_flag = app.add_option("--fp8-amax-history-len", history, "with delayed FP8: steps of amax history per FP8 tensor")
                            ->capture_default_str()->check(whole_number(1, 1 << 20));
   auto* algo_flag = app.add_option("--fp8-amax-compute-algo", algo, "with delayed FP8: max or most_recent")
@@ -238,7 +240,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       ->check(whole_number(1, kMaxBatch));
   app.add_option("--data-prefix", data_prefix,
                  "Megatron-Core indexed data instead of bytes: a .bin/.idx path prefix, or a blend \"0.3 a 0.7 b\" (by size: \"a b\")");
-  app.add_option("--split", data_split, "with --data-prefix: train/valid/test weights, Megatron's split string")
+  auto* split_flag = app.add_option("--split", data_split, "with --data-prefix: train/valid/test weights, Megatron's split string")
       ->capture_default_str();
   app.add_option("--vocab-size", vocab_size,
                  "with --data-prefix: the tokenizer's vocabulary size (padded up to a multiple of 128)")
@@ -272,7 +274,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       ->capture_default_str()->check(whole_number(1, kMaxCount));
   auto* grad_reduce_flag = app.add_option(
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
-      "reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
+      "under torchrun: reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
       "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
   app.add_option("--exp-avg-dtype", exp_avg_dtype,
                  "Adam's first moment: fp32, or bf16 for half its bytes, the update still computed in "
@@ -310,9 +312,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                  "record a few steps with the Kineto profiler into this folder: trace.json "
                  "(chrome://tracing, ui.perfetto.dev) and the device time by category "
                  "(step_profile.txt / .json, also printed); with --compare, a folder per run");
-  app.add_option("--profile-first-step", profile_first_step, "with --profile: the first step recorded (0-based)")
+  auto* profile_first_flag = app.add_option("--profile-first-step", profile_first_step, "with --profile: the first step recorded (0-based)")
       ->capture_default_str()->check(whole_number(0, kMaxCount));
-  app.add_option("--profile-steps", profile_steps, "with --profile: how many steps are recorded")
+  auto* profile_steps_flag = app.add_option("--profile-steps", profile_steps, "with --profile: how many steps are recorded")
       ->capture_default_str()->check(whole_number(1, kMaxCount));
   app.add_option("--compare", compare,
                  "run several precisions with the same seed and draw their curves in one picture, "
@@ -380,6 +382,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                 "--recompute-method and --cuda-graph cannot be combined: the recomputation runs a "
                 "backward pass of its own inside the captured one");
     std::visit([&](auto& model) { model.recompute(recompute); }, recipe.model);
+    for (const auto* flag : {profile_first_flag, profile_steps_flag}) {
+      TORCH_CHECK(!profile_dir.empty() || flag->count() == 0, flag->get_name(), " applies with --profile DIR only");
+    }
+    TORCH_CHECK(!data_prefix.empty() || split_flag->count() == 0, "--split applies to --data-prefix only "
+                "(--data and the built-in corpus hold out their last 5% for validation)");
     recipe.profile_dir = profile_dir;
     recipe.profile_first_step = profile_first_step;
     recipe.profile_steps = profile_steps;
@@ -399,12 +406,16 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         if (recipe_name != "blockwise" || fp8_params_flag->count() > 0) options.fp8_params(fp8_params);
         if (layers_start_bf16 >= 0) options.num_layers_at_start_in_bf16(layers_start_bf16);
         if (layers_end_bf16 >= 0) options.num_layers_at_end_in_bf16(layers_end_bf16);
-        // The amax history belongs to delayed scaling alone.
+        // The amax history belongs to delayed scaling alone; a margin to the recipes with one
+        // scale per tensor (TE's block scaling has none).
         for (const auto* flag : {history_flag, algo_flag}) {
           TORCH_CHECK(recipe_name == "delayed" || flag->count() == 0, flag->get_name(),
                       " applies to fp8 recipe \"delayed\" only (this run: \"", recipe_name,
                       "\": every tensor is scaled by its own amax)");
         }
+        TORCH_CHECK(recipe_name != "blockwise" || margin_flag->count() == 0, margin_flag->get_name(),
+                    " applies to fp8 recipes \"delayed\" and \"tensorwise\" (this run: \"blockwise\": each "
+                    "block's scale is fp8_max / its own amax, without a margin)");
       }
       if (grad_reduce_flag->count() > 0) options.grad_reduce_in_fp32(grad_reduce_in_fp32);
       options.exp_avg_dtype(exp_avg_dtype == "bf16" ? at::kBFloat16 : at::kFloat)
@@ -415,7 +426,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
 
     // FP8 settings without FP8 would be silently ignored (or, stored in a checkpoint, block a
     // later resume): they are an error instead.
-    const bool any_fp8 = fp8 != "none" || compare.find("+fp8") != std::string::npos;
+    // --compare names each run's precision and FP8 itself.
+    for (const auto* flag : {precision_flag, fp8_flag}) {
+      TORCH_CHECK(compare.empty() || flag->count() == 0, flag->get_name(), " and --compare cannot be combined: "
+                  "each --compare run names its precision and FP8 (e.g. --compare bf16-mixed,bf16-mixed+fp8=e4m3)");
+    }
+    const bool any_fp8 = compare.empty() ? fp8 != "none" : compare.find("+fp8") != std::string::npos;
     for (const auto* flag : fp8_flags) {
       TORCH_CHECK(any_fp8 || flag->count() == 0, flag->get_name(), " is an FP8 setting, but no run uses FP8 "
                   "(--fp8 none); add --fp8 hybrid (or +fp8 to a --compare run) or drop ", flag->get_name());
@@ -437,8 +453,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       if (result.stopped) {
         err << "gpt_pretrain: stopped by " << (result.stop_signal == SIGINT ? "SIGINT" : "SIGTERM")
             << " after step " << result.start_step + static_cast<int64_t>(result.history.size()) << " of "
-            << recipe.trainer.max_steps() << "; saved " << result.last_checkpoint << "; continue with --resume "
-            << recipe.save_dir << std::endl;
+            << recipe.trainer.max_steps();
+        if (result.last_checkpoint.empty()) {
+          err << "; no checkpoint saved (--save-last false)" << std::endl;
+        } else {
+          err << "; saved " << result.last_checkpoint << "; continue with --resume " << recipe.save_dir << std::endl;
+        }
         return 128 + (result.stop_signal > 0 ? result.stop_signal : SIGTERM);
       }
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s

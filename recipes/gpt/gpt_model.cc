@@ -124,7 +124,10 @@ GptModelImpl::GptModelImpl(const GptConfig& config) : config_(config) {
     torch::nn::init::normal_(position_embedding->weight, 0.0, 0.02);
   }
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config.layers(); ++i) blocks->push_back(GptBlock(config));
+  for (int64_t i = 0; i < config.layers(); ++i) {
+    const Fp8ModelInit::Layer layer(i, config.layers());  // bf16 layers get bf16 weights
+    blocks->push_back(GptBlock(config));
+  }
   final_norm = register_module(
       "final_norm", Fp8LayerNorm(Fp8LayerNormOptions({config.hidden()}).eps(config.eps())));
 }

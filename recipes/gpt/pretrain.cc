@@ -228,7 +228,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   torch::manual_seed(recipe.seed);
   const Decoder model = [&] {
     std::optional<Fp8ModelInit> fp8_init;
-    if (recipe.precision.fp8_params()) fp8_init.emplace();
+    if (recipe.precision.fp8_params()) {
+      fp8_init.emplace(true, true, recipe.precision.num_layers_at_start_in_bf16(),
+                       recipe.precision.num_layers_at_end_in_bf16());
+    }
     return Decoder(model_config);
   }();
   model.module().to(device);
@@ -274,6 +277,16 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
       {"exp_avg_dtype", c10::toString(recipe.precision.exp_avg_dtype())},
       {"exp_avg_sq_dtype", c10::toString(recipe.precision.exp_avg_sq_dtype())},
   };
+  if (recipe.precision.fp8_enabled()) {  // the recipe itself is in the precision's name
+    const auto& p = recipe.precision;
+    trainer.run_settings.insert({{"fp8_margin", std::to_string(p.fp8_margin())},
+                                 {"fp8_amax_history_len", std::to_string(p.fp8_amax_history_len())},
+                                 {"fp8_amax_compute_algo", p.fp8_amax_compute_algo()},
+                                 {"fp8_min_gemm_size", std::to_string(p.fp8_min_gemm_size())},
+                                 {"num_layers_at_start_in_bf16", std::to_string(p.num_layers_at_start_in_bf16())},
+                                 {"num_layers_at_end_in_bf16", std::to_string(p.num_layers_at_end_in_bf16())}});
+  }
+  if (world > 1) trainer.run_settings["grad_reduce_in_fp32"] = recipe.precision.grad_reduce_in_fp32() ? "true" : "false";
   for (const auto& name : recipe.allow_changes) {
     TORCH_CHECK(trainer.run_settings.count(name) > 0, "allow-changes: unknown setting \"", name,
                 "\"; the settings a checkpoint records are ", [&] {

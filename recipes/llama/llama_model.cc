@@ -175,7 +175,10 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& config) : config_(config) {
     torch::nn::init::normal_(token_embedding->weight, 0.0, 0.02);
   }
   blocks = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < config.layers(); ++i) blocks->push_back(LlamaBlock(config));
+  for (int64_t i = 0; i < config.layers(); ++i) {
+    const Fp8ModelInit::Layer layer(i, config.layers());  // bf16 layers get bf16 weights
+    blocks->push_back(LlamaBlock(config));
+  }
   final_norm = register_module(
       "final_norm", Fp8LayerNorm(Fp8LayerNormOptions({config.hidden()})
                                      .normalization(Normalization::kRMSNorm)
