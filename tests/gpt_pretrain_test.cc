@@ -305,6 +305,8 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--profile-first-step", "0"}, "--profile-first-step applies with --profile DIR only"},
       {{"--profile-steps", "2"}, "--profile-steps applies with --profile DIR only"},
       {{"--split", "100,0,0"}, "--split applies to --data-prefix only"},
+      {{"--eval-every", "0", "--eval-iters", "3"}, "--eval-iters applies when the run validates (--eval-every > 0)"},
+      {{"--allow-changes", "steps"}, "--allow-changes applies to a resumed run"},
   };
   for (const auto& c : cases) {
     auto args = with({"--config", "tiny", "--steps", "2", "--save-dir", (dir / "out").string()}, c.args);
@@ -462,6 +464,39 @@ TEST(GptPretrainTest, CompareDrawsEveryPrecisionInOnePicture) {
   EXPECT_EQ(count, 1u);
   EXPECT_EQ(dashed, 1u);
   EXPECT_NE(run.out.find("difference picture"), std::string::npos);
+}
+
+// --compare --resume-if-exists on runs that already reached --steps: nothing trains, and the
+// comparison written by the runs stays (it was once rewritten with NaN losses).
+TEST(GptPretrainTest, CompareOfFinishedRunsKeepsTheirComparison) {
+  const auto dir = scratch("compare_finished");
+  const auto args = with(kTiny, {"--steps", "2", "--log-every", "0", "--save-dir", dir.string(), "--compare",
+                                 "32,bf16-mixed", "--resume-if-exists", "true"});
+  ASSERT_EQ(gpt_pretrain(args).code, 0);
+  const auto read = [&] {
+    std::ifstream file(dir / "compare.jsonl");
+    return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  };
+  const auto written = read();
+  ASSERT_NE(written.find("\"final_loss\":"), std::string::npos) << written;
+  const auto again = gpt_pretrain(args);
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("32: nothing to do: its checkpoint is at step 2"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find("nothing to do: every run's checkpoint is at or past --steps 2"), std::string::npos);
+  EXPECT_EQ(read(), written);
+}
+
+// --lr keeps the config's decay ratio: the cosine ends at a tenth of it (an --lr below the
+// config's min_lr once gave a flat schedule).
+TEST(GptPretrainTest, LrScalesTheWholeSchedule) {
+  const auto dir = scratch("lr");
+  ASSERT_EQ(gpt_pretrain(with(kTiny, {"--steps", "40", "--log-every", "0", "--lr", "1e-4", "--save-dir",
+                                      dir.string()})).code, 0);
+  const auto lines = metrics(dir);
+  ASSERT_EQ(lines.size(), 40u);
+  EXPECT_DOUBLE_EQ(lines[20]["lr"].get<double>(), 1e-4) << "the peak, after 20 warm-up steps";
+  const double end = 1e-5 + 0.5 * 9e-5 * (1.0 + std::cos(M_PI * 19.0 / 20.0));
+  EXPECT_NEAR(lines[39]["lr"].get<double>(), end, 1e-12);
 }
 
 TEST(GptPretrainTest, CompareSetsFp8ParamsPerRunAndSummarisesEveryRun) {

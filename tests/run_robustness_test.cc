@@ -212,6 +212,37 @@ TEST(RunRobustnessTest, AResumeWithOtherSettingsIsRefusedUnlessAllowed) {
   EXPECT_EQ(metrics(dir).size(), 5u);
 }
 
+// Another folder's checkpoint resumed into a save-dir that holds a run is refused (the two runs'
+// metrics and checkpoints would be spliced); into a new folder (a fork) it resumes.
+TEST(RunRobustnessTest, AResumeIntoAnotherRunsFolderIsRefused) {
+  const auto first = scratch("splice_first"), second = scratch("splice_second"), fork = scratch("splice_fork");
+  ASSERT_EQ(gpt_pretrain(tiny(first, {"--steps", "2"})).code, 0);
+  ASSERT_EQ(gpt_pretrain(tiny(second, {"--steps", "2", "--seed", "7"})).code, 0);
+  const auto before = metrics(second);
+  const auto spliced = gpt_pretrain(tiny(second, {"--steps", "4", "--resume", first.string(), "--allow-changes", "steps"}));
+  EXPECT_NE(spliced.code, 0);
+  EXPECT_NE(spliced.err.find("is not in save-dir " + second.string() + ", which holds another run"), std::string::npos)
+      << spliced.err;
+  EXPECT_EQ(metrics(second), before) << "nothing written";
+  const auto forked = gpt_pretrain(tiny(fork, {"--steps", "4", "--resume", first.string(), "--allow-changes", "steps"}));
+  EXPECT_EQ(forked.code, 0) << forked.err;
+  const auto resumed = gpt_pretrain(tiny(second, {"--steps", "4", "--seed", "7", "--resume", second.string(),
+                                                  "--allow-changes", "steps"}));
+  EXPECT_EQ(resumed.code, 0) << resumed.err;
+}
+
+// A profile of steps a resumed run never trains is an error, not an empty folder.
+TEST(RunRobustnessTest, ProfilingStepsBeforeTheResumedStepIsAnError) {
+  const auto dir = scratch("profile_resumed");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "4"})).code, 0);
+  const auto profiled = gpt_pretrain(tiny(dir, {"--steps", "6", "--resume", dir.string(), "--allow-changes", "steps",
+                                                "--profile", (dir / "profile").string(), "--profile-first-step", "1",
+                                                "--profile-steps", "2"}));
+  EXPECT_NE(profiled.code, 0);
+  EXPECT_NE(profiled.err.find("StepProfiler: steps [1, 3) come before this fit's first step 4"), std::string::npos)
+      << profiled.err;
+}
+
 // The FP8 knobs are settings of the run too: a resume with another margin, amax history or set
 // of bf16 layers is refused by name (they once resumed silently).
 TEST(RunRobustnessTest, AResumeWithOtherFp8SettingsIsRefused) {

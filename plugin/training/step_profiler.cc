@@ -287,6 +287,13 @@ StepProfiler::StepProfiler(std::string dir, int64_t first_step, int64_t steps)
   TORCH_CHECK(steps_ >= 1, "StepProfiler: steps must be >= 1, got ", steps_);
 }
 
+void StepProfiler::on_train_start(Trainer& trainer) {
+  TORCH_CHECK(profile_ || first_step_ + steps_ > trainer.global_step(), "StepProfiler: steps [", first_step_, ", ",
+              first_step_ + steps_, ") come before this fit's first step ", trainer.global_step(),
+              " (it resumed from a checkpoint), so nothing would be recorded; give a first step of at least ",
+              trainer.global_step());
+}
+
 void StepProfiler::on_train_batch_start(Trainer& trainer, int64_t step) {
   if (profile_ || step < first_step_ || step >= first_step_ + steps_) return;
   if (!recorder_.recording()) recorder_.start();

@@ -112,6 +112,8 @@ class StepRecorder {
 class StepProfiler : public Callback {
  public:
   explicit StepProfiler(std::string dir, int64_t first_step = 10, int64_t steps = 3);
+  /// A fit that resumes past the recorded steps is an error: it would record nothing.
+  void on_train_start(Trainer& trainer) override;
   void on_train_batch_start(Trainer& trainer, int64_t step) override;
   void on_train_batch_end(Trainer& trainer, const StepMetrics& metrics) override;
   void on_train_end(Trainer& trainer) override;

@@ -228,7 +228,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--grad-accum", grad_accum, "micro-batches per optimizer step")->capture_default_str()
       ->check(whole_number(1, kMaxBatch));
   app.add_option("--seq", seq, "tokens (bytes) per sequence (default: the config's)")->check(whole_number(1, kMaxBatch));
-  app.add_option("--lr", lr, "peak learning rate, in (0, 10] (default: the config's)")->check(positive_number(10.0));
+  app.add_option("--lr", lr, "peak learning rate, in (0, 10] (default: the config's); the cosine decays to a tenth of it")->check(positive_number(10.0));
   app.add_option("--data", data, "a text file, read as bytes (default: the built-in corpus)");
   std::string data_prefix, data_split = "969,30,1";
   int64_t vocab_size = 0;
@@ -236,7 +236,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--eval-every", eval_every,
                  "validation loss every N steps and after the last one, 0 = none (default: the config's; tiny: 100, others: 1000)")
       ->check(whole_number(0, kMaxCount));
-  app.add_option("--eval-iters", eval_iters, "held-out micro-batches per validation (default: 10)")
+  auto* eval_iters_flag = app.add_option("--eval-iters", eval_iters, "held-out micro-batches per validation (default: 10)")
       ->check(whole_number(1, kMaxBatch));
   app.add_option("--data-prefix", data_prefix,
                  "Megatron-Core indexed data instead of bytes: a .bin/.idx path prefix, or a blend \"0.3 a 0.7 b\" (by size: \"a b\")");
@@ -257,7 +257,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--resume-if-exists", resume_if_exists,
                  "continue from --save-dir's newest checkpoint when it has one, else start there (NeMo's AutoResume)")
       ->capture_default_str()->transform(boolean());
-  app.add_option("--allow-changes", allow_changes,
+  auto* allow_changes_flag = app.add_option("--allow-changes", allow_changes,
                  "resume although these settings differ from the checkpoint's, e.g. steps,lr (an exact resume needs them equal)");
   app.add_option("--seed", seed, "seed of the initial weights and of the data order")->capture_default_str()
       ->check(whole_number(0, std::numeric_limits<int64_t>::max()));
@@ -338,7 +338,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     if (micro_batch > 0) recipe.micro_batch = micro_batch;
     batch_shape = std::to_string(recipe.micro_batch) + " x " + std::to_string(seq > 0 ? seq : recipe.seq);
     if (seq > 0) recipe.seq = seq;
-    if (lr > 0) recipe.lr = lr, recipe.min_lr = std::min(recipe.min_lr, lr);
+    if (lr > 0) recipe.min_lr *= lr / recipe.lr, recipe.lr = lr;  // the config's decay ratio
     if (steps > 0) recipe.trainer.max_steps(steps);
     recipe.trainer.accumulate_grad_batches(grad_accum).every_n_train_steps(save_every).save_last(save_last)
         .cuda_graph(cuda_graph).deterministic(deterministic);
@@ -349,6 +349,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.data_prefix = data_prefix;
     if (eval_every >= 0) recipe.eval_every = eval_every;
     if (eval_iters >= 1) recipe.eval_iters = eval_iters;
+    TORCH_CHECK(recipe.eval_every > 0 || eval_iters_flag->count() == 0,
+                "--eval-iters applies when the run validates (--eval-every > 0)");
+    TORCH_CHECK(!resume.empty() || resume_if_exists || allow_changes_flag->count() == 0,
+                "--allow-changes applies to a resumed run (--resume or --resume-if-exists)");
     recipe.split = data_split;
     recipe.vocab_size = vocab_size;
     recipe.device = device;
@@ -500,6 +504,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     std::vector<std::string> curve_runs;  // the run of each curve
     std::vector<nlohmann::json> summary;
     std::vector<std::string> failures;
+    std::vector<std::string> finished;  // runs whose checkpoint was already at --steps
     const std::string base = recipe.save_dir;
     for (const auto& [name, options] : runs) {
       auto run = recipe;
@@ -514,6 +519,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         failures.push_back("\"" + name + "\": " + e.what_without_backtrace());
         summary.push_back({{"run", name}, {"error", e.what_without_backtrace()}});
         err << "gpt_pretrain: --compare run \"" << name << "\" failed: " << escape_control_characters(e.what_without_backtrace()) << std::endl;
+        continue;
+      }
+      if (result.nothing_to_do) {  // --resume-if-exists on a finished run: it keeps its results
+        out << "gpt_pretrain: " << name << ": nothing to do: its checkpoint is at step " << result.start_step
+            << ", at or past --steps " << recipe.trainer.max_steps() << std::endl;
+        finished.push_back(name);
         continue;
       }
       if (result.stopped) {
@@ -542,6 +553,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                          {"peak_memory_bytes", result.peak_memory_bytes},
                          {"resident_memory_bytes", result.resident_memory_bytes},
                          {"parameters", result.parameters}});
+    }
+    if (finished.size() == runs.size()) {
+      out << "gpt_pretrain: nothing to do: every run's checkpoint is at or past --steps "
+          << recipe.trainer.max_steps() << "; compare.jsonl and the pictures stay as they are (to train "
+          << "further, raise --steps and add --allow-changes steps)" << std::endl;
+      return 0;
     }
     // The final loss of every run relative to the 32 and bf16-mixed runs, when those ran.
     for (const char* reference : {"32", "bf16-mixed"}) {

@@ -215,6 +215,16 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                 " checkpoint in ", folder,
                 skipped_checkpoints.empty() ? std::string() : " (skipped: " + skipped_checkpoints.front() + ")");
   }
+  // A run continues in its own folder: another folder's checkpoint resumed into one that holds
+  // a run would splice the two runs' metrics and checkpoints.
+  if (existing.holds_run() && !resume.empty()) {
+    const auto folder = fs::weakly_canonical(recipe.save_dir, error);
+    const auto file = fs::weakly_canonical(resume, error);
+    TORCH_CHECK(std::mismatch(folder.begin(), folder.end(), file.begin(), file.end()).first == folder.end(),
+                "resume: ", resume, " is not in save-dir ", recipe.save_dir, ", which holds another run (",
+                existing.describe(), "); resume a run in its own folder (--resume ", recipe.save_dir,
+                "), or into a new --save-dir");
+  }
 
   // ---- build ----
   fs::create_directories(fs::path(recipe.save_dir) / "checkpoints", error);
