@@ -258,6 +258,29 @@ TEST_F(LlamaModelTest, FirstAndLastBlocksInBf16) {
   EXPECT_EQ(plugin.conversion().kept_in_high_precision.size(), 8u);  // 4 Fp8Linear x 2 blocks
 }
 
+// Under fp8_params the kept blocks are built with high-precision weights (LlamaModel's
+// Fp8ModelInit::Layer scopes), the others with FP8-only ones, and the plugin connects them.
+TEST_F(LlamaModelTest, BlocksKeptInBf16HaveHighPrecisionWeightsUnderFp8Params) {
+  LlamaModel model = [] {
+    Fp8ModelInit init(true, true, 1, 1);
+    return LlamaModel(LlamaConfig().vocab_size(64).hidden(64).layers(4).heads(4).kv_heads(2).ffn_hidden(128).max_seq_len(32));
+  }();
+  for (int64_t i = 0; i < 4; ++i) {
+    const auto block = model->blocks[i]->as<recipes::LlamaBlockImpl>();
+    const bool kept = i == 0 || i == 3;
+    for (const auto& [name, linear] :
+         {std::pair{"qkv", block->attention->qkv->linear}, {"o_proj", block->attention->o_proj},
+          {"gate_up", block->mlp->ln_fc1->linear}, {"down", block->mlp->fc2}}) {
+      EXPECT_EQ(linear->options.fp8_params(), !kept) << "blocks." << i << "." << name;
+    }
+  }
+  torch::optim::AdamW optimizer(model->parameters(), 1e-3);
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(true).fp8_min_gemm_size(0)
+                                    .num_layers_at_start_in_bf16(1).num_layers_at_end_in_bf16(1);
+  plugin.connect(*model, optimizer);
+  EXPECT_EQ(plugin.conversion().kept_in_high_precision.size(), 8u);
+}
+
 // 12 steps, a checkpoint, fresh objects, 12 more == 24 uninterrupted steps, loss for loss.
 TEST_F(LlamaModelTest, ResumeIsExact) {
   for (const auto& precision : {MixedPrecisionOptions("32"),
