@@ -181,15 +181,18 @@ TEST(Fp8AutocastTest, RecipeOptionsResolveToEnumsOnce) {
                           .fp8_margin(3)
                           .fp8_amax_history_len(16)
                           .fp8_amax_compute_algo("most_recent")
-                          .fp8_recipe("tensorwise")
                           .resolve();
   EXPECT_EQ(custom.forward_format, Fp8Format::kE4M3);
   EXPECT_EQ(custom.backward_format, Fp8Format::kE4M3);
   EXPECT_EQ(custom.margin, 3);
   EXPECT_EQ(custom.amax_history_len, 16);
   EXPECT_EQ(custom.amax_compute_algo, AmaxComputeAlgo::kMostRecent);
-  EXPECT_EQ(custom.scaling, Fp8Scaling::kTensorwise);
-  EXPECT_FALSE(custom.delayed());
+  EXPECT_TRUE(custom.delayed());
+  const auto tensorwise = Fp8RecipeOptions().fp8_margin(3).fp8_recipe("tensorwise").resolve();
+  EXPECT_EQ(tensorwise.margin, 3);
+  EXPECT_EQ(tensorwise.scaling, Fp8Scaling::kTensorwise);
+  EXPECT_FALSE(tensorwise.delayed());
+  EXPECT_EQ(Fp8RecipeOptions().fp8_recipe("blockwise").resolve().scaling, Fp8Scaling::kBlockwise);
 
   // A region opened from options runs the recipe they resolve to.
   {

@@ -10,6 +10,7 @@
 #include "ops/fp8_format.h"
 #include "ops/layer_norm.h"
 #include "plugin/fp8/fp8_autocast.h"
+#include "tests/fp8_recipes.h"
 #include "tests/test_util.h"
 
 namespace amp8 {
@@ -20,6 +21,8 @@ using testing::ExpectErrorContaining;
 using testing::kForwardBound;
 using testing::kHybridGradBound;
 using testing::relative_error;
+
+using testing::recipe_of;
 
 class Fp8LayerNormTest : public testing::SeededTest {};
 
@@ -160,7 +163,7 @@ TEST_F(Fp8LayerNormTest, FusedEqualsUnfusedPairInFp8) {
       for (auto& p : unfused->named_parameters())
         p.value().copy_(fused->named_parameters()[p.key()]);
     }
-    const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind);
+    const auto recipe = recipe_of(recipe_kind);
     for (int step = 0; step < 3; ++step) {
       auto x = torch::randn({5, 9, 64}) * (step + 1);  // 45 rows: padded internally
       auto grad = torch::randn({5, 9, 48});
@@ -201,7 +204,7 @@ void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t r
       torch::NoGradGuard no_grad;
       for (auto& p : split->named_parameters()) p.value().copy_(whole->named_parameters()[p.key()]);
     }
-    const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind);
+    const auto recipe = recipe_of(recipe_kind);
     for (int step = 0; step < 3; ++step) {
       auto x = (torch::randn({rows, 128}) * (step + 1)).to(device).to(dtype);
       std::vector<torch::Tensor> grads = {torch::randn({rows, 40}), torch::randn({rows, 16}) * 9,
@@ -443,7 +446,7 @@ void mlp_matches_sequence_case(torch::Device device, torch::ScalarType dtype,
   // The copy runs its modules one after the other, with the module's own activation between
   // them (LibTorch's GELU; amp8's SwiGLU, rounded once to the compute dtype as GELU is).
   sequence->options.fused(false);
-  const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind);
+  const auto recipe = recipe_of(recipe_kind);
   for (int step = 0; step < 3; ++step) {
     const std::string where = std::string(activation_name(activation)) + " " + recipe_kind + " " +
                               c10::toString(dtype) + " " + std::to_string(batch * 9) +
@@ -531,7 +534,7 @@ void mlp_gpu_matches_cpu_case(bool fused, const std::string& recipe_kind,
   auto cpu = make_mlp(torch::kCPU, 64, 160, activation);
   auto gpu = std::dynamic_pointer_cast<Fp8LayerNormMLPImpl>(cpu->clone(torch::kCUDA));
   auto run = [&](Fp8LayerNormMLPImpl& mlp, const torch::Tensor& x) {
-    Fp8Autocast region(Fp8RecipeOptions().fp8_amax_history_len(4).fp8_recipe(recipe_kind));
+    Fp8Autocast region(recipe_of(recipe_kind));
     return fused ? mlp.forward(x)
                  : mlp.fc2->forward(libtorch_activation(activation, mlp.ln_fc1->forward(x)));
   };

@@ -16,6 +16,7 @@
 #include "ops/scaling.h"
 #include "plugin/fp8/fp8_autocast.h"
 #include "plugin/fp8/fp8_gemm_choice.h"
+#include "tests/fp8_recipes.h"
 #include "tests/test_util.h"
 
 namespace amp8 {
@@ -27,6 +28,8 @@ using testing::kE4M3Rms;
 using testing::kForwardBound;
 using testing::kHybridGradBound;
 using testing::relative_error;
+
+using testing::recipe_of;
 
 class Fp8LinearTest : public testing::SeededTest {};
 
@@ -70,7 +73,7 @@ void forward_backward_case(torch::Device device, const std::string& fp8,
   torch::manual_seed(3);
   Fp8Linear layer(Fp8LinearOptions(128, 96).fp8_amax_history_len(4).fp8_min_gemm_size(0));
   layer->to(device);
-  auto recipe = Fp8RecipeOptions().fp8(fp8).fp8_amax_history_len(4).fp8_recipe(recipe_name);
+  auto recipe = recipe_of(recipe_name).fp8(fp8);
   auto x = torch::randn({5, 13, 128}, device);  // 65 rows: padded to 80 internally
   auto grad_y = torch::randn({5, 13, 96}, device);
   // Step 1 records amaxes (scales still 1); step 2 runs with scales from the history.

@@ -19,6 +19,7 @@
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/convert_module.h"
 #include "plugin/modules/fp8_linear.h"
+#include "plugin/optim/fused_optimizer.h"
 
 #include <optional>
 #include "plugin/training/export.h"
@@ -195,6 +196,44 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
                         "exp_avg_sq_dtype must be float32 or bfloat16, got Float8_e4m3fn");
   ExpectErrorContaining(make(recipes::bf16_mixed().exp_avg_dtype(at::kBFloat16).fused_optimizer(false)),
                         "bfloat16 needs fused_optimizer = true");
+  // Knobs the precision would drop: one recipe's under another, FP8's without FP8, loss scaling
+  // outside 16-mixed, params in a dtype the precision does not compute in.
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise").fp8_margin(2)),
+                        "fp8_margin applies to fp8_recipe \"delayed\" and \"tensorwise\"; \"blockwise\"");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_current_scaling_mixed().fp8_amax_history_len(16)),
+                        "fp8_amax_history_len and fp8_amax_compute_algo apply to fp8_recipe \"delayed\" only; "
+                        "\"tensorwise\" scales every tensor by its own amax (got 16 and \"max\"");
+  ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_recipe("blockwise").fp8_amax_compute_algo("most_recent")),
+                        "apply to fp8_recipe \"delayed\" only");
+  EXPECT_NO_THROW(make(recipes::bf16_with_fp8_current_scaling_mixed().fp8_margin(1))());
+  ExpectErrorContaining(make(recipes::bf16_mixed().fp8_recipe("blockwise").num_layers_at_start_in_bf16(1)),
+                        "the FP8 settings fp8_recipe, num_layers_at_start_in_bf16 need fp8 = \"hybrid\" or \"e4m3\"");
+  ExpectErrorContaining(make(recipes::bf16_mixed().fp8_min_gemm_size(0)), "the FP8 settings fp8_min_gemm_size need");
+  ExpectErrorContaining(make(recipes::bf16_mixed().fp16_loss_scale(128.0)),
+                        "the loss-scaling settings fp16_loss_scale apply to precision \"16-mixed\" only");
+  ExpectErrorContaining(make(MixedPrecisionOptions("32").fp16_hysteresis(4)), "fp16_hysteresis apply to");
+  ExpectErrorContaining(make(recipes::bf16_mixed().params_dtype(at::kHalf)),
+                        "params_dtype Half contradicts precision \"bf16-mixed\"");
+  ExpectErrorContaining(make(MixedPrecisionOptions("32").params_dtype(at::kBFloat16)),
+                        "params_dtype BFloat16 contradicts precision \"32\"");
+  EXPECT_NO_THROW(make(recipes::bf16_mixed().params_dtype(at::kFloat))());
+}
+
+// A FusedAdamW's own moment dtypes would be replaced by the precision's at every step: a mismatch
+// is an error at connect.
+TEST(MixedPrecisionPluginTest, AFusedOptimizersOwnMomentDtypesMustMatchThePrecisions) {
+  auto model = testing::make_mlp();
+  FusedAdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  optimizer.set_moment_dtypes({at::kBFloat16, at::kBFloat16});
+  MixedPrecisionPlugin plugin(recipes::bf16_mixed());
+  ExpectErrorContaining([&] { plugin.connect(*model, optimizer); },
+                        "the optimizer's moment dtypes (set_moment_dtypes: BFloat16 / BFloat16) differ from the "
+                        "precision's exp_avg_dtype / exp_avg_sq_dtype (Float / Float)");
+  auto same_model = testing::make_mlp();
+  FusedAdamW same(same_model->parameters(), torch::optim::AdamWOptions(1e-2));
+  same.set_moment_dtypes({at::kBFloat16, at::kBFloat16});
+  MixedPrecisionPlugin matching(recipes::bf16_mixed().exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16));
+  EXPECT_NO_THROW(matching.connect(*same_model, same));
 }
 
 // A float32-moment run whose state holds bfloat16 moments (a checkpoint of a bf16-moment run) and
@@ -357,6 +396,23 @@ TEST_F(ConvertModuleTest, SwapsLinearAndLayerNormKeepingValuesAndBf16Layers) {
 // A model built from amp8's own modules: the precision's fp8_min_gemm_size and the layers it
 // keeps in bf16 reach them as they reach swapped-in ones (GptModel's modules once kept their
 // own default and ignored both).
+// A layer the model itself keeps in high precision stays so (conversion once cleared the flag
+// and counted it as an FP8 layer), and a bad fp8_min_gemm_size is named wherever it is set.
+TEST_F(ConvertModuleTest, AModelsOwnHighPrecisionLayerStaysSo) {
+  auto model = torch::nn::Sequential(Fp8Linear(Fp8LinearOptions(32, 32).keep_in_high_precision(true)),
+                                     torch::nn::ReLU(), Fp8Linear(32, 32));
+  const auto conversion = convert_to_fp8(*model, Fp8ConversionOptions().fp8_min_gemm_size(0));
+  EXPECT_TRUE(model->ptr(0)->as<Fp8LinearImpl>()->options.keep_in_high_precision());
+  EXPECT_FALSE(model->ptr(2)->as<Fp8LinearImpl>()->options.keep_in_high_precision());
+  EXPECT_EQ(conversion.fp8_linear_count, 1);
+  ASSERT_EQ(conversion.kept_in_high_precision.size(), 1u);
+  EXPECT_EQ(conversion.kept_in_high_precision[0], "0 (keep_in_high_precision)");
+  ExpectErrorContaining([] { Fp8Linear(Fp8LinearOptions(32, 32).fp8_min_gemm_size(-2)); },
+                        "Fp8Linear: fp8_min_gemm_size must be");
+  ExpectErrorContaining([&] { convert_to_fp8(*model, Fp8ConversionOptions().fp8_min_gemm_size(-2)); },
+                        "convert_to_fp8: fp8_min_gemm_size must be");
+}
+
 TEST_F(ConvertModuleTest, KnobsReachTheModelsOwnFp8Modules) {
   auto model = torch::nn::Sequential(Fp8Linear(32, 32), torch::nn::ReLU(), Fp8Linear(32, 32),
                                      torch::nn::ReLU(), Fp8Linear(32, 16));

@@ -30,6 +30,17 @@ void Fp8RecipeOptions::validate() const {
   TORCH_CHECK(fp8_recipe_ == "delayed" || fp8_recipe_ == "tensorwise" || fp8_recipe_ == "blockwise",
               "fp8_recipe must be \"delayed\", \"tensorwise\" or \"blockwise\", got \"", fp8_recipe_,
               "\"");
+  // A knob of one recipe under another would be dropped: an error instead.
+  const Fp8RecipeOptions defaults;
+  TORCH_CHECK(fp8_recipe_ == "delayed" || (fp8_amax_history_len_ == defaults.fp8_amax_history_len() &&
+                                           fp8_amax_compute_algo_ == defaults.fp8_amax_compute_algo()),
+              "fp8_amax_history_len and fp8_amax_compute_algo apply to fp8_recipe \"delayed\" only; \"",
+              fp8_recipe_, "\" scales every tensor by its own amax (got ", fp8_amax_history_len_, " and \"",
+              fp8_amax_compute_algo_, "\"; leave them at ", defaults.fp8_amax_history_len(), " and \"",
+              defaults.fp8_amax_compute_algo(), "\")");
+  TORCH_CHECK(fp8_recipe_ != "blockwise" || fp8_margin_ == 0, "fp8_margin applies to fp8_recipe \"delayed\" and "
+              "\"tensorwise\"; \"blockwise\" scales each tile and block by fp8_max / its amax, as a power of two, "
+              "without a margin (got ", fp8_margin_, ")");
 }
 
 Fp8Recipe Fp8RecipeOptions::resolve() const {

@@ -14,6 +14,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "plugin/fp8/fp8_gemm_choice.h"
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
 
@@ -152,9 +153,13 @@ class Converter {
           record(parent, name, path, child, replacement.ptr(), torch::nn::AnyModule(replacement));
         }
       } else if (auto fp8 = std::dynamic_pointer_cast<Fp8LinearImpl>(child)) {
-        // The model's own FP8 layers follow the same knobs as the swapped-in ones.
-        fp8->options.fp8_min_gemm_size(options_.fp8_min_gemm_size()).keep_in_high_precision(keep_child);
-        if (keep_child) {
+        // The model's own FP8 layers follow the same knobs as the swapped-in ones; one the model
+        // itself keeps in high precision stays so.
+        const bool kept_by_model = fp8->options.keep_in_high_precision();
+        fp8->options.fp8_min_gemm_size(options_.fp8_min_gemm_size()).keep_in_high_precision(keep_child || kept_by_model);
+        if (kept_by_model && !keep_child) {
+          result_.kept_in_high_precision.push_back(path + " (keep_in_high_precision)");
+        } else if (keep_child) {
           // Megatron builds its bf16 layers outside the FP8 init context: a kept layer whose
           // weight lives only in FP8 would train a dequantized FP8 weight, not a bf16 one.
           TORCH_CHECK(!fp8->options.fp8_params(), "convert_to_fp8: ", path,
@@ -347,6 +352,7 @@ Fp8Conversion convert_to_fp8(torch::nn::Module& model, const Fp8ConversionOption
   TORCH_CHECK(at_end >= 0, "num_layers_at_end_in_bf16 must be >= 0, got ", at_end);
   TORCH_CHECK(options.fp8_amax_history_len() >= 1, "fp8_amax_history_len must be >= 1, got ",
               options.fp8_amax_history_len());
+  check_fp8_min_gemm_size(options.fp8_min_gemm_size(), "convert_to_fp8: fp8_min_gemm_size");
 
   const auto layers = model_layers(model);
   const auto num_layers = static_cast<int64_t>(layers.size());

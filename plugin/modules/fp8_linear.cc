@@ -104,6 +104,7 @@ void Fp8LinearImpl::reset() {
               options.in_features(), " and ", options.out_features());
   TORCH_CHECK(options.fp8_amax_history_len() >= 1,
               "Fp8Linear: fp8_amax_history_len must be >= 1, got ", options.fp8_amax_history_len());
+  check_fp8_min_gemm_size(options.fp8_min_gemm_size(), "Fp8Linear: fp8_min_gemm_size");
   if (options.fp8_params() && !fp8_eligible()) {
     // The one rule for shapes FP8 GEMMs cannot take: the layer stays in high precision, its
     // weight included (an output head of 10 classes inside Fp8ModelInit is fine).
@@ -254,6 +255,10 @@ std::optional<Fp8LinearImpl::Fp8Call> Fp8LinearImpl::prepare_fp8_call(const torc
       auto blocks = fp8_weight_blocks();
       if (torch::GradMode::is_enabled()) meta_->main_grad().expect();
       return Fp8Call{{}, {std::move(blocks), {}}, recipe, compute, meta_};
+    }
+    if (options.cache_fp8_weight()) {
+      TORCH_WARN_ONCE("Fp8Linear: cache_fp8_weight is not used under the blockwise recipe: its weight's "
+                      "128x128 blocks are quantized at every call (the cache holds one scale per weight)");
     }
     torch::NoGradGuard no_grad;
     Fp8Call call{{}, quantize_blockwise(weight, weight_block_options(recipe.forward_format),

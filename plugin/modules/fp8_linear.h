@@ -45,7 +45,8 @@ struct Fp8LinearOptions {
   TORCH_ARG(bool, keep_in_high_precision) = false;
   /// Reuse the FP8 copy of the weight (and its transpose) while the weight tensor is unchanged
   /// (same version counter): the micro-batches of one optimizer step quantize it once. An
-  /// explicit flag, never tied to gradient accumulation. Default: false.
+  /// explicit flag, never tied to gradient accumulation. Not used under the blockwise recipe
+  /// (warned once). Default: false.
   TORCH_ARG(bool, cache_fp8_weight) = false;
   /// Keep the weight only in FP8 (E4M3, 1 byte per element, with its own scale_inv) —
   /// TE's fp8_model_init. Set by constructing the module under an Fp8ModelInit guard. See

@@ -56,6 +56,39 @@ void MixedPrecisionOptions::validate() const {
   }
   TORCH_CHECK(fp8_params_ == false || fp8_enabled(),
               "fp8_params = true needs fp8 = \"hybrid\" or \"e4m3\", got fp8 = \"none\"");
+  // Settings of a part this precision does not run would be dropped: errors instead.
+  const MixedPrecisionOptions defaults;
+  std::string unused;
+  const auto note = [&](bool changed, const char* knob) {
+    if (changed) unused += (unused.empty() ? "" : ", ") + std::string(knob);
+  };
+  if (!fp8_enabled()) {
+    note(fp8_recipe_ != defaults.fp8_recipe_, "fp8_recipe");
+    note(fp8_margin_ != defaults.fp8_margin_, "fp8_margin");
+    note(fp8_amax_history_len_ != defaults.fp8_amax_history_len_, "fp8_amax_history_len");
+    note(fp8_amax_compute_algo_ != defaults.fp8_amax_compute_algo_, "fp8_amax_compute_algo");
+    note(fp8_min_gemm_size_ != defaults.fp8_min_gemm_size_, "fp8_min_gemm_size");
+    note(num_layers_at_start_in_bf16_ != defaults.num_layers_at_start_in_bf16_, "num_layers_at_start_in_bf16");
+    note(num_layers_at_end_in_bf16_ != defaults.num_layers_at_end_in_bf16_, "num_layers_at_end_in_bf16");
+    note(fp8_fuse_modules_ != defaults.fp8_fuse_modules_, "fp8_fuse_modules");
+    TORCH_CHECK(unused.empty(), "the FP8 settings ", unused, " need fp8 = \"hybrid\" or \"e4m3\", got fp8 = "
+                "\"none\": they would be ignored");
+  }
+  if (precision != "16-mixed") {
+    note(fp16_loss_scale_.has_value(), "fp16_loss_scale");
+    note(fp16_initial_loss_scale_ != defaults.fp16_initial_loss_scale_, "fp16_initial_loss_scale");
+    note(fp16_min_loss_scale_ != defaults.fp16_min_loss_scale_, "fp16_min_loss_scale");
+    note(fp16_loss_scale_window_ != defaults.fp16_loss_scale_window_, "fp16_loss_scale_window");
+    note(fp16_hysteresis_ != defaults.fp16_hysteresis_, "fp16_hysteresis");
+    TORCH_CHECK(unused.empty(), "the loss-scaling settings ", unused, " apply to precision \"16-mixed\" only "
+                "(bf16 and float32 need no loss scale), got \"", precision, "\": they would be ignored");
+  }
+  if (params_dtype_) {
+    TORCH_CHECK(*params_dtype_ == at::kFloat || *params_dtype_ == compute_dtype(), "params_dtype ",
+                c10::toString(*params_dtype_), " contradicts precision \"", precision, "\": use float32 or its "
+                "compute dtype ", c10::toString(compute_dtype()),
+                " (float16 params without 16-mixed's loss scaling would lose small gradients)");
+  }
   check_fp8_min_gemm_size(fp8_min_gemm_size_, "fp8_min_gemm_size");
   const AdamMomentDtypes moments{exp_avg_dtype_, exp_avg_sq_dtype_};
   moments.check("MixedPrecisionOptions");

@@ -95,6 +95,16 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
               "MixedPrecisionPlugin: exp_avg_dtype / exp_avg_sq_dtype ", moment_dtypes().exp_avg, " / ",
               moment_dtypes().exp_avg_sq, " need a torch::optim::Adam or AdamW without amsgrad (the fused step "
               "keeps their moments); this optimizer keeps its own state in float32");
+  // A FusedAdamW / FusedAdam's own moment dtypes: the plugin steps it with the precision's.
+  const AdamMomentDtypes* own_moments = nullptr;
+  if (const auto* fused = dynamic_cast<const FusedAdamW*>(&optimizer)) own_moments = &fused->moment_dtypes();
+  if (const auto* fused = dynamic_cast<const FusedAdam*>(&optimizer)) own_moments = &fused->moment_dtypes();
+  TORCH_CHECK(own_moments == nullptr || (own_moments->exp_avg == moment_dtypes().exp_avg &&
+                                         own_moments->exp_avg_sq == moment_dtypes().exp_avg_sq),
+              "MixedPrecisionPlugin: the optimizer's moment dtypes (set_moment_dtypes: ", own_moments->exp_avg,
+              " / ", own_moments->exp_avg_sq, ") differ from the precision's exp_avg_dtype / exp_avg_sq_dtype (",
+              moment_dtypes().exp_avg, " / ", moment_dtypes().exp_avg_sq,
+              "), which the plugin steps it with; set the same in MixedPrecisionOptions");
   TORCH_CHECK(optimizer.state().empty(),
               "MixedPrecisionPlugin: connect the plugin before the optimizer's first step (the "
               "optimizer already holds state for ",

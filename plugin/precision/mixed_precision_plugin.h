@@ -65,7 +65,7 @@ struct MixedPrecisionOptions {
   /// "none", "hybrid" or "e4m3". Default: "none".
   TORCH_ARG(std::string, fp8) = "none";
   /// "delayed", "tensorwise" or "blockwise" (see Fp8RecipeOptions::fp8_recipe; blockwise with
-  /// fp8_params false). Default: "delayed".
+  /// fp8_params stores the weights in 128x128 blocks). Default: "delayed".
   TORCH_ARG(std::string, fp8_recipe) = "delayed";
   /// Default: 0.
   TORCH_ARG(int, fp8_margin) = 0;
