@@ -2,8 +2,7 @@
 # GPU check of the one-read blockwise weight write (prepared 2026-12-06, session 36; not yet run),
 # one device call from the repository root:
 #   run(command="bash bench/results/whole_weights_blockwise/run.sh", carry=[".gpubin18", ".gpubin19"])
-# .gpubin18/ (git-ignored): main at the commit in its COMMIT file (6cb0561), built on the CPU
-# machine:
+# .gpubin18/ (git-ignored): main at the commit in its COMMIT file, built on the CPU machine:
 # quantize_whole_weights_blockwise (DistributedOptimizer at world size 1 and
 # update_fp8_weight_blocks write each FP8 weight's 128x128 blocks from one read of its master)
 # and the 128x128 kernel's 16-byte loads for float32. .gpubin19/: gpt_pretrain of 4010bd9, the
