@@ -296,8 +296,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                  "with --recompute-method: the chunk length (uniform) or how many blocks from the first "
                  "(block)")->capture_default_str()->check(whole_number(1, kMaxCount));
   app.add_option("--attention-backend", attention_backend,
-                 "the fused attention kernel tried first: auto (PyTorch's order: flash, memory-efficient, "
-                 "math, cuDNN), cudnn, flash or efficient")->capture_default_str()->transform(lower_case());
+                 "the fused attention kernel tried first: auto (PyTorch's own order; on Hopper with a recent "
+                 "cuDNN, cuDNN first), cudnn, flash or efficient")->capture_default_str()->transform(lower_case());
   app.add_option("--cuda-graph", cuda_graph,
                  "capture each micro-batch's forward and backward pass in a CUDA graph after 3 eager "
                  "steps and replay it: one launch instead of thousands, for models too small to keep "
