@@ -28,6 +28,7 @@
 #include "plugin/training/trainer.h"
 #include "recipes/gpt/cli.h"
 #include "recipes/gpt/data.h"
+#include "recipes/gpt/run_folder.h"
 #include "tests/gpt_pretrain_cli.h"
 #include "tests/test_util.h"
 
@@ -241,6 +242,46 @@ TEST(RunRobustnessTest, ProfilingStepsBeforeTheResumedStepIsAnError) {
   EXPECT_NE(profiled.code, 0);
   EXPECT_NE(profiled.err.find("StepProfiler: steps [1, 3) come before this fit's first step 4"), std::string::npos)
       << profiled.err;
+  // Steps [3, 6) of a run resumed at step 4: the profile holds steps 4 and 5, and says so.
+  const auto partly = gpt_pretrain(tiny(dir, {"--steps", "6", "--resume", dir.string(), "--allow-changes", "steps",
+                                              "--profile", (dir / "profile").string(), "--profile-first-step", "3",
+                                              "--profile-steps", "3"}));
+  ASSERT_EQ(partly.code, 0) << partly.err;
+  EXPECT_NE(partly.out.find("profile of steps 4..5 (0-based)"), std::string::npos) << partly.out;
+}
+
+// Resumed from an older checkpoint of its own folder, a run would leave the newer ones to a later
+// --resume of the folder, which would pick them and drop what it trained: refused, naming them.
+TEST(RunRobustnessTest, ResumingFromAnOlderCheckpointOfTheFolderIsRefused) {
+  const auto dir = scratch("older_checkpoint");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "6", "--save-every", "2"})).code, 0);
+  const auto older = gpt_pretrain(tiny(dir, {"--steps", "6", "--resume", (dir / "checkpoints" / ckpt(2)).string()}));
+  EXPECT_NE(older.code, 0);
+  EXPECT_NE(older.err.find("is older than " + (dir / "checkpoints" / ckpt(6)).string() + " in the same save-dir"),
+            std::string::npos) << older.err;
+  EXPECT_EQ(metrics(dir).size(), 6u) << "nothing written";
+}
+
+// --resume-if-exists on a folder with metrics and no checkpoint starts again, and says so.
+TEST(RunRobustnessTest, ResumeIfExistsWithoutACheckpointSaysItStartsAgain) {
+  const auto dir = scratch("no_checkpoint");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "3", "--save-last", "false"})).code, 0);
+  const auto again = gpt_pretrain(tiny(dir, {"--steps", "2", "--resume-if-exists", "true"}));
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_NE(again.out.find("holds no checkpoint to resume (metrics of 3 steps"), std::string::npos) << again.out;
+  EXPECT_EQ(metrics(dir).size(), 2u);
+}
+
+// Validating on byte-level data holds its last 5% out of training: a resume that turns
+// validation on or off names that, not only "data".
+TEST(RunRobustnessTest, TurningValidationOnAtAResumeNamesTheHeldOutData) {
+  const auto dir = scratch("holdout");
+  ASSERT_EQ(gpt_pretrain(tiny(dir, {"--steps", "2", "--eval-every", "0"})).code, 0);
+  const auto resumed = gpt_pretrain(tiny(dir, {"--steps", "4", "--eval-every", "2", "--resume", dir.string(),
+                                               "--allow-changes", "steps"}));
+  EXPECT_NE(resumed.code, 0);
+  EXPECT_NE(resumed.err.find("validation_holdout none (this run: the last 5% of the data)"), std::string::npos)
+      << resumed.err;
 }
 
 // The FP8 knobs are settings of the run too: a resume with another margin, amax history or set
@@ -262,14 +303,14 @@ TEST(RunRobustnessTest, AResumeWithOtherFp8SettingsIsRefused) {
 }
 
 // Runs gpt_pretrain with `args` in `dir` and sends the process SIGTERM (a scheduler's preemption)
-// once a few steps are in its metrics.
-auto run_until_sigterm(const fs::path& dir, const std::vector<std::string>& args) {
+// once `steps` steps are in its metrics.
+auto run_until_sigterm(const fs::path& dir, const std::vector<std::string>& args, int steps = 3) {
   std::atomic<bool> done{false};
   std::thread preemption([&] {
     while (!done.load()) {
       std::ifstream in(dir / "metrics.jsonl");
       const auto lines = std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
-      if (lines >= 3) {
+      if (lines >= steps) {
         ::kill(::getpid(), SIGTERM);
         return;
       }
@@ -301,6 +342,23 @@ TEST(RunRobustnessTest, SigtermFinishesTheStepSavesAndResumesExactly) {
   const auto a = metrics(full), b = metrics(dir);
   ASSERT_EQ(b.size(), 40u);
   for (size_t i = 0; i < 40; ++i) EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i + 1;
+}
+
+// Stopped past its last periodic save with --save-last false, a run says which steps will run
+// again on a resume.
+TEST(RunRobustnessTest, SigtermPastThePeriodicSaveSaysWhichStepsRunAgain) {
+  const auto dir = scratch("term_periodic");
+  // Every 5th step is saved; the stop lands on one of the four others most of the time (on a
+  // saved step nothing runs again and the message says only where it saved).
+  const auto stopped = run_until_sigterm(dir, {"--steps", "100000", "--save-every", "5", "--save-last", "false"}, 7);
+  ASSERT_EQ(stopped.code, 128 + SIGTERM) << stopped.out << stopped.err;
+  const int last = metrics(dir).back()["step"].get<int>();
+  const int saved = last - last % 5;
+  ASSERT_GT(saved, 0) << "stopped before the first periodic save";
+  const std::string expected = "saved " + (dir / "checkpoints" / ckpt(saved)).string();
+  EXPECT_NE(stopped.err.find(expected), std::string::npos) << stopped.err;
+  const std::string again = "(steps " + std::to_string(saved + 1) + ".." + std::to_string(last) + " run again)";
+  EXPECT_EQ(stopped.err.find(again) != std::string::npos, saved < last) << stopped.err;
 }
 
 // With --save-last false a SIGTERM saves nothing, and the message says so instead of naming a
@@ -431,6 +489,46 @@ TEST(RunRobustnessTest, AFullDiskDuringASaveIsAClearErrorThatKeepsThePreviousChe
   reader.load_checkpoint(path, *b.model, b.optimizer);
   EXPECT_TRUE(b.model->parameters()[0].equal(a.model->parameters()[0]));
   EXPECT_FALSE(b.model->parameters()[0].equal(weight_after_3)) << "step 4's weights were saved";
+}
+
+// Cutting the metrics back on a resume with the disk full leaves them as they were and no
+// temporary file behind.
+TEST(RunRobustnessTest, AFullDiskWhileTrimmingTheMetricsLeavesThemAsTheyWere) {
+  const auto dir = scratch("full_disk_metrics");
+  fs::create_directories(dir);
+  const auto path = (dir / "metrics.jsonl").string();
+  {
+    std::ofstream out(path);
+    for (int step = 1; step <= 2000; ++step) out << "{\"step\":" << step << ",\"loss\":" << std::string(40, '1') << "}\n";
+  }
+  const auto before = fs::file_size(path);
+  {
+    FileSizeLimit limit(16 * 1024);
+    ExpectErrorContaining([&] { trim_metrics(path, 1500); }, "failed (is the disk full?); ");
+  }
+  EXPECT_EQ(fs::file_size(path), before);
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().string().find(".tmp."), std::string::npos) << entry.path() << " was left behind";
+  }
+}
+
+// A stop requested before a resumed fit's first step: the checkpoint it resumed from holds the
+// state, and last_checkpoint() names it (gpt_pretrain said "no checkpoint saved").
+TEST(RunRobustnessTest, AStopBeforeTheFirstStepOfAResumedFitNamesItsCheckpoint) {
+  const auto dir = scratch("stop_at_resume");
+  fs::create_directories(dir);
+  TinyModel a, b;
+  Trainer first(TrainerOptions().max_steps(2).log_every_n_steps(0).checkpoint_dir(dir.string()));
+  first.fit(*a.model, a.optimizer, [&](const TrainStepInput&) { return a.model->forward(torch::ones({4, 512})).pow(2).mean(); });
+  const auto saved = (dir / ckpt(2)).string();
+  ASSERT_TRUE(fs::exists(saved));
+  Trainer resumed(TrainerOptions().max_steps(4).log_every_n_steps(0).checkpoint_dir(dir.string()));
+  resumed.request_stop();
+  resumed.fit(*b.model, b.optimizer,
+              [&](const TrainStepInput&) { return b.model->forward(torch::ones({4, 512})).pow(2).mean(); }, saved);
+  EXPECT_TRUE(resumed.stopped());
+  EXPECT_EQ(resumed.global_step(), 2);
+  EXPECT_EQ(resumed.last_checkpoint(), saved);
 }
 
 TEST(RunRobustnessTest, ANonFiniteStopSavesTheWeightsItSaysItKeeps) {

@@ -296,7 +296,10 @@ void StepProfiler::on_train_start(Trainer& trainer) {
 
 void StepProfiler::on_train_batch_start(Trainer& trainer, int64_t step) {
   if (profile_ || step < first_step_ || step >= first_step_ + steps_) return;
-  if (!recorder_.recording()) recorder_.start();
+  if (!recorder_.recording()) {
+    recorded_from_ = step;  // first_step_, unless the fit resumed past it
+    recorder_.start();
+  }
   recorder_.begin_step(step);
 }
 
@@ -314,7 +317,7 @@ void StepProfiler::on_train_end(Trainer& trainer) {
 void StepProfiler::finish(Trainer& trainer) {
   profile_ = recorder_.stop(dir_);
   if (trainer.log) {
-    *trainer.log << "profile of steps " << first_step_ << ".." << first_step_ + profile_->steps - 1
+    *trainer.log << "profile of steps " << recorded_from_ << ".." << recorded_from_ + profile_->steps - 1
                  << " (0-based) in " << dir_ << " (trace.json: chrome://tracing or "
                  << "ui.perfetto.dev)\n" << profile_->table() << std::flush;
   }

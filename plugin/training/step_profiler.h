@@ -125,6 +125,7 @@ class StepProfiler : public Callback {
 
   std::string dir_;
   int64_t first_step_, steps_;
+  int64_t recorded_from_ = 0;  // the first step recorded
   StepRecorder recorder_;
   std::optional<StepProfile> profile_;
 };

@@ -327,6 +327,8 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
     // Stopped before a step ran: the state is that of global_step_, saved unless it already is.
     if (saves_last() && !std::filesystem::exists(step_checkpoint_path())) {
       save_step_checkpoint(model, optimizer);
+    } else if (saves_last() && last_checkpoint_.empty()) {
+      last_checkpoint_ = step_checkpoint_path();  // the one this fit resumed from holds the state
     }
   }
   precision.finish_param_gather();  // fit returns the model with its final parameters

@@ -458,10 +458,16 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         err << "gpt_pretrain: stopped by " << (result.stop_signal == SIGINT ? "SIGINT" : "SIGTERM")
             << " after step " << result.start_step + static_cast<int64_t>(result.history.size()) << " of "
             << recipe.trainer.max_steps();
-        if (result.last_checkpoint.empty()) {
+        const int64_t stopped_at = result.start_step + static_cast<int64_t>(result.history.size());
+        const auto saved = result.last_checkpoint.empty()
+                               ? std::nullopt
+                               : Trainer::parse_checkpoint_name(fs::path(result.last_checkpoint).filename().string());
+        if (!saved) {
           err << "; no checkpoint saved (--save-last false)" << std::endl;
         } else {
-          err << "; saved " << result.last_checkpoint << "; continue with --resume " << recipe.save_dir << std::endl;
+          err << "; saved " << result.last_checkpoint << "; continue with --resume " << recipe.save_dir;
+          if (saved->step < stopped_at) err << " (steps " << saved->step + 1 << ".." << stopped_at << " run again)";
+          err << std::endl;
         }
         return 128 + (result.stop_signal > 0 ? result.stop_signal : SIGTERM);
       }

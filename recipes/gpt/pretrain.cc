@@ -216,7 +216,9 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                 skipped_checkpoints.empty() ? std::string() : " (skipped: " + skipped_checkpoints.front() + ")");
   }
   // A run continues in its own folder: another folder's checkpoint resumed into one that holds
-  // a run would splice the two runs' metrics and checkpoints.
+  // a run would splice the two runs' metrics and checkpoints. And from its newest checkpoint:
+  // resumed from an older one, the newer ones would stay, and a later --resume of the folder
+  // would pick them and drop what this run trains.
   if (existing.holds_run() && !resume.empty()) {
     const auto folder = fs::weakly_canonical(recipe.save_dir, error);
     const auto file = fs::weakly_canonical(resume, error);
@@ -224,6 +226,11 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                 "resume: ", resume, " is not in save-dir ", recipe.save_dir, ", which holds another run (",
                 existing.describe(), "); resume a run in its own folder (--resume ", recipe.save_dir,
                 "), or into a new --save-dir");
+    const auto newest = Trainer::latest_checkpoint((fs::path(recipe.save_dir) / "checkpoints").string(), rank, world);
+    TORCH_CHECK(newest.empty() || fs::weakly_canonical(newest, error) == file, "resume: ", resume,
+                " is older than ", newest, " in the same save-dir; resuming from it would leave the newer "
+                "checkpoints to a later --resume of the folder. Move the newer ones away first, or resume "
+                "into a new --save-dir");
   }
 
   // ---- build ----
@@ -235,6 +242,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   // metrics and the picture (each rank writes its own checkpoint shard).
   std::ostream null_stream(nullptr);
   std::ostream& out = rank == 0 ? log : null_stream;
+  if (resume.empty() && recipe.resume_if_exists && existing.holds_run()) {
+    out << "gpt_pretrain: --resume-if-exists: " << recipe.save_dir << " holds no checkpoint to resume ("
+        << existing.describe() << "); the run starts again from step 0 and replaces its metrics" << std::endl;
+  }
   torch::manual_seed(recipe.seed);
   const Decoder model = [&] {
     std::optional<Fp8ModelInit> fp8_init;
@@ -287,6 +298,8 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
       {"exp_avg_dtype", c10::toString(recipe.precision.exp_avg_dtype())},
       {"exp_avg_sq_dtype", c10::toString(recipe.precision.exp_avg_sq_dtype())},
   };
+  // Byte-level data validated on its last 5% trains on the rest: name that, not just "data".
+  if (!megatron) trainer.run_settings["validation_holdout"] = byte_validation ? "the last 5% of the data" : "none";
   if (recipe.precision.fp8_enabled()) {  // the recipe itself is in the precision's name
     const auto& p = recipe.precision;
     trainer.run_settings.insert({{"fp8_margin", std::to_string(p.fp8_margin())},

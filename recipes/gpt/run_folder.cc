@@ -70,7 +70,11 @@ void trim_metrics(const std::string& metrics_path, int64_t step) {
       if (line_step >= 0 && line_step <= step) out << line << "\n";
     }
     out.flush();
-    TORCH_CHECK(out.good(), "writing ", temporary, " failed (is the disk full?)");
+    if (!out.good()) {  // a full disk: the metrics file stays as it was, and no temporary is left
+      out.close();
+      std::remove(temporary.c_str());
+      TORCH_CHECK(false, "writing ", temporary, " failed (is the disk full?); ", metrics_path, " is unchanged");
+    }
   }
   if (std::rename(temporary.c_str(), metrics_path.c_str()) != 0) {
     std::remove(temporary.c_str());
