@@ -236,6 +236,13 @@ TEST_F(LlamaModelTest, TrainsInEveryPrecisionLikeFp32) {
   }
 }
 
+// Block i's four Fp8Linear modules, by name.
+std::vector<std::pair<std::string, Fp8Linear>> block_linears(const LlamaModel& model, int64_t i) {
+  const auto block = model->blocks->ptr(static_cast<size_t>(i))->as<recipes::LlamaBlockImpl>();
+  return {{"qkv", block->attention->qkv->linear}, {"o_proj", block->attention->o_proj},
+          {"gate_up", block->mlp->ln_fc1->linear}, {"down", block->mlp->fc2}};
+}
+
 // NeMo's num_layers_at_start/end_in_bf16 reach the Llama blocks (the ModuleList `blocks`): every
 // Fp8Linear of the first and the last block is kept in high precision, the others' are not, and
 // every one gets the plugin's fp8_min_gemm_size.
@@ -246,11 +253,8 @@ TEST_F(LlamaModelTest, FirstAndLastBlocksInBf16) {
                                     .num_layers_at_start_in_bf16(1).num_layers_at_end_in_bf16(1);
   plugin.connect(*model, optimizer);
   for (int64_t i = 0; i < 4; ++i) {
-    const auto block = model->blocks[i]->as<recipes::LlamaBlockImpl>();
     const bool kept = i == 0 || i == 3;
-    for (const auto& [name, linear] :
-         {std::pair{"qkv", block->attention->qkv->linear}, {"o_proj", block->attention->o_proj},
-          {"gate_up", block->mlp->ln_fc1->linear}, {"down", block->mlp->fc2}}) {
+    for (const auto& [name, linear] : block_linears(model, i)) {
       EXPECT_EQ(linear->options.keep_in_high_precision(), kept) << "blocks." << i << "." << name;
       EXPECT_EQ(linear->options.fp8_min_gemm_size(), 0) << "blocks." << i << "." << name;
     }
@@ -266,11 +270,8 @@ TEST_F(LlamaModelTest, BlocksKeptInBf16HaveHighPrecisionWeightsUnderFp8Params) {
     return LlamaModel(LlamaConfig().vocab_size(64).hidden(64).layers(4).heads(4).kv_heads(2).ffn_hidden(128).max_seq_len(32));
   }();
   for (int64_t i = 0; i < 4; ++i) {
-    const auto block = model->blocks[i]->as<recipes::LlamaBlockImpl>();
     const bool kept = i == 0 || i == 3;
-    for (const auto& [name, linear] :
-         {std::pair{"qkv", block->attention->qkv->linear}, {"o_proj", block->attention->o_proj},
-          {"gate_up", block->mlp->ln_fc1->linear}, {"down", block->mlp->fc2}}) {
+    for (const auto& [name, linear] : block_linears(model, i)) {
       EXPECT_EQ(linear->options.fp8_params(), !kept) << "blocks." << i << "." << name;
     }
   }

@@ -226,7 +226,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                 "resume: ", resume, " is not in save-dir ", recipe.save_dir, ", which holds another run (",
                 existing.describe(), "); resume a run in its own folder (--resume ", recipe.save_dir,
                 "), or into a new --save-dir");
-    const auto newest = Trainer::latest_checkpoint((fs::path(recipe.save_dir) / "checkpoints").string(), rank, world);
+    const auto& newest = existing.newest_checkpoint;
     TORCH_CHECK(newest.empty() || fs::weakly_canonical(newest, error) == file, "resume: ", resume,
                 " is older than ", newest, " in the same save-dir; resuming from it would leave the newer "
                 "checkpoints to a later --resume of the folder. Move the newer ones away first, or resume "
