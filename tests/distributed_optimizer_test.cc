@@ -908,6 +908,28 @@ TEST(DistributedOptimizerTest, CheckpointNamesReadBack) {
   }
 }
 
+// A run stopped between its ranks' saves leaves the newest step with only some ranks' files:
+// every rank passes over that step alike (a rank that has its file would otherwise resume from
+// a step the others cannot, and the resume fails for all of them).
+TEST(DistributedOptimizerTest, EveryRankSkipsAStepSomeRankDidNotSave) {
+  const auto options = recipes::bf16_mixed();
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "save_cut_between_ranks");
+  fit_world(options, 2, 4, "", dir.string(), 2);
+  std::filesystem::remove(dir / Trainer::checkpoint_name(4, 1, 2));
+  for (int rank = 0; rank < 2; ++rank) {
+    std::vector<std::string> skipped;
+    EXPECT_EQ(Trainer::latest_checkpoint(dir.string(), rank, 2, &skipped),
+              (dir / Trainer::checkpoint_name(2, rank, 2)).string());
+    ASSERT_EQ(skipped.size(), 1u) << "rank " << rank;
+    EXPECT_NE(skipped[0].find(Trainer::checkpoint_name(4, 1, 2) + " is missing"), std::string::npos) << skipped[0];
+  }
+  // With every file there, each rank takes its own file of the newest step.
+  fit_world(options, 2, 4, "", dir.string(), 2);
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(Trainer::latest_checkpoint(dir.string(), rank, 2), (dir / Trainer::checkpoint_name(4, rank, 2)).string());
+  }
+}
+
 // A checkpoint missing one rank's file cannot be resharded: latest_checkpoint skips its step
 // (and passes over names the Trainer never writes), load_checkpoint names the missing file.
 TEST(DistributedOptimizerTest, ACheckpointThatCannotBeReshardedIsNamed) {

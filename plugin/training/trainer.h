@@ -213,9 +213,10 @@ class Trainer {
   void load_checkpoint(const std::string& path, torch::nn::Module& model,
                        torch::optim::Optimizer& optimizer);
   /// The newest complete checkpoint in `folder` (see checkpoint_file_problem) for `rank` of
-  /// `world_size`, or "" when there is none: this rank's file of one written by this world
-  /// size, else rank 0's file of one written by another whose every file is intact (at one step,
-  /// this world size's first). Newer ones that are incomplete or corrupt are skipped; `skipped`,
+  /// `world_size`, or "" when there is none: this rank's file, intact, of one written by this
+  /// world size whose every rank's file is there (so all ranks choose the same step), else
+  /// rank 0's file of one written by another whose every file is intact (at one step, this
+  /// world size's first). Newer ones that are incomplete or corrupt are skipped; `skipped`,
   /// when given, receives a line for each ("<path>: <what is wrong>").
   static std::string latest_checkpoint(const std::string& folder, int rank = 0, int world_size = 1,
                                        std::vector<std::string>* skipped = nullptr);

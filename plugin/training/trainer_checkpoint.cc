@@ -340,11 +340,21 @@ std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int 
     const auto& files = checkpoints[key];
     const int writers = key.second;
     if (writers == std::max(world_size, 1)) {
-      // Same world size: this rank's own file.
-      const auto own = files.find(writers == 1 ? 0 : rank);
-      if (own == files.end()) continue;
-      const auto problem = checkpoint_file_problem(own->second);
-      if (problem.empty()) return own->second;
+      // Same world size: this rank's own file, intact, and every other rank's file there. A
+      // file is renamed into place whole, so one that is there was written to its end; one
+      // that is missing (a run stopped between the ranks' saves) makes every rank pass over
+      // the step alike, where only the ranks without a file would otherwise go back.
+      std::string problem;
+      for (int j = 0; j < writers && problem.empty(); ++j) {
+        if (files.count(j) == 0) {
+          problem = (std::filesystem::path(folder) / checkpoint_name(key.first, j, writers)).string() + " is missing";
+        }
+      }
+      if (problem.empty()) {
+        const auto& own = files.at(writers == 1 ? 0 : rank);
+        problem = checkpoint_file_problem(own);
+        if (problem.empty()) return own;
+      }
       if (skipped != nullptr) skipped->push_back(problem);
       continue;
     }
