@@ -486,6 +486,40 @@ TEST(GptPretrainTest, CompareOfFinishedRunsKeepsTheirComparison) {
   EXPECT_EQ(read(), written);
 }
 
+// A --compare --resume-if-exists in which some runs are finished and others train: the finished
+// ones keep their rows and curves (they were once left out of compare.jsonl and the pictures).
+TEST(GptPretrainTest, CompareWithSomeRunsFinishedKeepsThem) {
+  const auto dir = scratch("compare_partly_finished");
+  const auto args = [&](const std::string& runs) {
+    return with(kTiny, {"--steps", "3", "--log-every", "0", "--save-dir", dir.string(), "--compare", runs,
+                        "--resume-if-exists", "true"});
+  };
+  const auto rows = [&] {
+    std::ifstream file(dir / "compare.jsonl");
+    std::vector<nlohmann::json> out;
+    for (std::string line; std::getline(file, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  };
+  ASSERT_EQ(gpt_pretrain(args("32")).code, 0);
+  const auto first = rows();
+  ASSERT_EQ(first.size(), 1u);
+  const auto more = gpt_pretrain(args("32,bf16-mixed"));
+  ASSERT_EQ(more.code, 0) << more.err;
+  EXPECT_NE(more.out.find("32: nothing to do"), std::string::npos) << more.out;
+  const auto both = rows();
+  ASSERT_EQ(both.size(), 2u);
+  EXPECT_EQ(both[0]["run"], "32");
+  EXPECT_EQ(both[0]["final_loss"], first[0]["final_loss"]);
+  EXPECT_EQ(both[0]["tokens_per_s"], first[0]["tokens_per_s"]) << "the row of the call that trained it";
+  EXPECT_EQ(both[1]["run"], "bf16-mixed");
+  EXPECT_EQ(both[1]["steps"], 3);
+  EXPECT_TRUE(both[1]["final_loss_rel_diff_vs_32"].is_number());
+  const auto svg = read(dir / "compare.svg");
+  EXPECT_NE(svg.find(">32 (final"), std::string::npos) << "the finished run's curve";
+  EXPECT_NE(svg.find(">bf16-mixed (final"), std::string::npos);
+  EXPECT_NE(read(dir / "compare_gap.svg").find("loss against 32"), std::string::npos);
+}
+
 // --lr keeps the config's decay ratio: the cosine ends at a tenth of it (an --lr below the
 // config's min_lr once gave a flat schedule).
 TEST(GptPretrainTest, LrScalesTheWholeSchedule) {

@@ -303,12 +303,13 @@ TEST(RunRobustnessTest, AResumeWithOtherFp8SettingsIsRefused) {
 }
 
 // Runs gpt_pretrain with `args` in `dir` and sends the process SIGTERM (a scheduler's preemption)
-// once `steps` steps are in its metrics.
-auto run_until_sigterm(const fs::path& dir, const std::vector<std::string>& args, int steps = 3) {
+// once `steps` steps are in its metrics (those of `run_folder` under `dir`, for --compare).
+auto run_until_sigterm(const fs::path& dir, const std::vector<std::string>& args, int steps = 3,
+                       const std::string& run_folder = "") {
   std::atomic<bool> done{false};
   std::thread preemption([&] {
     while (!done.load()) {
-      std::ifstream in(dir / "metrics.jsonl");
+      std::ifstream in(dir / run_folder / "metrics.jsonl");
       const auto lines = std::count(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>(), '\n');
       if (lines >= steps) {
         ::kill(::getpid(), SIGTERM);
@@ -370,6 +371,26 @@ TEST(RunRobustnessTest, SigtermWithoutSaveLastSaysNothingWasSaved) {
   EXPECT_NE(stopped.err.find("of 100000; no checkpoint saved (--save-last false)"), std::string::npos) << stopped.err;
   EXPECT_EQ(stopped.err.find("--resume"), std::string::npos) << stopped.err;
   EXPECT_TRUE(fs::is_empty(dir / "checkpoints"));
+}
+
+// SIGTERM during a --compare run: that run saves and stops, the later runs do not start, the
+// summary says where it stopped, and the exit code is the signal's, as for a single run.
+TEST(RunRobustnessTest, SigtermStopsACompareAsItStopsARun) {
+  const auto dir = scratch("term_compare");
+  const auto stopped = run_until_sigterm(dir, {"--steps", "100000", "--compare", "32,bf16-mixed"}, 3, "32");
+  ASSERT_EQ(stopped.code, 128 + SIGTERM) << stopped.out << stopped.err;
+  const int last = metrics(dir / "32").back()["step"].get<int>();
+  const std::string where = "--compare run \"32\" stopped by SIGTERM after step " + std::to_string(last) +
+                            " of 100000; saved " + (dir / "32" / "checkpoints" / ckpt(last)).string() +
+                            "; continue with the same command and --resume-if-exists true";
+  EXPECT_NE(stopped.err.find(where), std::string::npos) << stopped.err;
+  EXPECT_FALSE(fs::exists(dir / "bf16-mixed")) << "the run after the stopped one did not start";
+  std::ifstream file(dir / "compare.jsonl");
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(file, line);) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_NE(rows[0]["error"].get<std::string>().find("stopped by SIGTERM after step " + std::to_string(last)),
+            std::string::npos) << rows[0];
 }
 
 // ---- numbers and names ----

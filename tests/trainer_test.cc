@@ -252,7 +252,10 @@ TEST_F(TrainerTest, NonFiniteLossNeverReachesTheWeights) {
       torch::manual_seed(8);
       auto model = testing::make_mlp();
       torch::optim::Adam optimizer(model->parameters(), 1e-3);
-      Trainer trainer(TrainerOptions().max_steps(6).log_every_n_steps(0).nonfinite_loss(policy), precision);
+      const auto dir = scratch_dir("nonfinite_" + policy + "_" + precision.precision());
+      Trainer trainer(TrainerOptions().max_steps(6).log_every_n_steps(0).nonfinite_loss(policy)
+                          .checkpoint_dir(dir.string()).every_n_train_steps(100),
+                      precision);
       std::vector<torch::Tensor> after_step_3;
       auto* plugin = dynamic_cast<MixedPrecisionPlugin*>(trainer.plugins.get().get());
       auto step_fn = [&](const TrainStepInput& in) {
@@ -266,6 +269,13 @@ TEST_F(TrainerTest, NonFiniteLossNeverReachesTheWeights) {
       if (policy == "error") {
         ExpectErrorContaining([&] { trainer.fit(*model, optimizer, step_fn); }, "non-finite loss (nan) at step 4");
         EXPECT_EQ(trainer.global_step(), 3);
+        // The state saved at the stop is step 3's, which skipped nothing.
+        auto reader_model = testing::make_mlp();
+        torch::optim::Adam reader_optimizer(reader_model->parameters(), 1e-3);
+        Trainer reader(TrainerOptions().log_every_n_steps(0), precision);
+        reader.load_checkpoint((dir / Trainer::checkpoint_name(3)).string(), *reader_model, reader_optimizer);
+        EXPECT_EQ(reader.global_step(), 3);
+        EXPECT_EQ(reader.plugins->skipped_steps(), 0);
       } else {
         trainer.fit(*model, optimizer, step_fn);
         EXPECT_EQ(trainer.global_step(), 6);

@@ -277,13 +277,16 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
     // are dropped and, under nonfinite_loss = "error", the last good state is saved and the run
     // stops. `what` names the value, `context` follows the step number in the message.
     const auto reject = [&](const std::string& what, const std::string& context) {
-      precision.discard_gradients(optimizer);
       if (options.nonfinite_loss() != "skip") {
+        // Saved before the gradients are dropped (which counts a skipped step): under "error"
+        // the step did not happen, and the checkpoint is that of the previous one.
         const std::string saved = save_last_good_state(model, optimizer);
+        precision.discard_gradients(optimizer);
         TORCH_CHECK(false, "Trainer: ", what, " at step ", step + 1, context,
                     "; the weights are those after the previous step", saved,
                     " (nonfinite_loss = \"error\"; \"skip\" drops such steps instead)");
       }
+      precision.discard_gradients(optimizer);
       metrics.stepped = false;
     };
     if (!std::isfinite(loss_value)) {

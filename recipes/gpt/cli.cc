@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <new>
 #include <filesystem>
 #include <fstream>
@@ -147,6 +148,30 @@ std::string folder_name(std::string name) {
     if (c == '+' || c == '=' || c == ' ') c = '_';
   }
   return name;
+}
+
+// What a run that SIGTERM / SIGINT stopped says: after which step of how many, what it saved,
+// and (`go_on`) how to continue from there.
+std::string stop_report(const PretrainResult& result, int64_t max_steps, const std::string& go_on) {
+  std::ostringstream report;
+  const int64_t stopped_at = result.start_step + static_cast<int64_t>(result.history.size());
+  report << "stopped by " << (result.stop_signal == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << stopped_at
+         << " of " << max_steps;
+  const auto saved = result.last_checkpoint.empty()
+                         ? std::nullopt
+                         : Trainer::parse_checkpoint_name(fs::path(result.last_checkpoint).filename().string());
+  if (!saved) {
+    report << "; no checkpoint saved (--save-last false)";
+  } else {
+    report << "; saved " << result.last_checkpoint << "; continue with " << go_on;
+    if (saved->step < stopped_at) report << " (steps " << saved->step + 1 << ".." << stopped_at << " run again)";
+  }
+  return report.str();
+}
+
+// A stopped run exits as the signal would have ended it: 128 + the signal.
+int stop_exit_code(const PretrainResult& result) {
+  return 128 + (result.stop_signal > 0 ? result.stop_signal : SIGTERM);
 }
 
 }  // namespace
@@ -446,7 +471,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       const auto result = run_pretraining(recipe, out);
       if (result.rank != 0) {  // rank 0 reports; every rank says its memory
         if (result.peak_memory_bytes > 0) out << "gpt_pretrain: rank " << result.rank << memory_summary(result) << std::endl;
-        return result.stopped ? 128 + result.stop_signal : 0;
+        return result.stopped ? stop_exit_code(result) : 0;
       }
       if (result.nothing_to_do) {
         out << "gpt_pretrain: nothing to do: the checkpoint is at step " << result.start_step
@@ -455,21 +480,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         return 0;
       }
       if (result.stopped) {
-        err << "gpt_pretrain: stopped by " << (result.stop_signal == SIGINT ? "SIGINT" : "SIGTERM")
-            << " after step " << result.start_step + static_cast<int64_t>(result.history.size()) << " of "
-            << recipe.trainer.max_steps();
-        const int64_t stopped_at = result.start_step + static_cast<int64_t>(result.history.size());
-        const auto saved = result.last_checkpoint.empty()
-                               ? std::nullopt
-                               : Trainer::parse_checkpoint_name(fs::path(result.last_checkpoint).filename().string());
-        if (!saved) {
-          err << "; no checkpoint saved (--save-last false)" << std::endl;
-        } else {
-          err << "; saved " << result.last_checkpoint << "; continue with --resume " << recipe.save_dir;
-          if (saved->step < stopped_at) err << " (steps " << saved->step + 1 << ".." << stopped_at << " run again)";
-          err << std::endl;
-        }
-        return 128 + (result.stop_signal > 0 ? result.stop_signal : SIGTERM);
+        err << "gpt_pretrain: " << stop_report(result, recipe.trainer.max_steps(), "--resume " + recipe.save_dir)
+            << std::endl;
+        return stop_exit_code(result);
       }
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s
           << " tokens/s (steady state " << result.steady_tokens_per_s << ")"
@@ -511,7 +524,28 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     std::vector<nlohmann::json> summary;
     std::vector<std::string> failures;
     std::vector<std::string> finished;  // runs whose checkpoint was already at --steps
+    std::optional<PretrainResult> stopped;  // the run a signal stopped (the later ones did not start)
     const std::string base = recipe.save_dir;
+    // A run finished by an earlier call (--resume-if-exists at --steps) keeps the row that call
+    // wrote; the differences to the 32 and bf16-mixed runs are worked out again below.
+    std::map<std::string, nlohmann::json> earlier_rows;
+    {
+      std::ifstream file(fs::path(base) / "compare.jsonl");
+      for (std::string line; std::getline(file, line);) {
+        auto row = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+        if (!row.is_object() || !row.contains("run") || !row["run"].is_string() || !row.contains("final_loss")) continue;
+        for (const char* reference : {"32", "bf16-mixed"}) {
+          row.erase(std::string("final_loss_rel_diff_vs_") + reference);
+          row.erase(std::string("final_val_loss_rel_diff_vs_") + reference);
+        }
+        earlier_rows[row["run"].get<std::string>()] = row;
+      }
+    }
+    // Each run's whole curve from its metrics (a resumed run's too, from its first step).
+    auto add_curve = [&](const std::string& name, double final_loss, const std::string& metrics_path) {
+      curves.push_back(read_loss_curve(name + " (final " + std::to_string(final_loss).substr(0, 6) + ")", metrics_path));
+      curve_runs.push_back(name);
+    };
     for (const auto& [name, options] : runs) {
       auto run = recipe;
       run.precision = options;
@@ -531,17 +565,29 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         out << "gpt_pretrain: " << name << ": nothing to do: its checkpoint is at step " << result.start_step
             << ", at or past --steps " << recipe.trainer.max_steps() << std::endl;
         finished.push_back(name);
+        const auto earlier = earlier_rows.find(name);
+        if (earlier != earlier_rows.end()) {
+          summary.push_back(earlier->second);
+          add_curve(name, earlier->second["final_loss"].is_number() ? earlier->second["final_loss"].get<double>() : NAN,
+                    result.metrics_path);
+        } else {
+          err << "gpt_pretrain: --compare run \"" << name << "\" finished in an earlier call, but "
+              << (fs::path(base) / "compare.jsonl").string() << " has no row of it; its curve is in the pictures"
+              << std::endl;
+          add_curve(name, NAN, result.metrics_path);
+        }
         continue;
       }
       if (result.stopped) {
-        failures.push_back("\"" + name + "\": stopped by a signal");
-        summary.push_back({{"run", name}, {"error", "stopped by a signal"}});
+        const std::string report = stop_report(result, recipe.trainer.max_steps(),
+                                               recipe.resume_if_exists ? "the same command"
+                                                                       : "the same command and --resume-if-exists true");
+        err << "gpt_pretrain: --compare run \"" << name << "\" " << report << std::endl;
+        summary.push_back({{"run", name}, {"error", report}});
+        stopped = result;
         break;
       }
-      LossCurve curve{name + " (final " + std::to_string(result.final_loss).substr(0, 6) + ")", {}, result.validation};
-      for (const auto& m : result.history) curve.points.emplace_back(static_cast<double>(m.step), m.loss);
-      curves.push_back(std::move(curve));
-      curve_runs.push_back(name);
+      add_curve(name, result.final_loss, result.metrics_path);
       out << "gpt_pretrain: " << name << ": final loss " << result.final_loss << ", "
           << result.tokens_per_s << " tokens/s";
       out << memory_summary(result) << std::endl;
@@ -550,7 +596,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                          {"fp8", options.fp8_enabled() ? options.fp8() : "none"},
                          {"fp8_recipe", options.fp8_enabled() ? options.fp8_recipe() : "none"},
                          {"fp8_params", options.fp8_enabled() && options.fp8_params()},
-                         {"steps", result.history.size()},
+                         {"steps", result.start_step + static_cast<int64_t>(result.history.size())},
                          {"final_loss", result.final_loss},
                          {"final_val_loss", std::isfinite(result.final_val_loss) ? nlohmann::json(result.final_val_loss)
                                                                                  : nlohmann::json()},
@@ -602,6 +648,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                      "loss - " + curve_runs[0] + "'s, % of it");
       out << "gpt_pretrain: difference picture " << gap_picture << std::endl;
     }
+    if (stopped) return stop_exit_code(*stopped);
     if (!failures.empty()) {
       std::string list;
       for (const auto& failure : failures) list += (list.empty() ? "" : "; ") + failure;

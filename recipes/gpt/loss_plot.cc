@@ -1,6 +1,7 @@
 #include "recipes/gpt/loss_plot.h"
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -79,6 +80,23 @@ LossCurve relative_to(const LossCurve& curve, const LossCurve& reference, const 
     return out;
   };
   return {name, relative(curve.points, reference.points), relative(curve.validation, reference.validation)};
+}
+
+LossCurve read_loss_curve(const std::string& name, const std::string& metrics_path) {
+  LossCurve curve{name, {}, {}};
+  std::ifstream in(metrics_path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto json = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!json.is_object() || !json.contains("step") || !json["step"].is_number() || !json.contains("loss")) continue;
+    const auto step = json["step"].get<double>();
+    curve.points.emplace_back(step, json["loss"].is_number() ? json["loss"].get<double>() : NAN);
+    if (json.contains("val_loss") && json["val_loss"].is_number()) {
+      curve.validation.emplace_back(step, json["val_loss"].get<double>());
+    }
+  }
+  return curve;
 }
 
 void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curves,

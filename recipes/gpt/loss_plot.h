@@ -13,6 +13,11 @@ struct LossCurve {
   std::vector<std::pair<double, double>> validation;
 };
 
+/// The training and validation curves of a metrics file (metrics.jsonl: one JSON line per step
+/// with "step" and "loss", and "val_loss" at the evaluations), named `name`; lines that are not
+/// such JSON are passed over, and a file that cannot be read gives an empty curve.
+LossCurve read_loss_curve(const std::string& name, const std::string& metrics_path);
+
 /// `curve` against `reference`, step by step: 100 · (loss − reference's) / reference's at every
 /// step (and every validation step) both have, named `name`; steps the reference lacks, and a
 /// reference of zero, are left out. Two runs on the same batches (same seed and data) differ

@@ -55,24 +55,6 @@ torch::Device resolve_device(const std::string& name) {
   return *device;
 }
 
-// The training and validation curves of a metrics file.
-LossCurve read_curve(const std::string& name, const std::string& metrics_path) {
-  LossCurve curve{name, {}, {}};
-  std::ifstream in(metrics_path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    const auto json = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (json.is_discarded() || !json.contains("step") || !json.contains("loss")) continue;
-    const auto step = json["step"].get<double>();
-    curve.points.emplace_back(step, json["loss"].is_number() ? json["loss"].get<double>() : NAN);
-    if (json.contains("val_loss") && json["val_loss"].is_number()) {
-      curve.validation.emplace_back(step, json["val_loss"].get<double>());
-    }
-  }
-  return curve;
-}
-
 }  // namespace
 
 PretrainRecipe gpt_pretrain_recipe(const std::string& config) {
@@ -461,7 +443,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   }
   result.picture_path = (fs::path(recipe.save_dir) / "loss.svg").string();
   if (group) group->shutdown();  // NCCL's communicators, before the process exits
-  if (rank == 0) write_loss_svg(result.picture_path, {read_curve(result.precision, metrics_path)},
+  if (rank == 0) write_loss_svg(result.picture_path, {read_loss_curve(result.precision, metrics_path)},
                  recipe.config_name + " pretraining loss (" + result.precision + ")");
   return result;
 }
