@@ -96,7 +96,10 @@ TEST(RunRobustnessTest, TheLastStepIsAlwaysSaved) {
   EXPECT_TRUE(fs::exists(larger / "checkpoints" / ckpt(4)));
 }
 
-TEST(RunRobustnessTest, TemporaryFilesOfKilledSavesAreRemovedForDeadProcessesOnly) {
+// A temporary file is a save in progress while its writer marks it (FileInUse), whatever pid its
+// name records: a killed writer's file goes even when its pid is in use again (here: this
+// process's, as a restarted container's trainer often has), a marked one stays.
+TEST(RunRobustnessTest, TemporaryFilesOfKilledSavesAreRemovedSavesInProgressStay) {
   const auto dir = scratch("leftovers");
   fs::create_directories(dir / "checkpoints");
   const pid_t child = ::fork();
@@ -104,12 +107,46 @@ TEST(RunRobustnessTest, TemporaryFilesOfKilledSavesAreRemovedForDeadProcessesOnl
   if (child == 0) ::_exit(0);
   ::waitpid(child, nullptr, 0);  // now a pid of a process that is gone
   const auto dead = dir / "checkpoints" / (ckpt(3) + ".tmp." + std::to_string(child));
+  const auto reused = dir / "checkpoints" / (ckpt(2) + ".tmp." + std::to_string(::getpid()));
   const auto live = dir / "checkpoints" / (ckpt(3) + ".tmp." + std::to_string(::getpid()));
   std::ofstream(dead) << "half a checkpoint";
+  std::ofstream(reused) << "half a checkpoint of a killed run whose pid this process has now";
   std::ofstream(live) << "a save in progress";
-  EXPECT_EQ(remove_stale_temporaries((dir / "checkpoints").string()), std::vector<std::string>{dead.string()});
+  const FileInUse writing(live.string());
+  auto removed = remove_stale_temporaries((dir / "checkpoints").string());
+  std::sort(removed.begin(), removed.end());
+  EXPECT_EQ(removed, (std::vector<std::string>{reused.string(), dead.string()}));
   EXPECT_FALSE(fs::exists(dead));
+  EXPECT_FALSE(fs::exists(reused));
   EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(file_in_use(live.string()));
+  EXPECT_FALSE(file_in_use(dead.string())) << "a file that is not there";
+}
+
+// save_atomically marks its temporary file in use: a remove_stale_temporaries meanwhile (another
+// rank's Trainer starting on the same folder) leaves it, and every save completes.
+TEST(RunRobustnessTest, ASaveInProgressOutlivesTheRemovalOfStaleTemporaries) {
+  const auto dir = scratch("save_in_progress");
+  fs::create_directories(dir);
+  torch::serialize::OutputArchive archive;
+  archive.write("weights", torch::rand({16 << 20}));  // 64 MB: a write that takes a while
+  std::atomic<bool> done{false};
+  std::atomic<int> seen{0};  // times the remover found a save's temporary file
+  std::thread remover([&] {
+    while (!done.load()) {
+      std::error_code error;
+      for (const auto& entry : fs::directory_iterator(dir, error)) {
+        if (entry.path().filename().string().find(".tmp.") != std::string::npos) seen += 1;
+      }
+      remove_stale_temporaries(dir.string());
+    }
+  });
+  const auto path = (dir / ckpt(1)).string();
+  for (int save = 0; save < 5; ++save) EXPECT_NO_THROW(save_atomically(archive, path)) << "save " << save;
+  done = true;
+  remover.join();
+  EXPECT_GT(seen.load(), 0) << "the remover never ran during a save";
+  EXPECT_EQ(checkpoint_file_problem(path), "");
 }
 
 // ---- files that are not what they seem ----

@@ -1,7 +1,6 @@
 #include "plugin/training/checkpoint.h"
 
 #include <c10/util/Exception.h>
-#include <signal.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 #include <fcntl.h>
@@ -340,6 +339,15 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "save_atomically: cannot create ", temporary, ": ", system_error());
+  // In use until it is renamed into place (or removed): remove_stale_temporaries leaves it be.
+  std::optional<FileInUse> in_use;
+  try {
+    in_use.emplace(temporary);
+  } catch (const c10::Error&) {
+    ::close(fd);
+    std::remove(temporary.c_str());
+    throw;
+  }
   // LibTorch's zip writer calls this writer from inside miniz: an exception thrown through it
   // aborts the process (a full disk once ended in std::terminate). The first failure is kept,
   // the rest of the archive is only counted (so the message can say how much was needed), and
@@ -379,17 +387,16 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
 
 std::vector<std::string> remove_stale_temporaries(const std::string& folder) {
   namespace fs = std::filesystem;
-  static const std::regex pattern(R"(.+\.tmp\.(\d+))");
+  static const std::regex pattern(R"(.+\.tmp\.\d+)");
   std::vector<std::string> removed;
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(folder, error)) {
     std::smatch match;
     const auto name = entry.path().filename().string();
     if (!entry.is_regular_file(error) || !std::regex_match(name, match, pattern)) continue;
-    const auto pid = std::strtoll(match[1].str().c_str(), nullptr, 10);
-    const bool alive = pid > 0 && pid <= std::numeric_limits<pid_t>::max() &&
-                       (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
-    if (!alive && fs::remove(entry.path(), error)) removed.push_back(entry.path().string());
+    if (!file_in_use(entry.path().string()) && fs::remove(entry.path(), error)) {
+      removed.push_back(entry.path().string());
+    }
   }
   return removed;
 }

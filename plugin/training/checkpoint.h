@@ -33,9 +33,9 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
 /// mismatch, in load_archive's words. Reads the file; deserializes nothing.
 std::string checkpoint_file_problem(const std::string& path);
 
-/// Removes the temporary files (`<name>.tmp.<pid>`) that save_atomically left in `folder` in
-/// processes that are gone (killed during a save); those of running processes stay. Returns the
-/// paths removed.
+/// Removes the temporary files (`<name>.tmp.<pid>`) that save_atomically left in `folder` when
+/// its process was killed during a save; those being written (FileInUse, whatever the pid in
+/// their name) stay. Returns the paths removed.
 std::vector<std::string> remove_stale_temporaries(const std::string& folder);
 
 /// The trailer save_atomically writes after an archive of `length` bytes at `archive`: for tools

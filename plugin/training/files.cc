@@ -76,4 +76,30 @@ FolderLock& FolderLock::operator=(FolderLock&& other) noexcept {
   return *this;
 }
 
+FileInUse::FileInUse(const std::string& path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  TORCH_CHECK(fd_ >= 0, "cannot open ", path, " to mark it in use: ", std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int lock_error = errno;
+    ::close(fd_);
+    fd_ = -1;
+    TORCH_CHECK(false, "cannot mark ", path, " in use: ",
+                lock_error == EWOULDBLOCK ? std::string("another writer holds it") : std::strerror(lock_error));
+  }
+}
+
+FileInUse::~FileInUse() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
+
+bool file_in_use(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return false;
+  // A lock of its own on another open file description: it conflicts with every FileInUse,
+  // this process's too.
+  const bool in_use = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);  // and releases the lock it may have taken
+  return in_use;
+}
+
 }  // namespace amp8

@@ -30,4 +30,25 @@ class FolderLock {
   int fd_ = -1;
 };
 
+/// Marks a file that this process is writing (a temporary one, before its rename into place) as
+/// in use, until destroyed: an exclusive flock(2) on it through a descriptor of its own, which
+/// holds across a rename and which the kernel drops when the process dies, even by kill -9. So
+/// file_in_use tells a write in progress from the leftover of a killed one whatever pid the
+/// file's name records (pids are reused, and a restarted container's trainer often has the
+/// same one). Throws c10::Error naming the file when it cannot be opened or locked.
+class FileInUse {
+ public:
+  explicit FileInUse(const std::string& path);
+  ~FileInUse();
+  FileInUse(const FileInUse&) = delete;
+  FileInUse& operator=(const FileInUse&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+/// Whether a process (this one included) holds a FileInUse on `path`; false for a file that is
+/// not there or cannot be opened.
+bool file_in_use(const std::string& path);
+
 }  // namespace amp8
