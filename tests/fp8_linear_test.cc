@@ -497,41 +497,48 @@ TEST_F(Fp8LinearTest, IneligibleShapesFallBackToHighPrecision) {
   EXPECT_TRUE(BytesEqual(y, torch::nn::functional::linear(x, layer->weight, layer->bias)));
 }
 
+// Every recipe: per tensor, or (blockwise) the weight's 128x128 blocks and their transpose.
 TEST_F(Fp8LinearTest, WeightCacheQuantizesOncePerWeightVersion) {
-  const auto options = Fp8LinearOptions(32, 32).fp8_amax_history_len(4).fp8_min_gemm_size(0);
-  Fp8Linear cached(Fp8LinearOptions(options).cache_fp8_weight(true));
-  Fp8Linear plain(options);
-  {
-    torch::NoGradGuard no_grad;
-    plain->weight.copy_(cached->weight);
-    plain->bias.copy_(cached->bias);
-  }
-  const auto recipe = Fp8RecipeOptions().fp8_amax_history_len(4);
-  auto x = torch::randn({16, 32});
-  auto run = [&](Fp8Linear& layer) {
-    Fp8Autocast region(recipe);
-    return layer->forward(x);
-  };
-  auto y_cached = run(cached), y_plain = run(plain);
-  EXPECT_TRUE(BytesEqual(y_cached, y_plain));
+  for (const std::string kind : {"delayed", "tensorwise", "blockwise"}) {
+    SCOPED_TRACE(kind);
+    const auto options = Fp8LinearOptions(32, 48).fp8_amax_history_len(4).fp8_min_gemm_size(0);
+    Fp8Linear cached(Fp8LinearOptions(options).cache_fp8_weight(true));
+    Fp8Linear plain(options);
+    {
+      torch::NoGradGuard no_grad;
+      plain->weight.copy_(cached->weight);
+      plain->bias.copy_(cached->bias);
+    }
+    auto x = torch::randn({16, 32});
+    auto run = [&](Fp8Linear& layer, const std::string& recipe) {
+      Fp8Autocast region(recipe_of(recipe));
+      return layer->forward(x);
+    };
+    auto y_cached = run(cached, kind), y_plain = run(plain, kind);
+    EXPECT_TRUE(BytesEqual(y_cached, y_plain));
 
-  // Writing through .data() does not bump the parameter's version: the cached FP8 weight is
-  // reused (stale on purpose here, to prove the reuse), the uncached layer sees the change.
-  cached->weight.data().mul_(0.5);
-  plain->weight.data().mul_(0.5);
-  auto y_cached_stale = run(cached), y_plain_half = run(plain);
-  EXPECT_LE(relative_error(y_cached_stale - cached->bias, y_cached - cached->bias), kForwardBound);
-  EXPECT_GT(relative_error(y_plain_half - plain->bias, y_cached - cached->bias), 0.3);
+    // Writing through .data() does not bump the parameter's version: the cached FP8 weight is
+    // reused (stale on purpose here, to prove the reuse), the uncached layer sees the change.
+    cached->weight.data().mul_(0.5);
+    plain->weight.data().mul_(0.5);
+    auto y_cached_stale = run(cached, kind), y_plain_half = run(plain, kind);
+    EXPECT_LE(relative_error(y_cached_stale - cached->bias, y_cached - cached->bias), kForwardBound);
+    EXPECT_GT(relative_error(y_plain_half - plain->bias, y_cached - cached->bias), 0.3);
 
-  // An in-place update of the parameter, as optimizers make, bumps the version: re-quantized.
-  {
-    torch::NoGradGuard no_grad;
-    cached->weight.mul_(1.0);
+    // Another recipe's copy is never taken for this one's: under the other recipe the layer
+    // quantizes the weight as it is now.
+    const std::string other = kind == "blockwise" ? "tensorwise" : "blockwise";
+    EXPECT_TRUE(BytesEqual(run(cached, other), run(plain, other))) << other;
+
+    // An in-place update of the parameter, as optimizers make, bumps the version: re-quantized.
+    {
+      torch::NoGradGuard no_grad;
+      cached->weight.mul_(1.0);
+    }
+    auto y_cached_fresh = run(cached, kind), y_plain_again = run(plain, kind);
+    EXPECT_LE(relative_error(y_cached_fresh - cached->bias, y_plain_again - plain->bias), 2 * kForwardBound);
+    EXPECT_GT(relative_error(y_cached_fresh - cached->bias, y_cached - cached->bias), 0.3);
   }
-  auto y_cached_fresh = run(cached), y_plain_again = run(plain);
-  EXPECT_LE(relative_error(y_cached_fresh - cached->bias, y_plain_again - plain->bias),
-            2 * kForwardBound);
-  EXPECT_GT(relative_error(y_cached_fresh - cached->bias, y_cached - cached->bias), 0.3);
 }
 
 TEST_F(Fp8LinearTest, MicroBatchesInOneRegionShareTheAmaxSlotByMax) {

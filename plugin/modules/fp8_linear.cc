@@ -180,21 +180,31 @@ Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8Recipe& recipe) {
     // its backward, one byte per parameter across the whole model.
     return {fp8_weight(), Fp8Tensor()};
   }
-  const int64_t version = weight._version();
-  if (options.cache_fp8_weight() && weight_cache_ && weight_cache_version_ == version &&
-      weight_cache_data_ == weight.const_data_ptr()) {
-    return *weight_cache_;
-  }
+  if (weight_cache_fits(recipe)) return weight_cache_->tensorwise;
   torch::NoGradGuard no_grad;
   auto q = detail::quantize_for(weight, recipe, *meta_, Fp8Slot::kWeight);
+  weight_cache_.reset();
   if (options.cache_fp8_weight()) {
-    weight_cache_ = q;
-    weight_cache_version_ = version;
-    weight_cache_data_ = weight.const_data_ptr();
-  } else {
-    weight_cache_.reset();
+    weight_cache_ = WeightCache{weight._version(), weight.const_data_ptr(), false, recipe.forward_format, q, {}};
   }
   return q;
+}
+
+Fp8BlockwiseCastTranspose Fp8LinearImpl::quantized_weight_blocks(const Fp8Recipe& recipe) {
+  if (weight_cache_fits(recipe)) return weight_cache_->blocks;
+  torch::NoGradGuard no_grad;
+  auto blocks = quantize_blockwise(weight, weight_block_options(recipe.forward_format), /*transposed=*/true);
+  weight_cache_.reset();
+  if (options.cache_fp8_weight()) {
+    weight_cache_ = WeightCache{weight._version(), weight.const_data_ptr(), true, recipe.forward_format, {}, blocks};
+  }
+  return blocks;
+}
+
+bool Fp8LinearImpl::weight_cache_fits(const Fp8Recipe& recipe) const {
+  return options.cache_fp8_weight() && weight_cache_ && weight_cache_->version == weight._version() &&
+         weight_cache_->data == weight.const_data_ptr() && weight_cache_->blockwise == recipe.blockwise() &&
+         weight_cache_->format == recipe.forward_format;
 }
 
 torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
@@ -256,15 +266,7 @@ std::optional<Fp8LinearImpl::Fp8Call> Fp8LinearImpl::prepare_fp8_call(const torc
       if (torch::GradMode::is_enabled()) meta_->main_grad().expect();
       return Fp8Call{{}, {std::move(blocks), {}}, recipe, compute, meta_};
     }
-    if (options.cache_fp8_weight()) {
-      TORCH_WARN_ONCE("Fp8Linear: cache_fp8_weight is not used under the blockwise recipe: its weight's "
-                      "128x128 blocks are quantized at every call (the cache holds one scale per weight)");
-    }
-    torch::NoGradGuard no_grad;
-    Fp8Call call{{}, quantize_blockwise(weight, weight_block_options(recipe.forward_format),
-                                        /*transposed=*/true),
-                 recipe, compute, meta_};
-    return call;
+    return Fp8Call{{}, quantized_weight_blocks(recipe), recipe, compute, meta_};
   }
   meta_->ensure_history_len(recipe.amax_history_len);
   meta_->set_amax_reduction_group(Fp8Autocast::current_group());

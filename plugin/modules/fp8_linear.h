@@ -45,8 +45,8 @@ struct Fp8LinearOptions {
   TORCH_ARG(bool, keep_in_high_precision) = false;
   /// Reuse the FP8 copy of the weight (and its transpose) while the weight tensor is unchanged
   /// (same version counter): the micro-batches of one optimizer step quantize it once. An
-  /// explicit flag, never tied to gradient accumulation. Not used under the blockwise recipe
-  /// (warned once). Default: false.
+  /// explicit flag, never tied to gradient accumulation. Under the blockwise recipe the copy is
+  /// the weight's 128×128 blocks and their transpose. Default: false.
   TORCH_ARG(bool, cache_fp8_weight) = false;
   /// Keep the weight only in FP8 (E4M3, 1 byte per element, with its own scale_inv) —
   /// TE's fp8_model_init. Set by constructing the module under an Fp8ModelInit guard. See
@@ -254,15 +254,26 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
 
  private:
   Fp8CastTranspose quantized_weight(const Fp8Recipe& recipe);
+  Fp8BlockwiseCastTranspose quantized_weight_blocks(const Fp8Recipe& recipe);
+  /// Whether weight_cache_ holds the copy of this weight (version, storage) for `recipe`.
+  bool weight_cache_fits(const Fp8Recipe& recipe) const;
   torch::Tensor high_precision_forward(const torch::Tensor& input);
 
   c10::intrusive_ptr<Fp8Meta> meta_;
   torch::Tensor grad_anchor_;
   torch::Tensor high_precision_init_val_;
-  std::optional<Fp8CastTranspose> weight_cache_;
+  /// cache_fp8_weight: the last FP8 copy of the weight (per tensor, or in blocks), and what it
+  /// was made from.
+  struct WeightCache {
+    int64_t version = -1;
+    const void* data = nullptr;
+    bool blockwise = false;
+    Fp8Format format = Fp8Format::kE4M3;
+    Fp8CastTranspose tensorwise;
+    Fp8BlockwiseCastTranspose blocks;
+  };
+  std::optional<WeightCache> weight_cache_;
   int64_t forward_calls_ = 0;
-  int64_t weight_cache_version_ = -1;
-  const void* weight_cache_data_ = nullptr;
 };
 
 TORCH_MODULE(Fp8Linear);
