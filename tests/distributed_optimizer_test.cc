@@ -262,6 +262,33 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
   }
 }
 
+// The all-gather writes the parameters through their views of the buffer; a layer that caches
+// its FP8 weight while the weight's version is unchanged (cache_fp8_weight) must still see each
+// step's new weights: with the cache, training is the same as without it, bit for bit.
+TEST(DistributedOptimizerTest, AnFp8WeightCacheSeesEveryGatheredStep) {
+  const auto options = recipes::bf16_mixed().fp8("hybrid").fp8_min_gemm_size(0);
+  const auto model = [](bool cache) {
+    torch::manual_seed(kSeed);
+    const auto layer = [cache](int64_t in, int64_t out) {
+      return Fp8Linear(Fp8LinearOptions(in, out).cache_fp8_weight(cache));
+    };
+    return torch::nn::Sequential(layer(32, 64), torch::nn::ReLU(), layer(64, 64), torch::nn::ReLU(), layer(64, 16));
+  };
+  for (const std::string recipe : {"delayed", "blockwise"}) {
+    SCOPED_TRACE(recipe);
+    const auto with_recipe = MixedPrecisionOptions(options).fp8_recipe(recipe);
+    std::vector<torch::nn::Sequential> cached = {model(true), model(true)}, plain = {model(false), model(false)};
+    std::vector<amp8::Run> cached_runs(2), plain_runs(2);
+    const auto errors = testing::run_ranks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+      cached_runs[rank] = train(with_recipe, 6, group, cached[rank]);
+      plain_runs[rank] = train(with_recipe, 6, group, plain[rank]);
+    });
+    for (const auto& error : errors) EXPECT_EQ(error, "");
+    EXPECT_EQ(cached_runs[0].losses, plain_runs[0].losses);
+    EXPECT_EQ(max_abs_diff(cached_runs[0].params, plain_runs[0].params), 0.0);
+  }
+}
+
 // A model smaller than one bucket's share per rank: rank 1's shard is only padding, so it holds no
 // master and its optimizer no parameter. With bfloat16 moments (always the fused step) it steps
 // nothing, as rank 0 steps everything, and both end with the same model.

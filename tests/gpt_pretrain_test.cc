@@ -517,7 +517,27 @@ TEST(GptPretrainTest, CompareWithSomeRunsFinishedKeepsThem) {
   const auto svg = read(dir / "compare.svg");
   EXPECT_NE(svg.find(">32 (final"), std::string::npos) << "the finished run's curve";
   EXPECT_NE(svg.find(">bf16-mixed (final"), std::string::npos);
-  EXPECT_NE(read(dir / "compare_gap.svg").find("loss against 32"), std::string::npos);
+  // The difference picture has the second run's line against the finished run's points.
+  const auto gap = read(dir / "compare_gap.svg");
+  EXPECT_NE(gap.find("loss against 32"), std::string::npos);
+  EXPECT_NE(gap.find("<polyline"), std::string::npos) << gap;
+
+  // A finished run whose row is gone (a call stopped after its last step wrote an error row, or
+  // died before writing compare.jsonl) gets one from its metrics.
+  std::filesystem::remove(dir / "compare.jsonl");
+  const auto again = gpt_pretrain(args("32,bf16-mixed,bf16-mixed+fp8"));
+  ASSERT_EQ(again.code, 0) << again.err;
+  const auto rebuilt = rows();
+  ASSERT_EQ(rebuilt.size(), 3u);
+  EXPECT_EQ(rebuilt[0]["run"], "32");
+  EXPECT_EQ(rebuilt[0]["steps"], 3);
+  const auto losses = metrics(dir / "32");
+  ASSERT_EQ(losses.size(), 3u);
+  EXPECT_DOUBLE_EQ(rebuilt[0]["final_loss"].get<double>(),
+                   (losses[0]["loss"].get<double>() + losses[1]["loss"].get<double>() + losses[2]["loss"].get<double>()) / 3);
+  EXPECT_NE(rebuilt[0]["note"].get<std::string>().find("from its metrics.jsonl"), std::string::npos);
+  EXPECT_EQ(rebuilt[1]["final_loss"], both[1]["final_loss"]) << "bf16-mixed: finished too, from its metrics";
+  EXPECT_TRUE(rebuilt[2]["final_loss_rel_diff_vs_32"].is_number());
 }
 
 // --lr keeps the config's decay ratio: the cosine ends at a tenth of it (an --lr below the

@@ -96,8 +96,8 @@ TEST(RunRobustnessTest, TheLastStepIsAlwaysSaved) {
   EXPECT_TRUE(fs::exists(larger / "checkpoints" / ckpt(4)));
 }
 
-// A temporary file is a save in progress while its writer marks it (FileInUse), whatever pid its
-// name records: a killed writer's file goes even when its pid is in use again (here: this
+// A temporary file is a save in progress while its writer marks it (FileBeingWritten), whatever
+// pid its name records: a killed writer's file goes even when its pid is in use again (here: this
 // process's, as a restarted container's trainer often has), a marked one stays.
 TEST(RunRobustnessTest, TemporaryFilesOfKilledSavesAreRemovedSavesInProgressStay) {
   const auto dir = scratch("leftovers");
@@ -111,16 +111,48 @@ TEST(RunRobustnessTest, TemporaryFilesOfKilledSavesAreRemovedSavesInProgressStay
   const auto live = dir / "checkpoints" / (ckpt(3) + ".tmp." + std::to_string(::getpid()));
   std::ofstream(dead) << "half a checkpoint";
   std::ofstream(reused) << "half a checkpoint of a killed run whose pid this process has now";
-  std::ofstream(live) << "a save in progress";
-  const FileInUse writing(live.string());
+  FileBeingWritten writing(live.string());
+  ASSERT_EQ(::write(writing.fd(), "a save", 6), 6);
   auto removed = remove_stale_temporaries((dir / "checkpoints").string());
   std::sort(removed.begin(), removed.end());
   EXPECT_EQ(removed, (std::vector<std::string>{reused.string(), dead.string()}));
   EXPECT_FALSE(fs::exists(dead));
   EXPECT_FALSE(fs::exists(reused));
   EXPECT_TRUE(fs::exists(live));
-  EXPECT_TRUE(file_in_use(live.string()));
-  EXPECT_FALSE(file_in_use(dead.string())) << "a file that is not there";
+  EXPECT_FALSE(remove_unless_being_written(dead.string())) << "a file that is not there";
+  EXPECT_EQ(writing.close(), "");
+  EXPECT_TRUE(remove_unless_being_written(live.string())) << "closed: no longer being written";
+}
+
+// A remover that takes a temporary file between its creation and its mark (the window of a save
+// that is just starting) does not cost the save its file: the writer makes it again.
+TEST(RunRobustnessTest, AFileRemovedBeforeItsMarkIsMadeAgain) {
+  const auto dir = scratch("removed_before_mark");
+  fs::create_directories(dir);
+  const auto path = (dir / (ckpt(1) + ".tmp.1")).string();
+  std::atomic<bool> done{false};
+  std::atomic<int> removed{0};
+  std::thread remover([&] {
+    while (!done.load()) removed += remove_unless_being_written(path) ? 1 : 0;
+  });
+  struct Join {  // also when an ASSERT returns early
+    std::atomic<bool>& done;
+    std::thread& thread;
+    ~Join() {
+      done = true;
+      thread.join();
+    }
+  } join{done, remover};
+  for (int i = 0; i < 2000; ++i) {
+    FileBeingWritten file(path);
+    struct stat by_fd {}, by_path {};
+    ASSERT_EQ(::fstat(file.fd(), &by_fd), 0);
+    ASSERT_EQ(::stat(path.c_str(), &by_path), 0) << "attempt " << i << ": the marked file was removed";
+    ASSERT_EQ(by_fd.st_ino, by_path.st_ino) << "attempt " << i;
+    ASSERT_FALSE(remove_unless_being_written(path)) << "attempt " << i;
+    ASSERT_EQ(file.close(), "");
+  }
+  EXPECT_GT(removed.load(), 0) << "the remover never found the file unmarked";
 }
 
 // save_atomically marks its temporary file in use: a remove_stale_temporaries meanwhile (another
@@ -410,24 +442,49 @@ TEST(RunRobustnessTest, SigtermWithoutSaveLastSaysNothingWasSaved) {
   EXPECT_TRUE(fs::is_empty(dir / "checkpoints"));
 }
 
-// SIGTERM during a --compare run: that run saves and stops, the later runs do not start, the
-// summary says where it stopped, and the exit code is the signal's, as for a single run.
+// SIGTERM during a --compare run: that run saves and stops, the later runs do not start (one an
+// earlier call finished keeps its row), the summary says where it stopped, and the exit code is
+// the signal's, as for a single run. The same command then finishes the comparison.
 TEST(RunRobustnessTest, SigtermStopsACompareAsItStopsARun) {
   const auto dir = scratch("term_compare");
-  const auto stopped = run_until_sigterm(dir, {"--steps", "100000", "--compare", "32,bf16-mixed"}, 3, "32");
+  const std::vector<std::string> common = {"--steps", "40", "--resume-if-exists", "true"};
+  auto with_runs = [&](const std::string& runs) {
+    auto args = common;
+    args.insert(args.end(), {"--compare", runs});
+    return args;
+  };
+  const auto rows = [&] {
+    std::ifstream file(dir / "compare.jsonl");
+    std::vector<nlohmann::json> out;
+    for (std::string line; std::getline(file, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  };
+  ASSERT_EQ(gpt_pretrain(tiny(dir, with_runs("bf16-mixed"))).code, 0);
+  const auto finished_row = rows().at(0);
+  const auto stopped = run_until_sigterm(dir, with_runs("32,bf16-mixed"), 3, "32");
   ASSERT_EQ(stopped.code, 128 + SIGTERM) << stopped.out << stopped.err;
   const int last = metrics(dir / "32").back()["step"].get<int>();
+  ASSERT_LT(last, 40) << "the run stopped early";
   const std::string where = "--compare run \"32\" stopped by SIGTERM after step " + std::to_string(last) +
-                            " of 100000; saved " + (dir / "32" / "checkpoints" / ckpt(last)).string() +
-                            "; continue with the same command and --resume-if-exists true";
+                            " of 40; saved " + (dir / "32" / "checkpoints" / ckpt(last)).string() +
+                            "; continue with the same command";
   EXPECT_NE(stopped.err.find(where), std::string::npos) << stopped.err;
-  EXPECT_FALSE(fs::exists(dir / "bf16-mixed")) << "the run after the stopped one did not start";
-  std::ifstream file(dir / "compare.jsonl");
-  std::vector<nlohmann::json> rows;
-  for (std::string line; std::getline(file, line);) rows.push_back(nlohmann::json::parse(line));
-  ASSERT_EQ(rows.size(), 1u);
-  EXPECT_NE(rows[0]["error"].get<std::string>().find("stopped by SIGTERM after step " + std::to_string(last)),
-            std::string::npos) << rows[0];
+  EXPECT_EQ(metrics(dir / "bf16-mixed").size(), 40u) << "the finished run did not run again";
+  auto after_stop = rows();
+  ASSERT_EQ(after_stop.size(), 2u);
+  EXPECT_NE(after_stop[0]["error"].get<std::string>().find("stopped by SIGTERM after step " + std::to_string(last)),
+            std::string::npos) << after_stop[0];
+  EXPECT_EQ(after_stop[1]["run"], "bf16-mixed");
+  EXPECT_EQ(after_stop[1]["final_loss"], finished_row["final_loss"]) << "the finished run keeps its row";
+
+  const auto again = gpt_pretrain(tiny(dir, with_runs("32,bf16-mixed")));
+  ASSERT_EQ(again.code, 0) << again.err;
+  const auto done = rows();
+  ASSERT_EQ(done.size(), 2u);
+  EXPECT_EQ(done[0]["run"], "32");
+  EXPECT_EQ(done[0]["steps"], 40);
+  EXPECT_TRUE(done[0]["final_loss"].is_number());
+  EXPECT_TRUE(done[1]["final_loss_rel_diff_vs_32"].is_number());
 }
 
 // ---- numbers and names ----

@@ -441,6 +441,10 @@ void ParamAndGradBuffer::gather_params() {
     ++gathers.in_flight;
     if (timing_step_) step_events_.back()->gather_bytes += region.numel() * region.element_size();
   }
+  // The gather rewrites every parameter through its view of the buffer, which no version counter
+  // sees: each is bumped, so that what is keyed on a parameter's version (Fp8Linear's
+  // cache_fp8_weight) takes the new values.
+  for (auto& param : params_) param.model.unsafeGetTensorImpl()->bump_version();
   if (options_.overlap_param_gather()) {
     // Left in flight: the forward pass waits for each block's buckets (wait_for_params).
     const bool timed = timing_step_ && step_events_.back()->events[2].has_value();

@@ -181,29 +181,29 @@ Fp8CastTranspose Fp8LinearImpl::quantized_weight(const Fp8Recipe& recipe) {
     return {fp8_weight(), Fp8Tensor()};
   }
   if (weight_cache_fits(recipe)) return weight_cache_->tensorwise;
+  weight_cache_.reset();  // before the new copy is made: never two at once
   torch::NoGradGuard no_grad;
   auto q = detail::quantize_for(weight, recipe, *meta_, Fp8Slot::kWeight);
-  weight_cache_.reset();
   if (options.cache_fp8_weight()) {
-    weight_cache_ = WeightCache{weight._version(), weight.const_data_ptr(), false, recipe.forward_format, q, {}};
+    weight_cache_ = WeightCache{weight._version(), weight.const_data_ptr(), recipe.scaling, recipe.forward_format, q, {}};
   }
   return q;
 }
 
 Fp8BlockwiseCastTranspose Fp8LinearImpl::quantized_weight_blocks(const Fp8Recipe& recipe) {
   if (weight_cache_fits(recipe)) return weight_cache_->blocks;
+  weight_cache_.reset();
   torch::NoGradGuard no_grad;
   auto blocks = quantize_blockwise(weight, weight_block_options(recipe.forward_format), /*transposed=*/true);
-  weight_cache_.reset();
   if (options.cache_fp8_weight()) {
-    weight_cache_ = WeightCache{weight._version(), weight.const_data_ptr(), true, recipe.forward_format, {}, blocks};
+    weight_cache_ = WeightCache{weight._version(), weight.const_data_ptr(), recipe.scaling, recipe.forward_format, {}, blocks};
   }
   return blocks;
 }
 
 bool Fp8LinearImpl::weight_cache_fits(const Fp8Recipe& recipe) const {
   return options.cache_fp8_weight() && weight_cache_ && weight_cache_->version == weight._version() &&
-         weight_cache_->data == weight.const_data_ptr() && weight_cache_->blockwise == recipe.blockwise() &&
+         weight_cache_->data == weight.const_data_ptr() && weight_cache_->scaling == recipe.scaling &&
          weight_cache_->format == recipe.forward_format;
 }
 

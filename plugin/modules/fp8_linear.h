@@ -267,7 +267,7 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   struct WeightCache {
     int64_t version = -1;
     const void* data = nullptr;
-    bool blockwise = false;
+    Fp8Scaling scaling = Fp8Scaling::kDelayed;
     Fp8Format format = Fp8Format::kE4M3;
     Fp8CastTranspose tensorwise;
     Fp8BlockwiseCastTranspose blocks;

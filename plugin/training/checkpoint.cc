@@ -337,17 +337,15 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
   TORCH_CHECK(!fs::is_directory(target, error), "save_atomically: ", path,
               " is a folder, expected a file path");
   const std::string temporary = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "save_atomically: cannot create ", temporary, ": ", system_error());
-  // In use until it is renamed into place (or removed): remove_stale_temporaries leaves it be.
-  std::optional<FileInUse> in_use;
-  try {
-    in_use.emplace(temporary);
-  } catch (const c10::Error&) {
-    ::close(fd);
-    std::remove(temporary.c_str());
-    throw;
-  }
+  // Marked as being written until it is in place: remove_stale_temporaries leaves it be.
+  FileBeingWritten file = [&] {
+    try {
+      return FileBeingWritten(temporary);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "save_atomically: ", e.what_without_backtrace());
+    }
+  }();
+  const int fd = file.fd();
   // LibTorch's zip writer calls this writer from inside miniz: an exception thrown through it
   // aborts the process (a full disk once ended in std::terminate). The first failure is kept,
   // the rest of the archive is only counted (so the message can say how much was needed), and
@@ -367,7 +365,6 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
   const std::string tail = trailer ? make_trailer(length, checksum.finish()) : std::string();
   if (write_error.empty() && !tail.empty()) write_error = write_all(fd, tail.data(), tail.size());
   if (write_error.empty() && ::fsync(fd) != 0) write_error = "fsync failed: " + system_error();
-  if (::close(fd) != 0 && write_error.empty()) write_error = "close failed: " + system_error();
   if (!write_error.empty()) {
     std::remove(temporary.c_str());
     const auto space = fs::space(folder, error);
@@ -382,6 +379,11 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
     std::remove(temporary.c_str());
     TORCH_CHECK(false, "save_atomically: cannot rename ", temporary, " to ", path, ": ", message);
   }
+  // Closed after the rename (the mark holds until the file is in place) and after the fsync,
+  // which has written every byte: a failure here is still reported.
+  const std::string closed = file.close();
+  TORCH_CHECK(closed.empty(), "save_atomically: closing ", path, " after it was written, synced and renamed "
+              "into place failed (", closed, "); its trailer's checksum tells on load whether it is whole");
   fsync_path(folder.string(), /*directory=*/true);
 }
 
@@ -394,9 +396,7 @@ std::vector<std::string> remove_stale_temporaries(const std::string& folder) {
     std::smatch match;
     const auto name = entry.path().filename().string();
     if (!entry.is_regular_file(error) || !std::regex_match(name, match, pattern)) continue;
-    if (!file_in_use(entry.path().string()) && fs::remove(entry.path(), error)) {
-      removed.push_back(entry.path().string());
-    }
+    if (remove_unless_being_written(entry.path().string())) removed.push_back(entry.path().string());
   }
   return removed;
 }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <string>
@@ -76,30 +77,57 @@ FolderLock& FolderLock::operator=(FolderLock&& other) noexcept {
   return *this;
 }
 
-FileInUse::FileInUse(const std::string& path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  TORCH_CHECK(fd_ >= 0, "cannot open ", path, " to mark it in use: ", std::strerror(errno));
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-    const int lock_error = errno;
-    ::close(fd_);
+namespace {
+
+// Whether the descriptor and the path name the same file.
+bool same_file(int fd, const std::string& path) {
+  struct stat by_fd {}, by_path {};
+  return ::fstat(fd, &by_fd) == 0 && ::stat(path.c_str(), &by_path) == 0 && by_fd.st_dev == by_path.st_dev &&
+         by_fd.st_ino == by_path.st_ino;
+}
+
+}  // namespace
+
+FileBeingWritten::FileBeingWritten(const std::string& path) : path_(path) {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TORCH_CHECK(fd_ >= 0, "cannot create ", path, ": ", std::strerror(errno));
+    // Blocking: a remover's check holds its lock only for a moment.
+    int locked;
+    do {
+      locked = ::flock(fd_, LOCK_EX);
+    } while (locked != 0 && errno == EINTR);
+    if (locked != 0) {
+      const int lock_error = errno;
+      ::close(fd_);
+      fd_ = -1;
+      std::remove(path.c_str());
+      TORCH_CHECK(false, "cannot mark ", path, " as being written: ", std::strerror(lock_error));
+    }
+    if (same_file(fd_, path)) return;
+    ::close(fd_);  // removed as a leftover before the mark: made again
     fd_ = -1;
-    TORCH_CHECK(false, "cannot mark ", path, " in use: ",
-                lock_error == EWOULDBLOCK ? std::string("another writer holds it") : std::strerror(lock_error));
   }
+  TORCH_CHECK(false, "cannot create ", path, ": it was removed 100 times before it could be marked");
 }
 
-FileInUse::~FileInUse() {
-  if (fd_ >= 0) ::close(fd_);  // releases the flock
+FileBeingWritten::~FileBeingWritten() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
-bool file_in_use(const std::string& path) {
+std::string FileBeingWritten::close() {
+  if (fd_ < 0) return "";
+  const int closed = ::close(std::exchange(fd_, -1));
+  return closed == 0 ? "" : std::strerror(errno);
+}
+
+bool remove_unless_being_written(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return false;
-  // A lock of its own on another open file description: it conflicts with every FileInUse,
-  // this process's too.
-  const bool in_use = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-  ::close(fd);  // and releases the lock it may have taken
-  return in_use;
+  // A shared lock conflicts with the writer's exclusive one (this process's too, but on NFS).
+  const bool removed = ::flock(fd, LOCK_SH | LOCK_NB) == 0 && same_file(fd, path) && ::unlink(path.c_str()) == 0;
+  ::close(fd);  // and its lock
+  return removed;
 }
 
 }  // namespace amp8

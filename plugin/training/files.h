@@ -30,25 +30,35 @@ class FolderLock {
   int fd_ = -1;
 };
 
-/// Marks a file that this process is writing (a temporary one, before its rename into place) as
-/// in use, until destroyed: an exclusive flock(2) on it through a descriptor of its own, which
-/// holds across a rename and which the kernel drops when the process dies, even by kill -9. So
-/// file_in_use tells a write in progress from the leftover of a killed one whatever pid the
-/// file's name records (pids are reused, and a restarted container's trainer often has the
-/// same one). Throws c10::Error naming the file when it cannot be opened or locked.
-class FileInUse {
+/// A file this process writes and then renames into place (a temporary file), marked as being
+/// written while it is open: an exclusive flock(2) on the writing descriptor, which holds across
+/// the rename and which the kernel drops when the process dies, even by kill -9. So
+/// remove_unless_being_written tells a write in progress from the leftover of a killed one,
+/// whatever pid the file's name records (pids are reused; a restarted container's trainer often
+/// has the same one). On NFS, where Linux turns flock into POSIX record locks, the mark holds
+/// between processes (hosts) but not between two descriptors of one process.
+class FileBeingWritten {
  public:
-  explicit FileInUse(const std::string& path);
-  ~FileInUse();
-  FileInUse(const FileInUse&) = delete;
-  FileInUse& operator=(const FileInUse&) = delete;
+  /// Creates (or truncates) `path` for writing and marks it. A remover that took the file away
+  /// between its creation and the mark is noticed (the path no longer names the descriptor's
+  /// file) and the file is made again. Throws c10::Error naming the file when it cannot be
+  /// created or marked.
+  explicit FileBeingWritten(const std::string& path);
+  ~FileBeingWritten();
+  FileBeingWritten(const FileBeingWritten&) = delete;
+  FileBeingWritten& operator=(const FileBeingWritten&) = delete;
+
+  int fd() const { return fd_; }
+  /// Closes the file, which ends the mark: "" or what close(2) said.
+  std::string close();
 
  private:
+  std::string path_;
   int fd_ = -1;
 };
 
-/// Whether a process (this one included) holds a FileInUse on `path`; false for a file that is
-/// not there or cannot be opened.
-bool file_in_use(const std::string& path);
+/// Removes `path` unless a FileBeingWritten marks it (the check and the removal under a lock of
+/// its own, and only while the path still names the file it locked). Whether it removed it.
+bool remove_unless_being_written(const std::string& path);
 
 }  // namespace amp8

@@ -280,7 +280,7 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
       if (options.nonfinite_loss() != "skip") {
         // Saved before the gradients are dropped (which counts a skipped step): under "error"
         // the step did not happen, and the checkpoint is that of the previous one.
-        const std::string saved = save_last_good_state(model, optimizer);
+        const std::string saved = or_discard([&] { return save_last_good_state(model, optimizer); });
         precision.discard_gradients(optimizer);
         TORCH_CHECK(false, "Trainer: ", what, " at step ", step + 1, context,
                     "; the weights are those after the previous step", saved,

@@ -22,6 +22,7 @@
 #include <sstream>
 #include <variant>
 
+#include "plugin/distributed/process_group.h"
 #include "plugin/modules/recompute.h"
 #include "plugin/training/trainer.h"
 #include "recipes/gpt/loss_plot.h"
@@ -533,7 +534,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       std::ifstream file(fs::path(base) / "compare.jsonl");
       for (std::string line; std::getline(file, line);) {
         auto row = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-        if (!row.is_object() || !row.contains("run") || !row["run"].is_string() || !row.contains("final_loss")) continue;
+        if (!row.is_object() || !row.contains("run") || !row["run"].is_string() || !row.contains("final_loss") ||
+            !row["final_loss"].is_number()) {
+          continue;
+        }
         for (const char* reference : {"32", "bf16-mixed"}) {
           row.erase(std::string("final_loss_rel_diff_vs_") + reference);
           row.erase(std::string("final_val_loss_rel_diff_vs_") + reference);
@@ -546,7 +550,39 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       curves.push_back(read_loss_curve(name + " (final " + std::to_string(final_loss).substr(0, 6) + ")", metrics_path));
       curve_runs.push_back(name);
     };
-    for (const auto& [name, options] : runs) {
+    // A run this call did not train keeps the row and curve of the call that did: one finished
+    // by an earlier call (--resume-if-exists at --steps), or one after a run a signal stopped.
+    // A finished run whose row is gone (its last call was stopped after its last step, or died
+    // before writing compare.jsonl) gets one from its metrics.
+    const auto environment = DistributedEnvironment::from_env();
+    const int rank = environment ? environment->rank : 0;
+    auto keep_earlier = [&](const std::string& name, bool finished_run) {
+      const auto metrics_path = (fs::path(base) / folder_name(name) / "metrics.jsonl").string();
+      const auto earlier = earlier_rows.find(name);
+      nlohmann::json row;
+      if (earlier != earlier_rows.end()) {
+        row = earlier->second;
+      } else if (finished_run) {
+        const auto curve = read_loss_curve(name, metrics_path);
+        if (curve.points.empty()) return;
+        const size_t tail = std::min<size_t>(10, curve.points.size());
+        double final_loss = 0;
+        for (size_t i = curve.points.size() - tail; i < curve.points.size(); ++i) {
+          final_loss += curve.points[i].second / static_cast<double>(tail);
+        }
+        row = {{"run", name},
+               {"steps", static_cast<int64_t>(curve.points.back().first)},
+               {"final_loss", final_loss},
+               {"final_val_loss", curve.validation.empty() ? nlohmann::json() : nlohmann::json(curve.validation.back().second)},
+               {"note", "from its metrics.jsonl: compare.jsonl had no row of this run"}};
+      } else {
+        return;
+      }
+      summary.push_back(row);
+      add_curve(name, row["final_loss"].is_number() ? row["final_loss"].get<double>() : NAN, metrics_path);
+    };
+    for (size_t index = 0; index < runs.size(); ++index) {
+      const auto& [name, options] = runs[index];
       auto run = recipe;
       run.precision = options;
       run.save_dir = (fs::path(base) / folder_name(name)).string();
@@ -565,17 +601,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         out << "gpt_pretrain: " << name << ": nothing to do: its checkpoint is at step " << result.start_step
             << ", at or past --steps " << recipe.trainer.max_steps() << std::endl;
         finished.push_back(name);
-        const auto earlier = earlier_rows.find(name);
-        if (earlier != earlier_rows.end()) {
-          summary.push_back(earlier->second);
-          add_curve(name, earlier->second["final_loss"].is_number() ? earlier->second["final_loss"].get<double>() : NAN,
-                    result.metrics_path);
-        } else {
-          err << "gpt_pretrain: --compare run \"" << name << "\" finished in an earlier call, but "
-              << (fs::path(base) / "compare.jsonl").string() << " has no row of it; its curve is in the pictures"
-              << std::endl;
-          add_curve(name, NAN, result.metrics_path);
-        }
+        keep_earlier(name, /*finished_run=*/true);
         continue;
       }
       if (result.stopped) {
@@ -585,6 +611,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         err << "gpt_pretrain: --compare run \"" << name << "\" " << report << std::endl;
         summary.push_back({{"run", name}, {"error", report}});
         stopped = result;
+        // The runs after it do not start; those an earlier call finished keep their rows.
+        for (size_t later = index + 1; later < runs.size(); ++later) keep_earlier(runs[later].first, false);
         break;
       }
       add_curve(name, result.final_loss, result.metrics_path);
@@ -606,6 +634,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                          {"resident_memory_bytes", result.resident_memory_bytes},
                          {"parameters", result.parameters}});
     }
+    // Under torchrun every rank trained; rank 0 writes the summary and the pictures.
+    if (rank != 0) {
+      return stopped ? stop_exit_code(*stopped) : failures.empty() ? 0 : 2;
+    }
     if (finished.size() == runs.size()) {
       out << "gpt_pretrain: nothing to do: every run's checkpoint is at or past --steps "
           << recipe.trainer.max_steps() << "; compare.jsonl and the pictures stay as they are (to train "
@@ -615,13 +647,13 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     // The final loss of every run relative to the 32 and bf16-mixed runs, when those ran.
     for (const char* reference : {"32", "bf16-mixed"}) {
       const auto it = std::find_if(summary.begin(), summary.end(), [&](const nlohmann::json& s) {
-        return s["run"] == reference && s.contains("final_loss");
+        return s["run"] == reference && s.contains("final_loss") && s["final_loss"].is_number();
       });
       if (it == summary.end()) continue;
       const double ref = (*it)["final_loss"].get<double>();
       const bool validated = it->contains("final_val_loss") && (*it)["final_val_loss"].is_number();
       for (auto& s : summary) {
-        if (!s.contains("final_loss")) continue;
+        if (!s.contains("final_loss") || !s["final_loss"].is_number()) continue;
         s[std::string("final_loss_rel_diff_vs_") + reference] = (s["final_loss"].get<double>() - ref) / ref;
         if (validated && s["final_val_loss"].is_number()) {
           const double ref_val = (*it)["final_val_loss"].get<double>();
