@@ -17,7 +17,7 @@
 #    beside once (predicted ~1.02x: ~3.5 ms of the ~161 ms step).
 # Everything goes into one tarball under $OUT.
 set -u
-M=.gpubin18; B=.gpubin19
+M=${MAIN:-.gpubin18}; B=.gpubin19  # MAIN: another build of main (its COMMIT file says which)
 for d in $M $B; do (cd $d; for f in *.xz; do unxz -f "$f"; done; chmod +x *); done
 TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')/lib
 export LD_LIBRARY_PATH=$TL:/usr/local/cuda/lib64:/usr/local/cuda/lib
