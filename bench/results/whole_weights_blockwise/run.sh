@@ -42,6 +42,18 @@ for l in open('$R/cast_transpose_bench.jsonl'):
     if 'blockwise' in r.get('case','') or r.get('case') == 'quantize_many': print('  ', r['case'], r.get('shape'), round(r.get('ours_ms',0),4), 'x', round(r.get('speedup',0) or 0,3), 'of copy', round(r.get('fraction_of_copy',0) or 0,3))
 "
 pack
+# The LayerNorm backward (issue 16) on whatever card this is, when MAIN carries the bench.
+if [ -x $M/layer_norm_bench ]; then
+  timeout 150 $M/layer_norm_bench > $R/layer_norm_bench.jsonl 2> $R/layer_norm_bench.err; echo "layer_norm_bench exit $?"
+  python3 -c "
+import json
+for l in open('$R/layer_norm_bench.jsonl'):
+    try: r=json.loads(l)
+    except Exception: continue
+    if r.get('case','').startswith('layer_norm_bwd') or r.get('case') == 'copy': print('  ', r['case'], r.get('shape'), r.get('ours_ms'), 'of copy', r.get('fraction_of_copy'))
+"
+  pack
+fi
 find /usr/lib/python3* -name '*.py' 2>/dev/null | sort | xargs cat > $S/stdlib.txt
 common="--config 1b --micro-batch 8 --steps 40 --log-every 20 --data $S/stdlib.txt --save-last false"
 for round in 1 2; do for v in $B $M; do
