@@ -399,7 +399,7 @@ TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
                              GptDatasetOptions(16).random_seed(1234).split("80,20"));
   expect_batches_are_samples_in_order(data, reference, {0, 1, 5});
   ExpectErrorContaining([&] { MegatronData(prefix, "80,20", 16, 1234, 24, 1000).batch(0, 4, torch::kCPU); },
-                        "is not below the vocabulary size 1000");
+                        "is not below the model's vocabulary size 1000");
 
   const auto dir = scratch("megatron");
   const auto run = gpt_pretrain({"--config", "tiny", "--device", "cpu", "--data-prefix", prefix, "--vocab-size", "65500",
@@ -421,6 +421,62 @@ TEST(GptPretrainTest, TrainsOnMegatronIndexedData) {
   const auto bad = gpt_pretrain({"--config", "tiny", "--device", "cpu", "--data-prefix", prefix, "--steps", "2",
                                  "--save-dir", scratch("no_vocab").string()});
   EXPECT_NE(bad.err.find("data-prefix needs the tokenizer's vocabulary size: --vocab-size"), std::string::npos) << bad.err;
+}
+
+// A .bin whose .idx names a signed dtype can hold negative token ids: named with the data, not
+// left to fail inside the embedding (on a GPU, a device-side assert that names nothing).
+TEST(GptPretrainTest, NegativeTokenIdsAreNamed) {
+  const std::string source = "tests/data/megatron_indexed/gpt_uint16";
+  const auto dir = scratch("negative_ids");
+  std::filesystem::create_directories(dir);
+  const auto prefix = (dir / "as_int16").string();
+  std::filesystem::copy_file(source + ".bin", prefix + ".bin", std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::copy_file(source + ".idx", prefix + ".idx", std::filesystem::copy_options::overwrite_existing);
+  const auto [tokens, labels] = MegatronData(source, "80,20", 16, 1234, 24, 65536).batch(0, 4, torch::kCPU);
+  ASSERT_GT(tokens.max().item<int64_t>(), 32767) << "the first micro-batch must hold an id that int16 makes negative";
+  {
+    std::fstream idx(prefix + ".idx", std::ios::in | std::ios::out | std::ios::binary);
+    idx.seekp(17);
+    idx.put(3);  // Megatron's DType code of int16: the same bytes, read signed
+  }
+  ExpectErrorContaining([&] { MegatronData(prefix, "80,20", 16, 1234, 24, 65536).batch(0, 4, torch::kCPU); },
+                        "in micro-batch 0 is negative");
+}
+
+// With --data-prefix, step s reads the samples from s x the global batch on, in the order each
+// prefix's epoch count gives: a resume that would change either (and so read some samples twice
+// and skip others) is refused by name, even where the settings it comes from are allowed.
+TEST(GptPretrainTest, AMegatronResumeKeepsTheGlobalBatchAndTheSampleOrder) {
+  const std::string prefix = "tests/data/megatron_indexed/gpt_uint16";
+  const int64_t epoch = GptDataset(std::make_shared<IndexedDataset>(prefix), DatasetSplit::kTrain, std::nullopt,
+                                   GptDatasetOptions(16).random_seed(1234).split("80,20"))
+                            .size();
+  const auto dir = scratch("megatron_resume");
+  const auto run = [&](const std::vector<std::string>& more) {
+    std::vector<std::string> args = {"--config", "tiny", "--device", "cpu", "--data-prefix", prefix,
+                                     "--vocab-size", "65500", "--split", "80,20", "--seq", "16",
+                                     "--log-every", "0", "--eval-every", "0", "--save-dir", dir.string()};
+    args.insert(args.end(), more.begin(), more.end());
+    return gpt_pretrain(args);
+  };
+  ASSERT_EQ(run({"--micro-batch", "4", "--grad-accum", "2", "--steps", "2"}).code, 0);
+  const std::vector<std::string> resume = {"--resume", dir.string(), "--allow-changes", "micro_batch,grad_accum,steps"};
+  auto with_resume = [&](std::vector<std::string> args) {
+    args.insert(args.end(), resume.begin(), resume.end());
+    return args;
+  };
+  const auto halved = run(with_resume({"--micro-batch", "2", "--grad-accum", "2", "--steps", "3"}));
+  EXPECT_NE(halved.code, 0);
+  EXPECT_NE(halved.err.find("global_batch 8 (this run: 4)"), std::string::npos) << halved.err;
+  // Past one epoch the order of the samples is another one.
+  const std::string past_epoch = std::to_string(epoch / 8 + 2);
+  const auto longer = run(with_resume({"--micro-batch", "2", "--grad-accum", "4", "--steps", past_epoch}));
+  EXPECT_NE(longer.code, 0);
+  EXPECT_NE(longer.err.find("data_order epochs 1 (this run: epochs 2"), std::string::npos) << longer.err;
+  // The same global batch from other factors, and more steps within the epoch: it goes on.
+  const auto same = run(with_resume({"--micro-batch", "2", "--grad-accum", "4", "--steps", "3"}));
+  EXPECT_EQ(same.code, 0) << same.err;
+  EXPECT_EQ(metrics(dir).size(), 3u);
 }
 
 // Megatron's unweighted blend ("a b") is one epoch of each prefix blended by size: the train

@@ -184,15 +184,23 @@ void DistributedOptimizer::load_resharded(std::vector<CheckpointShard>& shards, 
       int64_t from, to;  // in the parameter's flattened elements
     };
     std::vector<Overlap> overlaps;
-    int64_t covered = 0;
     for (const auto& s : saved[piece.param]) {
       const auto from = std::max(begin, s.offset), to = std::min(end, s.offset + s.numel);
       if (from >= to) continue;
       overlaps.push_back({&s, from, to});
-      covered += to - from;
     }
-    TORCH_CHECK(covered == numel, "load_resharded: the checkpoint's pieces of ", name, " cover ", covered,
-                " of its ", numel, " elements (the files are not one checkpoint?)");
+    // The saved pieces must tile the range: each element from exactly one (a gap would be left
+    // uninitialised, an overlap means the files are not one checkpoint's).
+    std::sort(overlaps.begin(), overlaps.end(), [](const Overlap& a, const Overlap& b) { return a.from < b.from; });
+    int64_t reached = begin;
+    for (const auto& o : overlaps) {
+      TORCH_CHECK(o.from == reached, "load_resharded: the checkpoint's pieces of ", name, " ",
+                  o.from > reached ? "leave out" : "hold twice", " element ", std::min(o.from, reached),
+                  " (the files are not one checkpoint?)");
+      reached = o.to;
+    }
+    TORCH_CHECK(reached == end, "load_resharded: the checkpoint's pieces of ", name, " leave out element ", reached,
+                " (the files are not one checkpoint?)");
     auto master = torch::empty({numel}, torch::kFloat);
     for (const auto& o : overlaps) {
       const auto& source = o.saved->master.defined() ? o.saved->master

@@ -214,7 +214,6 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> dataset, DatasetSpl
 
   // Next, whether the final epoch is shuffled apart: when it contributes fewer than 80% of an
   // epoch's samples, so its few samples are not spread over the whole run.
-  bool separate_final_epoch = false;
   int64_t num_samples_sans_final_epoch = 0;
   if (num_epochs_ > 1) {
     num_samples_sans_final_epoch =
@@ -225,7 +224,7 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> dataset, DatasetSpl
                     num_samples_from_final_epoch <= num_samples_per_epoch + 1,
                 where, ": inconsistent epoch arithmetic (", num_samples_from_final_epoch,
                 " samples from the final epoch, ", num_samples_per_epoch, " per epoch)");
-    separate_final_epoch = num_samples_from_final_epoch <
+    separate_final_epoch_ = num_samples_from_final_epoch <
                            static_cast<int64_t>(kSeparateFinalEpochThreshold *
                                                 static_cast<double>(num_samples_per_epoch));
   }
@@ -233,13 +232,13 @@ GptDataset::GptDataset(std::shared_ptr<const IndexedDataset> dataset, DatasetSpl
   // Finally, the three indices, drawn from one RandomState in Megatron's order.
   NumpyRandomState random_state(options_.random_seed());
   document_index_ =
-      build_document_index(documents, num_epochs_, random_state, separate_final_epoch);
+      build_document_index(documents, num_epochs_, random_state, separate_final_epoch_);
   const bool drop_last_partial_sequence =
       split_ != DatasetSplit::kValid || options_.drop_last_partial_validation_sequence();
   sample_index_ = build_sample_index(dataset_->sequence_lengths(), document_index_, sequence_length,
                                      num_epochs_, tokens_per_epoch, drop_last_partial_sequence,
                                      options_.add_extra_token_to_sequence());
-  shuffle_index_ = build_shuffle_index(separate_final_epoch ? num_samples_sans_final_epoch : size(),
+  shuffle_index_ = build_shuffle_index(separate_final_epoch_ ? num_samples_sans_final_epoch : size(),
                                        size(), random_state);
 }
 

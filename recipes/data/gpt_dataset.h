@@ -113,14 +113,21 @@ class GptDataset {
 
   /// What GPTDataset.__getitem__ returns as "tokens" and "labels", int64 [sequence_length]
   /// each: with the extra token, window[:-1] and window[1:]; without it, the window and the
-  /// window shifted left by one with a pad last. Pads are replaced by 0, as Megatron does.
+  /// window shifted left by one with a pad last. Pads are replaced by 0, as Megatron does;
+  /// Megatron's loss mask, which takes them out of the loss, is not made here (gpt_pretrain keeps
+  /// the defaults add_extra_token_to_sequence and drop_last_partial_validation_sequence, under
+  /// which no sample holds a pad).
   std::pair<torch::Tensor, torch::Tensor> tokens_and_labels(int64_t index) const;
 
+  const IndexedDataset& indexed_dataset() const { return *dataset_; }
   DatasetSplit split() const { return split_; }
   const GptDatasetOptions& options() const { return options_; }
   /// The [begin, end) range of sequences this split exposes.
   std::pair<int64_t, int64_t> sequence_range() const { return sequence_range_; }
   int64_t num_epochs() const { return num_epochs_; }
+  /// Whether the final epoch is shuffled apart (it supplies fewer than 80% of an epoch's
+  /// samples). The three indices follow from the data, the seed, num_epochs and this alone.
+  bool separate_final_epoch() const { return separate_final_epoch_; }
   const std::vector<int32_t>& document_index() const { return document_index_; }
   const std::vector<SampleBoundary>& sample_index() const { return sample_index_; }
   const std::vector<int64_t>& shuffle_index() const { return shuffle_index_; }
@@ -131,6 +138,7 @@ class GptDataset {
   GptDatasetOptions options_;
   std::pair<int64_t, int64_t> sequence_range_;
   int64_t num_epochs_ = 1;
+  bool separate_final_epoch_ = false;
   std::vector<int32_t> document_index_;
   std::vector<SampleBoundary> sample_index_;
   std::vector<int64_t> shuffle_index_;

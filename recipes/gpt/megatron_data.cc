@@ -51,11 +51,31 @@ std::pair<torch::Tensor, torch::Tensor> MegatronData::batch(int64_t index, int64
   auto inputs = torch::stack(tokens), targets = torch::stack(labels);
   const int64_t largest = std::max(inputs.max().item<int64_t>(), targets.max().item<int64_t>());
   TORCH_CHECK(largest < vocab_size_, "data-prefix ", blend_, ": token id ", largest, " in micro-batch ", index,
-              " is not below the vocabulary size ", vocab_size_, " (--vocab-size)");
+              " is not below the model's vocabulary size ", vocab_size_,
+              " (--vocab-size, rounded up to a multiple of 128)");
+  // Signed token types (int8 ... int64, float) can hold negative ids, which the embedding would
+  // fail on without naming the data.
+  const int64_t smallest = std::min(inputs.min().item<int64_t>(), targets.min().item<int64_t>());
+  TORCH_CHECK(smallest >= 0, "data-prefix ", blend_, ": token id ", smallest, " in micro-batch ", index,
+              " is negative (a corrupt .bin, or one written with another dtype than its .idx says?)");
   return {copy_to_device(inputs, device), copy_to_device(targets, device)};
 }
 
 int64_t MegatronData::size() const { return single_ ? single_->size() : blended_->size(); }
+
+std::string MegatronData::sample_order() const {
+  const auto describe = [](const GptDataset& dataset) {
+    return "epochs " + std::to_string(dataset.num_epochs()) +
+           (dataset.separate_final_epoch() ? ", final epoch apart" : "");
+  };
+  if (single_) return describe(*single_);
+  std::string order;
+  for (const auto& dataset : blended_->datasets()) {
+    order += (order.empty() ? "" : "; ") + std::filesystem::path(dataset->indexed_dataset().path_prefix()).filename().string() + ": " +
+             describe(*dataset);
+  }
+  return order;
+}
 
 std::string MegatronData::source() const {
   return "megatron " + blend_ + " (split " + split_ + ", " + std::to_string(size()) + " " +

@@ -35,6 +35,11 @@ class MegatronData {
   std::string source() const;
   /// The data's identity for a resume check: the blend, split and every prefix's sizes.
   std::string fingerprint() const;
+  /// What the order of the samples follows from besides the data and the seed, for a resume
+  /// check: each prefix's epoch count and whether its final epoch is shuffled apart ("epochs
+  /// 1"; a blend: "<prefix>: epochs 2, final epoch apart; ..."). A resume with more --steps
+  /// reads the samples in the checkpoint's order only while these stay the same.
+  std::string sample_order() const;
 
  private:
   std::string blend_, split_;

@@ -280,6 +280,14 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
       {"exp_avg_dtype", c10::toString(recipe.precision.exp_avg_dtype())},
       {"exp_avg_sq_dtype", c10::toString(recipe.precision.exp_avg_sq_dtype())},
   };
+  // Megatron data: step s reads the samples from s x the global batch on, in an order that
+  // follows from each prefix's epoch count (sample_order); a resume that changed either would
+  // read some samples twice and skip others.
+  if (megatron) {
+    trainer.run_settings["global_batch"] =
+        std::to_string(recipe.micro_batch * trainer_options.accumulate_grad_batches() * world);
+    trainer.run_settings["data_order"] = megatron->sample_order();
+  }
   // Byte-level data validated on its last 5% trains on the rest: name that, not just "data".
   if (!megatron) trainer.run_settings["validation_holdout"] = byte_validation ? "the last 5% of the data" : "none";
   if (recipe.precision.fp8_enabled()) {  // the recipe itself is in the precision's name
