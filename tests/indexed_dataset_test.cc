@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -206,6 +207,24 @@ class MalformedIndexedDatasetTest : public ::testing::Test {
   std::vector<char> idx_;
   std::vector<char> bin_;
 };
+
+// A .bin truncated under the reader (the prefix written again while a job reads it) faults on
+// its mapping: an error naming the file, not a process killed by SIGBUS.
+TEST_F(MalformedIndexedDatasetTest, ABinTruncatedUnderTheReaderIsAnError) {
+  IndexedDataset dataset(prefix_);
+  const int64_t last = dataset.num_sequences() - 1;
+  EXPECT_NO_THROW(dataset.get(last, 0, -1));
+  ASSERT_EQ(::truncate(bin_path().c_str(), 0), 0);
+  try {
+    dataset.get(last, 0, -1);
+    ADD_FAILURE() << "read a truncated .bin";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what_without_backtrace())
+                  .find(bin_path() + " could not be read (a bus error on its mapping"),
+              std::string::npos)
+        << error.what_without_backtrace();
+  }
+}
 
 TEST_F(MalformedIndexedDatasetTest, BadMagic) {
   write_idx_field<char>(0, 'X');

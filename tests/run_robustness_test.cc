@@ -26,6 +26,7 @@
 #include "plugin/training/checkpoint.h"
 #include "plugin/training/files.h"
 #include "plugin/training/trainer.h"
+#include "recipes/data/mapped_read.h"
 #include "recipes/gpt/cli.h"
 #include "recipes/gpt/data.h"
 #include "recipes/gpt/run_folder.h"
@@ -226,6 +227,9 @@ TEST(RunRobustnessTest, ABusErrorOnATruncatedMappingIsCaught) {
   ASSERT_EQ(::truncate(path.c_str(), 10), 0);  // the last two pages are gone: reading them faults
   EXPECT_FALSE(detail::copy_mapped([&] { sum += mapped[2 * 4096]; }));
   EXPECT_TRUE(detail::copy_mapped([&] { sum += mapped[0]; })) << "the guard works again after a fault";
+  EXPECT_THROW(detail::copy_mapped([] { throw std::runtime_error("not a fault"); }), std::runtime_error)
+      << "an exception of the copy passes through";
+  EXPECT_FALSE(detail::copy_mapped([&] { sum += mapped[2 * 4096]; })) << "and the guard still works";
   ::munmap(const_cast<char*>(mapped), 3 * 4096);
 }
 

@@ -11,6 +11,9 @@
 #include <cmath>
 #include <cstring>
 #include <string_view>
+#include <vector>
+
+#include "recipes/data/mapped_read.h"
 
 namespace amp8::recipes {
 namespace {
@@ -201,8 +204,14 @@ torch::Tensor IndexedDataset::get(int64_t sequence_index, int64_t offset, int64_
   torch::Tensor tokens = torch::empty({length}, torch::kLong);
   if (length == 0) return tokens;
   const int64_t token_bytes = static_cast<int64_t>(c10::elementSize(dtype_));
-  const uint8_t* first =
-      bin_bytes_.get() + sequence_pointers_[sequence_index] + offset * token_bytes;
+  // Copied out of the mapping under a SIGBUS guard first: a .bin truncated under the running
+  // job (preprocess_data.py writing the prefix again) faults instead of reading.
+  std::vector<uint8_t> raw(static_cast<size_t>(length * token_bytes));
+  const uint8_t* mapped = bin_bytes_.get() + sequence_pointers_[sequence_index] + offset * token_bytes;
+  TORCH_CHECK(detail::copy_mapped([&] { std::memcpy(raw.data(), mapped, raw.size()); }), bin,
+              " could not be read (a bus error on its mapping: it was truncated or its storage failed "
+              "while training); the run stops here");
+  const uint8_t* first = raw.data();
   int64_t* out = tokens.data_ptr<int64_t>();
   switch (dtype_) {
     case c10::ScalarType::Byte:

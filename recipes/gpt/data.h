@@ -3,7 +3,6 @@
 #include <torch/types.h>
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -61,15 +60,5 @@ class ByteDataset {
 /// `host` (a CPU tensor), contiguous, on `device`. To a GPU it goes through pinned memory and
 /// returns without waiting for the device; the copy is ordered on the device's current stream.
 torch::Tensor copy_to_device(const torch::Tensor& host, const torch::Device& device);
-
-namespace detail {
-
-/// Runs `copy`, which reads a memory-mapped file, and returns false instead of dying when a read
-/// faults with SIGBUS (the file was truncated under the mapping): the fault jumps back here
-/// (sigsetjmp/siglongjmp; `copy` must own nothing that needs destroying). A SIGBUS anywhere else
-/// goes to the handler installed before, or kills the process as usual.
-bool copy_mapped(const std::function<void()>& copy);
-
-}  // namespace detail
 
 }  // namespace amp8::recipes
