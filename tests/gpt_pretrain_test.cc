@@ -594,6 +594,15 @@ TEST(GptPretrainTest, CompareWithSomeRunsFinishedKeepsThem) {
   EXPECT_NE(rebuilt[0]["note"].get<std::string>().find("from its metrics.jsonl"), std::string::npos);
   EXPECT_EQ(rebuilt[1]["final_loss"], both[1]["final_loss"]) << "bf16-mixed: finished too, from its metrics";
   EXPECT_TRUE(rebuilt[2]["final_loss_rel_diff_vs_32"].is_number());
+
+  // Every run finished and the file gone: nothing trains, and the rows come back from the metrics.
+  std::filesystem::remove(dir / "compare.jsonl");
+  const auto all_finished = gpt_pretrain(args("32,bf16-mixed,bf16-mixed+fp8"));
+  ASSERT_EQ(all_finished.code, 0) << all_finished.err;
+  const auto from_metrics = rows();
+  ASSERT_EQ(from_metrics.size(), 3u);
+  for (const auto& row : from_metrics) EXPECT_TRUE(row.contains("note")) << row;
+  EXPECT_EQ(from_metrics[2]["final_loss"], rebuilt[2]["final_loss"]);
 }
 
 // --lr keeps the config's decay ratio: the cosine ends at a tenth of it (an --lr below the

@@ -23,7 +23,10 @@ constexpr uint32_t kCheckpointFormatVersion = 1;
 /// survives a crash. When any of it fails (a full disk, a file-size limit, an I/O error) it throws
 /// c10::Error naming the path, the system error, the bytes the checkpoint needs and the bytes
 /// free in the folder; the temporary file is removed and `path` keeps its previous content. The
-/// archive is left as it was, so the caller's state is intact and a later save can succeed.
+/// archive is left as it was, so the caller's state is intact and a later save can succeed. (One
+/// failure comes after the rename: the temporary file is closed once it is in place, so that it
+/// stays marked as being written until then, FileBeingWritten; should that close fail, the error
+/// says so, and `path` holds the new file, written and synced, whose checksum load_archive checks.)
 /// `trailer` false writes the bare archive (no trailer, no checksum): a file torch::load reads
 /// (export_fp32_model), with the same all-or-nothing write.
 void save_atomically(torch::serialize::OutputArchive& archive, const std::string& path, bool trailer = true);
@@ -34,8 +37,8 @@ void save_atomically(torch::serialize::OutputArchive& archive, const std::string
 std::string checkpoint_file_problem(const std::string& path);
 
 /// Removes the temporary files (`<name>.tmp.<pid>`) that save_atomically left in `folder` when
-/// its process was killed during a save; those being written (FileInUse, whatever the pid in
-/// their name) stay. Returns the paths removed.
+/// its process was killed during a save; those being written (FileBeingWritten, whatever the pid
+/// in their name) stay. Returns the paths removed.
 std::vector<std::string> remove_stale_temporaries(const std::string& folder);
 
 /// The trailer save_atomically writes after an archive of `length` bytes at `archive`: for tools

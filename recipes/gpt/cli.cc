@@ -556,6 +556,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     // before writing compare.jsonl) gets one from its metrics.
     const auto environment = DistributedEnvironment::from_env();
     const int rank = environment ? environment->rank : 0;
+    bool rebuilt_row = false;  // a finished run's row made from its metrics: compare.jsonl changes
     auto keep_earlier = [&](const std::string& name, bool finished_run) {
       const auto metrics_path = (fs::path(base) / folder_name(name) / "metrics.jsonl").string();
       const auto earlier = earlier_rows.find(name);
@@ -575,6 +576,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                {"final_loss", final_loss},
                {"final_val_loss", curve.validation.empty() ? nlohmann::json() : nlohmann::json(curve.validation.back().second)},
                {"note", "from its metrics.jsonl: compare.jsonl had no row of this run"}};
+        rebuilt_row = true;
       } else {
         return;
       }
@@ -638,7 +640,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     if (rank != 0) {
       return stopped ? stop_exit_code(*stopped) : failures.empty() ? 0 : 2;
     }
-    if (finished.size() == runs.size()) {
+    if (finished.size() == runs.size() && !rebuilt_row) {
       out << "gpt_pretrain: nothing to do: every run's checkpoint is at or past --steps "
           << recipe.trainer.max_steps() << "; compare.jsonl and the pictures stay as they are (to train "
           << "further, raise --steps and add --allow-changes steps)" << std::endl;
