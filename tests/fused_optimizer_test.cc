@@ -78,6 +78,24 @@ void expect_bit_exact_steps(const Options& options) {
   }
 }
 
+// The fused step replaces step(): it takes torch::optim's and amp8's own optimizer classes only,
+// never a subclass that may override step() (its own clipping, another update rule).
+struct AdamWWithItsOwnStep : torch::optim::AdamW {
+  using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override { return torch::optim::AdamW::step(closure); }
+};
+
+TEST(FusedOptimizerClassesTest, OnlyTheKnownClassesAreFused) {
+  auto w = torch::zeros({4}, torch::requires_grad());
+  EXPECT_TRUE(is_fusable(torch::optim::AdamW({w})));
+  EXPECT_TRUE(is_fusable(torch::optim::Adam({w})));
+  EXPECT_TRUE(is_fusable(torch::optim::SGD({w}, 0.1)));
+  EXPECT_TRUE(is_fusable(FusedAdamW({w})));
+  EXPECT_FALSE(is_fusable(torch::optim::AdamW({w}, torch::optim::AdamWOptions().amsgrad(true))));
+  EXPECT_FALSE(is_fusable(AdamWWithItsOwnStep({w})));
+  EXPECT_FALSE(is_fusable_adam(AdamWWithItsOwnStep({w})));
+}
+
 TEST_F(FusedOptimizerTest, AdamWOnTheCpuIsTorchOptimBitForBit) {
   expect_bit_exact_steps<FusedAdamW, torch::optim::AdamW>(
       torch::optim::AdamWOptions(3e-2).betas({0.9, 0.95}).weight_decay(0.1).eps(1e-6));

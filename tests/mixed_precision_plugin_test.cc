@@ -212,11 +212,20 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
   ExpectErrorContaining(make(recipes::bf16_mixed().fp16_loss_scale(128.0)),
                         "the loss-scaling settings fp16_loss_scale apply to precision \"16-mixed\" only");
   ExpectErrorContaining(make(MixedPrecisionOptions("32").fp16_hysteresis(4)), "fp16_hysteresis apply to");
+  // A static loss scale has no growth, backoff or floor.
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(128.0).fp16_hysteresis(4).fp16_min_loss_scale(2.0)),
+                        "the dynamic loss-scaling settings fp16_min_loss_scale, fp16_hysteresis do not apply with a "
+                        "static fp16_loss_scale (128)");
+  EXPECT_NO_THROW(make(recipes::fp16_mixed().fp16_loss_scale(128.0))());
   ExpectErrorContaining(make(recipes::bf16_mixed().params_dtype(at::kHalf)),
                         "params_dtype Half contradicts precision \"bf16-mixed\"");
   ExpectErrorContaining(make(MixedPrecisionOptions("32").params_dtype(at::kBFloat16)),
                         "params_dtype BFloat16 contradicts precision \"32\"");
-  EXPECT_NO_THROW(make(recipes::bf16_mixed().params_dtype(at::kFloat))());
+  // Float32 parameters under a mixed precision compute in half precision only under autocast.
+  ExpectErrorContaining(make(recipes::bf16_mixed().params_dtype(at::kFloat)),
+                        "params_dtype Float under precision \"bf16-mixed\" needs autocast_enabled = true");
+  EXPECT_NO_THROW(make(recipes::bf16_mixed().params_dtype(at::kFloat).autocast_enabled(true))());
+  EXPECT_NO_THROW(make(MixedPrecisionOptions("32").params_dtype(at::kFloat))());
 }
 
 // A FusedAdamW's own moment dtypes would be replaced by the precision's at every step: a mismatch

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <memory>
+#include <typeinfo>
 #include <utility>
 
 #include "ops/fused_adam.h"
@@ -142,13 +143,16 @@ torch::Tensor own_grad(const torch::Tensor& param) { return param.grad(); }
 }  // namespace
 
 bool is_fusable(const torch::optim::Optimizer& optimizer) {
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr) {
+  // These classes exactly: a subclass may override step() (its own clipping, a changed update),
+  // which the fused step would bypass.
+  const std::type_info& type = typeid(optimizer);
+  if (type == typeid(torch::optim::AdamW) || type == typeid(FusedAdamW)) {
     return no_group_uses_amsgrad<torch::optim::AdamWOptions>(optimizer);
   }
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr) {
+  if (type == typeid(torch::optim::Adam) || type == typeid(FusedAdam)) {
     return no_group_uses_amsgrad<torch::optim::AdamOptions>(optimizer);
   }
-  return dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr;
+  return type == typeid(torch::optim::SGD) || type == typeid(FusedSGD);
 }
 
 namespace {

@@ -12,7 +12,8 @@
 namespace amp8 {
 
 /// Whether fused_optimizer_step can step `optimizer`: a torch::optim::Adam or AdamW (FusedAdam
-/// and FusedAdamW included) without amsgrad, or a torch::optim::SGD (FusedSGD included).
+/// and FusedAdamW included) without amsgrad, or a torch::optim::SGD (FusedSGD included). These
+/// classes exactly: another subclass may override step(), so it steps itself.
 bool is_fusable(const torch::optim::Optimizer& optimizer);
 
 /// is_fusable, and an Adam or AdamW (whose moments AdamMomentDtypes can keep in bfloat16).

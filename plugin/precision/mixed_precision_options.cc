@@ -82,12 +82,25 @@ void MixedPrecisionOptions::validate() const {
     note(fp16_hysteresis_ != defaults.fp16_hysteresis_, "fp16_hysteresis");
     TORCH_CHECK(unused.empty(), "the loss-scaling settings ", unused, " apply to precision \"16-mixed\" only "
                 "(bf16 and float32 need no loss scale), got \"", precision, "\": they would be ignored");
+  } else if (fp16_loss_scale_) {
+    note(fp16_initial_loss_scale_ != defaults.fp16_initial_loss_scale_, "fp16_initial_loss_scale");
+    note(fp16_min_loss_scale_ != defaults.fp16_min_loss_scale_, "fp16_min_loss_scale");
+    note(fp16_loss_scale_window_ != defaults.fp16_loss_scale_window_, "fp16_loss_scale_window");
+    note(fp16_hysteresis_ != defaults.fp16_hysteresis_, "fp16_hysteresis");
+    TORCH_CHECK(unused.empty(), "the dynamic loss-scaling settings ", unused, " do not apply with a static "
+                "fp16_loss_scale (", *fp16_loss_scale_, "): they would be ignored");
   }
   if (params_dtype_) {
     TORCH_CHECK(*params_dtype_ == at::kFloat || *params_dtype_ == compute_dtype(), "params_dtype ",
                 c10::toString(*params_dtype_), " contradicts precision \"", precision, "\": use float32 or its "
                 "compute dtype ", c10::toString(compute_dtype()),
                 " (float16 params without 16-mixed's loss scaling would lose small gradients)");
+    // Float32 parameters compute in half precision only under autocast; without it the run
+    // would be float32 throughout under a mixed precision's name (and 16-mixed would scale its
+    // loss for nothing).
+    TORCH_CHECK(*params_dtype_ != at::kFloat || precision == "32" || autocast_enabled_, "params_dtype Float "
+                "under precision \"", precision, "\" needs autocast_enabled = true: otherwise nothing runs in ",
+                c10::toString(compute_dtype()), " and the run is float32 throughout");
   }
   check_fp8_min_gemm_size(fp8_min_gemm_size_, "fp8_min_gemm_size");
   const AdamMomentDtypes moments{exp_avg_dtype_, exp_avg_sq_dtype_};
