@@ -5,6 +5,7 @@
 // float32/float64 dataset whose .bin bytes are not integral token ids (the reader checks tokens
 // when it widens them, so that refusal depends on the .bin, not on the .idx).
 #include "recipes/data/indexed_dataset.cc"  // the reader under test, instrumented
+#include "recipes/data/mapped_read.cc"  // its SIGBUS guard
 
 #include <cstdint>
 #include <fstream>

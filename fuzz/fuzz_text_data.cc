@@ -1,5 +1,6 @@
 // Fuzzes the --data loader: any bytes as a text file, then batches of every shape it accepts.
 #include "recipes/gpt/data.cc"  // the loader under test, instrumented
+#include "recipes/data/mapped_read.cc"  // its SIGBUS guard
 
 #include <cstdint>
 #include <fstream>
