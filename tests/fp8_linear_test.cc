@@ -528,7 +528,9 @@ TEST_F(Fp8LinearTest, WeightCacheQuantizesOncePerWeightVersion) {
     // Another recipe's copy is never taken for this one's: under the other recipe the layer
     // quantizes the weight as it is now.
     for (const std::string other : {"delayed", "tensorwise", "blockwise"}) {
-      if (other != kind) EXPECT_TRUE(BytesEqual(run(cached, other), run(plain, other))) << other;
+      if (other != kind) {
+        EXPECT_TRUE(BytesEqual(run(cached, other), run(plain, other))) << other;
+      }
     }
 
     // An in-place update of the parameter, as optimizers make, bumps the version: re-quantized.

@@ -178,12 +178,16 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
   ExpectErrorContaining(make(recipes::bf16_with_fp8_mixed().fp8_margin(19)),
                         "fp8_margin 19 would scale every tensor's largest value to 448 / 2^19");
   EXPECT_NO_THROW(make(recipes::bf16_with_fp8_mixed().fp8_margin(kMaxFp8Margin))());
+  // The loss scaler's checks name the plugin's own knobs (fp16_*).
   ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(0.0)),
-                        "loss_scale must be positive and finite");
-  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(-8.0)), "loss_scale");
+                        "fp16_loss_scale must be positive and finite");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale(-8.0)), "fp16_loss_scale");
   ExpectErrorContaining(make(recipes::fp16_mixed().fp16_initial_loss_scale(0.0)),
-                        "initial_loss_scale must be positive");
-  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_hysteresis(0)), "hysteresis must be >= 1");
+                        "fp16_initial_loss_scale must be positive");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_min_loss_scale(8e9)),
+                        "fp16_min_loss_scale must be positive and <= fp16_initial_loss_scale");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_loss_scale_window(0)), "fp16_loss_scale_window must be >= 1");
+  ExpectErrorContaining(make(recipes::fp16_mixed().fp16_hysteresis(0)), "fp16_hysteresis must be >= 1");
   ExpectErrorContaining(make(recipes::bf16_mixed().fp8_params(true)),
                         "fp8_params = true needs fp8 = \"hybrid\" or \"e4m3\"");
   ExpectErrorContaining(make(recipes::bf16_mixed().params_dtype(at::kDouble)),
@@ -1194,6 +1198,74 @@ TEST(TrainingLoopSlipTest, AccumulatedMicroBatchesStepAsOneBatch) {
   for (size_t i = 0; i < whole->parameters().size(); ++i) {
     EXPECT_TRUE(torch::allclose(whole->parameters()[i], halves->parameters()[i], 1e-6, 1e-7)) << "param " << i;
   }
+}
+
+TEST(ConvertInputOutputTest, OnlyFloat32InputsAndHalfOutputsAreCast) {
+  // Megatron's Float16Module: float32 inputs become the params dtype, half outputs float32; a
+  // float64 target or mask and integer ids pass as they are (not narrowed to bf16).
+  MixedPrecisionPlugin bf16 = recipes::bf16_mixed();
+  EXPECT_EQ(bf16.convert_input(torch::randn({3, 5})).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(bf16.convert_input(torch::randn({3, 5}, at::kDouble)).scalar_type(), at::kDouble);
+  EXPECT_EQ(bf16.convert_input(torch::randn({3, 5}, at::kHalf)).scalar_type(), at::kHalf);
+  EXPECT_EQ(bf16.convert_input(torch::arange(7)).scalar_type(), at::kLong);
+  EXPECT_EQ(bf16.convert_output(torch::randn({3, 5}, at::kBFloat16)).scalar_type(), at::kFloat);
+  EXPECT_EQ(bf16.convert_output(torch::randn({3, 5}, at::kHalf)).scalar_type(), at::kFloat);
+  EXPECT_EQ(bf16.convert_output(torch::randn({3, 5}, at::kDouble)).scalar_type(), at::kDouble);
+  const auto exact = torch::randn({3, 5}, at::kDouble);
+  EXPECT_TRUE(torch::equal(bf16.convert_output(exact), exact));
+  MixedPrecisionPlugin fp16 = recipes::fp16_mixed();
+  EXPECT_EQ(fp16.convert_input(torch::randn({3, 5})).scalar_type(), at::kHalf);
+  MixedPrecisionPlugin fp32 = MixedPrecisionOptions("32");
+  EXPECT_EQ(fp32.convert_input(torch::randn({3, 5})).scalar_type(), at::kFloat);
+}
+
+// Many bf16 micro-batches on one rank: their gradients are summed in float32 under
+// grad_reduce_in_fp32 (Megatron's float32 main_grad), in bf16 without it. The weight's gradient
+// in micro-batch k is exactly c_k (loss = sum(w * c_k)); SGD with lr 1 makes the master move by
+// exactly the sum, so the master's change is the sum the step used.
+void check_micro_batch_sum(const at::Device& device, bool grad_reduce_in_fp32) {
+  SCOPED_TRACE(c10::str(device, grad_reduce_in_fp32 ? ", float32 sum" : ", bf16 sum"));
+  torch::manual_seed(7);
+  torch::nn::Linear layer(torch::nn::LinearOptions(13, 7).bias(false));
+  layer->to(device);
+  torch::optim::SGD optimizer(layer->parameters(), 1.0);
+  MixedPrecisionPlugin plugin = recipes::bf16_mixed().grad_reduce_in_fp32(grad_reduce_in_fp32);
+  plugin.connect(*layer, optimizer);
+  ASSERT_EQ(layer->weight.scalar_type(), at::kBFloat16);
+  constexpr int kMicroBatches = 300;  // past 256, where bf16's spacing is 2
+  const auto grads = (torch::rand({kMicroBatches, 7, 13}) + 0.5).to(at::kBFloat16);
+  const auto exact = grads.to(at::kDouble).sum(0);
+  auto running_bf16 = grads[0].clone();  // autograd's accumulation: each sum rounded to bf16
+  for (int k = 1; k < kMicroBatches; ++k) running_bf16 = (running_bf16.to(at::kFloat) + grads[k].to(at::kFloat)).to(at::kBFloat16);
+  ASSERT_GT((running_bf16.to(at::kDouble) - exact).abs().max().item<double>(), 10.0);  // the case tells them apart
+  const auto& optimizer_masters = plugin.distributed_optimizer()->master_shards();
+  ASSERT_EQ(optimizer_masters.size(), 1u);
+  for (int step = 0; step < 2; ++step) {  // the second step: the float32 sums were zeroed
+    const auto before = optimizer_masters[0].to(torch::kCPU, at::kDouble);
+    for (int k = 0; k < kMicroBatches; ++k) {
+      plugin.set_gradient_sync(k == kMicroBatches - 1);
+      plugin.backward((layer->weight * grads[k].to(device)).sum());
+    }
+    ASSERT_TRUE(plugin.optimizer_step(optimizer));
+    const auto used = before - optimizer_masters[0].to(torch::kCPU, at::kDouble);
+    if (grad_reduce_in_fp32) {
+      // float32: each of the 300 adds rounds by at most half a unit at 512 (1.5e-5): under 0.005.
+      EXPECT_LT((used - exact).abs().max().item<double>(), 0.02) << "step " << step;
+    } else {
+      EXPECT_LT((used - running_bf16.to(at::kDouble)).abs().max().item<double>(), 1e-4) << "step " << step;
+    }
+  }
+}
+
+TEST(MicroBatchSumTest, ManyBf16MicroBatchesSumInFloat32OnOneRank) {
+  check_micro_batch_sum(at::kCPU, /*grad_reduce_in_fp32=*/true);
+  check_micro_batch_sum(at::kCPU, /*grad_reduce_in_fp32=*/false);
+}
+
+TEST(MicroBatchSumTest, ManyBf16MicroBatchesSumInFloat32OnOneRank_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  check_micro_batch_sum(at::Device(at::kCUDA, 0), /*grad_reduce_in_fp32=*/true);  // the fused SGD step
+  check_micro_batch_sum(at::Device(at::kCUDA, 0), /*grad_reduce_in_fp32=*/false);
 }
 
 // ---- autocast ----

@@ -158,19 +158,77 @@ void DistributedOptimizer::point_optimizer_at_masters(torch::optim::Optimizer& o
 }
 
 void DistributedOptimizer::set_gradient_sync(bool enabled) {
-  if (buffer_) buffer_->set_gradient_sync(enabled);
+  if (buffer_) {
+    buffer_->set_gradient_sync(enabled);
+    return;
+  }
+  if (enabled || !grad_reduce_in_fp32_ || main_grad_buffer_.defined() || !connected_) return;
+  // The first micro-batch that does not end its step: from now on, sum in float32. Allocated
+  // here, between micro-batches (never inside a CUDA graph's capture).
+  int64_t numel = 0;
+  std::vector<int64_t> offsets(params_.size(), -1);
+  for (size_t n = 0; n < params_.size(); ++n) {
+    const auto& model = params_[n].model;
+    if (params_[n].fp8_meta || !model.defined()) continue;
+    if (model.scalar_type() != at::kBFloat16 && model.scalar_type() != at::kHalf) continue;
+    offsets[n] = numel;
+    numel += model.numel();
+  }
+  if (numel == 0) return;
+  torch::NoGradGuard no_grad;
+  main_grad_buffer_ = torch::zeros({numel}, torch::TensorOptions().dtype(at::kFloat).device(device()));
+  main_grads_.assign(params_.size(), torch::Tensor());
+  for (size_t n = 0; n < params_.size(); ++n) {
+    if (offsets[n] < 0) continue;
+    const auto& model = params_[n].model;
+    main_grads_[n] = main_grad_buffer_.narrow(0, offsets[n], model.numel()).view(model.sizes());
+  }
+}
+
+void DistributedOptimizer::take_gradients() {
+  if (!main_grad_buffer_.defined()) return;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> sums, grads;
+  for (size_t n = 0; n < params_.size(); ++n) {
+    if (!main_grads_[n].defined() || !params_[n].model.grad().defined()) continue;
+    sums.push_back(main_grads_[n]);
+    grads.push_back(params_[n].model.grad());
+  }
+  if (grads.empty()) return;
+  at::_foreach_add_(sums, grads);
+  if (static_gradients_on_) {
+    // The .grad stays where a CUDA graph's capture wrote it.
+    at::_foreach_zero_(grads);
+  } else {
+    for (size_t n = 0; n < params_.size(); ++n) {
+      if (main_grads_[n].defined()) params_[n].model.mutable_grad().reset();
+    }
+  }
+}
+
+std::vector<torch::Tensor> DistributedOptimizer::main_gradients() const {
+  std::vector<torch::Tensor> defined;
+  for (const auto& grad : main_grads_) {
+    if (grad.defined()) defined.push_back(grad);
+  }
+  return defined;
 }
 
 const std::vector<torch::Tensor>& DistributedOptimizer::reduce_gradients() {
   TORCH_CHECK(connected_, "DistributedOptimizer: connect before reducing gradients");
   if (buffer_) buffer_->finish_grad_sync();
+  // A backward the plugin did not see (the last micro-batch's, under a loop of its own).
+  if (!static_gradients_on_) take_gradients();
   grads_.assign(pieces_.size(), torch::Tensor());
   for (size_t i = 0; i < pieces_.size(); ++i) {
-    const auto& param = params_[pieces_[i].param];
+    const size_t n = pieces_[i].param;
+    const auto& param = params_[n];
     if (buffer_) {
       grads_[i] = pieces_[i].grad;
+    } else if (param.fp8_meta) {
+      grads_[i] = param.fp8_meta->main_grad().tensor();
     } else {
-      grads_[i] = param.fp8_meta ? param.fp8_meta->main_grad().tensor() : param.model.grad();
+      grads_[i] = main_grad_buffer_.defined() && main_grads_[n].defined() ? main_grads_[n] : param.model.grad();
     }
   }
   return grads_;
@@ -408,6 +466,10 @@ void DistributedOptimizer::zero_gradients() {
     for (auto& param : params_) {
       if (param.fp8_meta) param.fp8_meta->main_grad().zero();
       else param.model.mutable_grad().reset();
+    }
+    if (main_grad_buffer_.defined()) {
+      torch::NoGradGuard no_grad;
+      main_grad_buffer_.zero_();
     }
   }
   for (auto& piece : pieces_) piece.master.mutable_grad().reset();

@@ -75,8 +75,20 @@ class DistributedOptimizer {
   void connect(torch::optim::Optimizer& optimizer, std::vector<ParamSpec> params);
 
   /// false while accumulating micro-batches (see ParamAndGradBuffer::set_gradient_sync). The
-  /// Trainer sets it; a loop of its own calls it around its micro-batches.
+  /// Trainer sets it; a loop of its own calls it around its micro-batches. On one rank with
+  /// grad_reduce_in_fp32, the first false turns on float32 accumulation (take_gradients).
   void set_gradient_sync(bool enabled);
+  /// One rank, grad_reduce_in_fp32, once a step has accumulated micro-batches: adds each bf16 /
+  /// fp16 parameter's autograd gradient into its float32 main gradient (Megatron's main_grad: a
+  /// flat float32 buffer, 4 bytes per such parameter, allocated at the first
+  /// set_gradient_sync(false)) and releases the .grad (zeroes it with static gradients), so
+  /// that the micro-batches are summed in float32, not in the parameters' dtype. The plugin
+  /// calls it after each backward; reduce_gradients takes what is left. Nothing to do otherwise
+  /// (several ranks sum into the ParamAndGradBuffer; FP8 weights' main_grad and float32
+  /// parameters are float32 already; a step of one micro-batch has nothing to sum).
+  void take_gradients();
+  /// The float32 main gradients take_gradients sums into (empty unless it is on).
+  std::vector<torch::Tensor> main_gradients() const;
 
   /// Finishes the gradient reduction and returns each master's gradient, in master_shards()
   /// order, in the dtype it was reduced / accumulated in (undefined: the parameter got none).
@@ -196,6 +208,10 @@ class DistributedOptimizer {
   int rank_ = 0, world_size_ = 1;
   bool connected_ = false;
   std::unique_ptr<ParamAndGradBuffer> buffer_;  // several ranks only
+  // One rank, float32 accumulation (take_gradients): main_grads_[n] is parameter n's view of
+  // main_grad_buffer_ (undefined for FP8 weights and float32 parameters).
+  torch::Tensor main_grad_buffer_;
+  std::vector<torch::Tensor> main_grads_;
   std::vector<Param> params_;
   std::vector<Piece> pieces_;
   std::vector<torch::Tensor> master_shards_;

@@ -18,19 +18,20 @@ bool positive_finite(double value) { return value > 0.0 && std::isfinite(value);
 
 }  // namespace
 
-void LossScalerOptions::validate() const {
+void LossScalerOptions::validate(const std::string& knob_prefix) const {
+  const auto& p = knob_prefix;
   TORCH_CHECK(!loss_scale_ || (positive_finite(*loss_scale_) &&
                                std::isfinite(static_cast<float>(*loss_scale_))),
-              "loss_scale must be positive and finite (static scaling) or unset (dynamic), got ",
+              p, "loss_scale must be positive and finite (static scaling) or unset (dynamic), got ",
               loss_scale_ ? *loss_scale_ : 0.0);
   TORCH_CHECK(positive_finite(initial_scale_) && std::isfinite(static_cast<float>(initial_scale_)),
-              "initial_loss_scale must be positive and finite in float32, got ", initial_scale_);
+              p, "initial_loss_scale must be positive and finite in float32, got ", initial_scale_);
   TORCH_CHECK(positive_finite(min_scale_) && min_scale_ <= initial_scale_,
-              "min_loss_scale must be positive and <= initial_loss_scale (", initial_scale_,
+              p, "min_loss_scale must be positive and <= ", p, "initial_loss_scale (", initial_scale_,
               "), got ", min_scale_);
-  TORCH_CHECK(growth_interval_ >= 1, "loss_scale_window (growth_interval) must be >= 1, got ",
-              growth_interval_);
-  TORCH_CHECK(hysteresis_ >= 1, "hysteresis must be >= 1, got ", hysteresis_);
+  TORCH_CHECK(growth_interval_ >= 1, p, "loss_scale_window", p.empty() ? " (growth_interval)" : "",
+              " must be >= 1, got ", growth_interval_);
+  TORCH_CHECK(hysteresis_ >= 1, p, "hysteresis must be >= 1, got ", hysteresis_);
   TORCH_CHECK(growth_factor_ > 1.0 && std::isfinite(growth_factor_),
               "growth_factor must be > 1, got ", growth_factor_);
   TORCH_CHECK(backoff_factor_ > 0.0 && backoff_factor_ < 1.0,

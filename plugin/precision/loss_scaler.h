@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace amp8 {
@@ -37,8 +38,10 @@ struct LossScalerOptions {
   TORCH_ARG(double, backoff_factor) = 0.5;
 
  public:
-  /// Throws c10::Error naming the first bad knob and what it accepts.
-  void validate() const;
+  /// Throws c10::Error naming the first bad knob and what it accepts, by Megatron's name
+  /// (initial_loss_scale, min_loss_scale, loss_scale_window, ...) after `knob_prefix` (the
+  /// plugin's options pass "fp16_": their own names).
+  void validate(const std::string& knob_prefix = "") const;
 };
 
 /// The loss scaler state machine. The scale is kept as a float32 value (as Megatron's), so every

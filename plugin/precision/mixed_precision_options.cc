@@ -111,13 +111,16 @@ void MixedPrecisionOptions::validate() const {
               num_layers_at_start_in_bf16_);
   TORCH_CHECK(num_layers_at_end_in_bf16_ >= 0, "num_layers_at_end_in_bf16 must be >= 0, got ",
               num_layers_at_end_in_bf16_);
-  LossScalerOptions()
+  loss_scaler_options().validate("fp16_");
+}
+
+LossScalerOptions MixedPrecisionOptions::loss_scaler_options() const {
+  return LossScalerOptions()
       .loss_scale(fp16_loss_scale_)
       .initial_scale(fp16_initial_loss_scale_)
       .min_scale(fp16_min_loss_scale_)
       .growth_interval(fp16_loss_scale_window_)
-      .hysteresis(fp16_hysteresis_)
-      .validate();
+      .hysteresis(fp16_hysteresis_);
 }
 
 }  // namespace amp8

@@ -26,12 +26,7 @@ MixedPrecisionPlugin::MixedPrecisionPlugin(const MixedPrecisionOptions& options)
     : options_(options) {
   options_.validate();
   if (options_.canonical_precision() == "16-mixed") {
-    scaler_.emplace(LossScalerOptions()
-                        .loss_scale(options_.fp16_loss_scale())
-                        .initial_scale(options_.fp16_initial_loss_scale())
-                        .min_scale(options_.fp16_min_loss_scale())
-                        .growth_interval(options_.fp16_loss_scale_window())
-                        .hysteresis(options_.fp16_hysteresis()));
+    scaler_.emplace(options_.loss_scaler_options());
   }
   if (options_.fp8_enabled()) fp8_recipe_ = options_.fp8_recipe_options().resolve();
 }
@@ -206,17 +201,16 @@ ForwardContext MixedPrecisionPlugin::forward_context() {
   return context;
 }
 
+// As Megatron's Float16Module: float32 inputs become the params dtype and half outputs float32;
+// other dtypes (float64 targets or masks, integer ids) pass unchanged.
 torch::Tensor MixedPrecisionPlugin::convert_input(const torch::Tensor& input) {
   const auto params_dtype = options_.resolved_params_dtype();
-  if (!input.defined() || !input.is_floating_point() || params_dtype == at::kFloat ||
-      input.scalar_type() == params_dtype) {
-    return input;
-  }
+  if (!input.defined() || input.scalar_type() != at::kFloat || params_dtype == at::kFloat) return input;
   return input.to(params_dtype);
 }
 
 torch::Tensor MixedPrecisionPlugin::convert_output(const torch::Tensor& output) {
-  if (!output.defined() || !output.is_floating_point() || output.scalar_type() == at::kFloat) {
+  if (!output.defined() || (output.scalar_type() != at::kBFloat16 && output.scalar_type() != at::kHalf)) {
     return output;
   }
   return output.to(at::kFloat);
@@ -230,10 +224,12 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
   if (scaler_) {
     loss.to(at::kFloat).mul(scaler_->scale()).backward();
     scaled_backward_since_step_ = true;
-    if (checks_scaled_gradients()) scaled_grad_norm_after_backward_ = model_gradient_norm();
   } else {
     loss.backward();
   }
+  // Micro-batches summed in float32 (one rank, grad_reduce_in_fp32; several ranks' hooks did).
+  if (optimizer_) optimizer_->take_gradients();
+  if (scaler_ && checks_scaled_gradients()) scaled_grad_norm_after_backward_ = model_gradient_norm();
   note_backward_done();
 }
 
@@ -408,6 +404,7 @@ double MixedPrecisionPlugin::model_gradient_norm() const {
   for (const auto& param : model_->parameters()) {
     if (param.grad().defined()) grads.push_back(param.grad());
   }
+  for (const auto& sum : optimizer_->main_gradients()) grads.push_back(sum);
   return grads.empty() ? 0.0 : global_grad_norm(grads, nullptr, grads.front().device());
 }
 

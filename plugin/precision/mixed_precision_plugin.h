@@ -40,8 +40,10 @@ struct MixedPrecisionOptions {
   /// Run the forward pass under at::autocast with the precision's dtype (for models whose
   /// parameters stay float32). Default: false (NeMo's presets: the parameters are half).
   TORCH_ARG(bool, autocast_enabled) = false;
-  /// Reduce gradients across data-parallel ranks in float32 (used by the distributed
-  /// optimizer). Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
+  /// Sum gradients in float32, as Megatron's float32 main_grad: across data-parallel ranks (the
+  /// reduce-scatter) and across a step's micro-batches, on one rank too (from the first
+  /// set_gradient_sync(false); DistributedOptimizer::take_gradients). false: in the parameters'
+  /// dtype. Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
   TORCH_ARG(bool, grad_reduce_in_fp32) = true;
   /// Step a torch::optim::Adam / AdamW (without amsgrad) or SGD whose masters are on a GPU with
   /// amp8's multi-tensor kernels (fused_optimizer_step, TE's FusedAdam / FusedSGD with master
@@ -112,6 +114,8 @@ struct MixedPrecisionOptions {
   c10::ScalarType resolved_params_dtype() const;
   bool fp8_enabled() const { return fp8_ != "none"; }
   Fp8RecipeOptions fp8_recipe_options() const;
+  /// The fp16_* knobs as the loss scaler's options (used under "16-mixed").
+  LossScalerOptions loss_scaler_options() const;
 };
 
 /// Megatron's mixed precision for any LibTorch model and torch::optim optimizer.
@@ -156,7 +160,9 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   void convert_module(torch::nn::Module& model) override;
   void convert_optimizer(torch::optim::Optimizer& optimizer) override;
   ForwardContext forward_context() override;
+  /// A float32 input as the params dtype (Megatron's Float16Module); any other dtype unchanged.
   torch::Tensor convert_input(const torch::Tensor& input) override;
+  /// A bfloat16 / float16 output as float32; any other dtype unchanged.
   torch::Tensor convert_output(const torch::Tensor& output) override;
   void backward(const torch::Tensor& loss) override;
   void unscale_gradients(torch::optim::Optimizer& optimizer) override;

@@ -12,7 +12,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <limits>
 #include <regex>
 #include <unordered_map>
 #include <vector>

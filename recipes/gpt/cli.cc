@@ -300,7 +300,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       ->capture_default_str()->check(whole_number(1, kMaxCount));
   auto* grad_reduce_flag = app.add_option(
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
-      "under torchrun: reduce gradients in float32 (false: in the params dtype); default: the precision's (NeMo: "
+      "sum gradients in float32: across ranks under torchrun and across --grad-accum micro-batches (false: in "
+      "the params dtype); default: the precision's (NeMo: "
       "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
   app.add_option("--exp-avg-dtype", exp_avg_dtype,
                  "Adam's first moment: fp32, or bf16 for half its bytes, the update still computed in "
