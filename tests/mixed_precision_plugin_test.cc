@@ -1262,6 +1262,58 @@ TEST(MicroBatchSumTest, ManyBf16MicroBatchesSumInFloat32OnOneRank) {
   check_micro_batch_sum(at::kCPU, /*grad_reduce_in_fp32=*/false);
 }
 
+TEST(MicroBatchSumTest, AParameterWithoutAGradientIsNotStepped) {
+  // An unused parameter and a frozen one get no gradient in an accumulated step: AdamW must not
+  // decay them (a zero float32 sum handed to the step would), as without accumulation.
+  torch::manual_seed(3);
+  torch::nn::Linear used(6, 4), unused(6, 4), frozen(6, 4);
+  frozen->weight.set_requires_grad(false);
+  std::vector<torch::Tensor> params = used->parameters();
+  for (const auto& module : {unused, frozen}) {
+    for (const auto& param : module->parameters()) params.push_back(param);
+  }
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(0.1).weight_decay(0.5));
+  torch::nn::Sequential model(used, unused, frozen);
+  MixedPrecisionPlugin plugin = recipes::bf16_mixed();
+  plugin.connect(*model, optimizer);
+  const auto before_unused = unused->weight.clone(), before_frozen = frozen->weight.clone();
+  const auto before_used = used->weight.clone();
+  for (int k = 0; k < 3; ++k) {
+    plugin.set_gradient_sync(k == 2);
+    plugin.backward(used->forward(torch::randn({5, 6}).to(at::kBFloat16)).to(at::kFloat).square().sum());
+  }
+  ASSERT_TRUE(plugin.optimizer_step(optimizer));
+  EXPECT_FALSE(torch::equal(used->weight, before_used));
+  EXPECT_TRUE(torch::equal(unused->weight, before_unused));
+  EXPECT_TRUE(torch::equal(frozen->weight, before_frozen));
+}
+
+TEST(MicroBatchSumTest, ClippingTheParametersGradIsNamed) {
+  // With float32 sums the parameters' .grad holds only the last micro-batch's gradient between
+  // plugin.backward and the step: torch::nn::utils::clip_grad_norm_ there would clip a part of
+  // the step's gradient. An error naming plugin.clip_gradients, which works.
+  torch::manual_seed(5);
+  torch::nn::Linear layer(6, 4);
+  torch::optim::SGD optimizer(layer->parameters(), 0.1);
+  MixedPrecisionPlugin plugin = recipes::bf16_mixed();
+  plugin.connect(*layer, optimizer);
+  const auto x = torch::randn({5, 6}).to(at::kBFloat16);
+  auto two_micro_batches = [&] {
+    for (int k = 0; k < 2; ++k) {
+      plugin.set_gradient_sync(k == 1);
+      plugin.backward(layer->forward(x).to(at::kFloat).square().sum());
+    }
+  };
+  two_micro_batches();
+  torch::nn::utils::clip_grad_norm_(layer->parameters(), 1e-3);
+  ExpectErrorContaining([&] { plugin.optimizer_step(optimizer); },
+                        "the parameters' .grad holds only the last micro-batch's");
+  plugin.discard_gradients(optimizer);
+  two_micro_batches();
+  plugin.clip_gradients(optimizer, 1e-3);
+  EXPECT_TRUE(plugin.optimizer_step(optimizer));
+}
+
 TEST(MicroBatchSumTest, ManyBf16MicroBatchesSumInFloat32OnOneRank_CUDA) {
   AMP8_REQUIRE_CUDA();
   check_micro_batch_sum(at::Device(at::kCUDA, 0), /*grad_reduce_in_fp32=*/true);  // the fused SGD step

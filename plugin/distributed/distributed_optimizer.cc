@@ -169,7 +169,8 @@ void DistributedOptimizer::set_gradient_sync(bool enabled) {
   std::vector<int64_t> offsets(params_.size(), -1);
   for (size_t n = 0; n < params_.size(); ++n) {
     const auto& model = params_[n].model;
-    if (params_[n].fp8_meta || !model.defined()) continue;
+    // As Megatron's main_grad: parameters that train; FP8 weights have theirs; and one device.
+    if (params_[n].fp8_meta || !model.defined() || !model.requires_grad() || model.device() != device()) continue;
     if (model.scalar_type() != at::kBFloat16 && model.scalar_type() != at::kHalf) continue;
     offsets[n] = numel;
     numel += model.numel();
@@ -178,6 +179,7 @@ void DistributedOptimizer::set_gradient_sync(bool enabled) {
   torch::NoGradGuard no_grad;
   main_grad_buffer_ = torch::zeros({numel}, torch::TensorOptions().dtype(at::kFloat).device(device()));
   main_grads_.assign(params_.size(), torch::Tensor());
+  took_.assign(params_.size(), false);
   for (size_t n = 0; n < params_.size(); ++n) {
     if (offsets[n] < 0) continue;
     const auto& model = params_[n].model;
@@ -193,6 +195,7 @@ void DistributedOptimizer::take_gradients() {
     if (!main_grads_[n].defined() || !params_[n].model.grad().defined()) continue;
     sums.push_back(main_grads_[n]);
     grads.push_back(params_[n].model.grad());
+    took_[n] = true;
   }
   if (grads.empty()) return;
   at::_foreach_add_(sums, grads);
@@ -217,8 +220,9 @@ std::vector<torch::Tensor> DistributedOptimizer::main_gradients() const {
 const std::vector<torch::Tensor>& DistributedOptimizer::reduce_gradients() {
   TORCH_CHECK(connected_, "DistributedOptimizer: connect before reducing gradients");
   if (buffer_) buffer_->finish_grad_sync();
-  // A backward the plugin did not see (the last micro-batch's, under a loop of its own).
-  if (!static_gradients_on_) take_gradients();
+  // The last micro-batch's gradients (the plugin leaves them in .grad until now), and those
+  // of a backward it did not see.
+  take_gradients();
   grads_.assign(pieces_.size(), torch::Tensor());
   for (size_t i = 0; i < pieces_.size(); ++i) {
     const size_t n = pieces_[i].param;
@@ -228,7 +232,10 @@ const std::vector<torch::Tensor>& DistributedOptimizer::reduce_gradients() {
     } else if (param.fp8_meta) {
       grads_[i] = param.fp8_meta->main_grad().tensor();
     } else {
-      grads_[i] = main_grad_buffer_.defined() && main_grads_[n].defined() ? main_grads_[n] : param.model.grad();
+      // A sum only where a gradient went in (or every one with static gradients, as their .grad):
+      // a parameter that got none stays without one, as torch::optim expects.
+      const bool summed = main_grad_buffer_.defined() && main_grads_[n].defined() && (took_[n] || static_gradients_on_);
+      grads_[i] = summed ? main_grads_[n] : param.model.grad();
     }
   }
   return grads_;
@@ -470,6 +477,7 @@ void DistributedOptimizer::zero_gradients() {
     if (main_grad_buffer_.defined()) {
       torch::NoGradGuard no_grad;
       main_grad_buffer_.zero_();
+      took_.assign(params_.size(), false);
     }
   }
   for (auto& piece : pieces_) piece.master.mutable_grad().reset();

@@ -10,7 +10,8 @@
 //                      buffer after the reduce-scatter (averaged); with one, the gradient where
 //                      the backward pass left it (the parameter's .grad, an FP8 weight's
 //                      main_grad): a world of one has nothing to reduce, so it keeps no
-//                      gradient buffer and copies nothing;
+//                      gradient buffer and copies nothing, unless a step accumulates
+//                      micro-batches under grad_reduce_in_fp32 (take_gradients: float32 sums);
 //   step               the fused multi-tensor kernels (reading those gradients in their dtype,
 //                      writing the model's half copy) or the optimizer's own step() on float32
 //                      gradients (set_master_gradients);
@@ -80,13 +81,16 @@ class DistributedOptimizer {
   void set_gradient_sync(bool enabled);
   /// One rank, grad_reduce_in_fp32, once a step has accumulated micro-batches: adds each bf16 /
   /// fp16 parameter's autograd gradient into its float32 main gradient (Megatron's main_grad: a
-  /// flat float32 buffer, 4 bytes per such parameter, allocated at the first
-  /// set_gradient_sync(false)) and releases the .grad (zeroes it with static gradients), so
-  /// that the micro-batches are summed in float32, not in the parameters' dtype. The plugin
-  /// calls it after each backward; reduce_gradients takes what is left. Nothing to do otherwise
-  /// (several ranks sum into the ParamAndGradBuffer; FP8 weights' main_grad and float32
-  /// parameters are float32 already; a step of one micro-batch has nothing to sum).
+  /// flat float32 buffer, 4 bytes per trainable such parameter on device(), allocated at the
+  /// first set_gradient_sync(false)) and releases the .grad (zeroes it with static gradients),
+  /// so that the micro-batches are summed in float32, not in the parameters' dtype. The plugin
+  /// calls it after each backward with gradient sync off; reduce_gradients takes the rest (the
+  /// last micro-batch's). Nothing to do otherwise (several ranks sum into the
+  /// ParamAndGradBuffer; FP8 weights' main_grad and float32 parameters are float32 already).
+  /// A parameter that got no gradient in the step still has none.
   void take_gradients();
+  /// Whether take_gradients sums (from the first set_gradient_sync(false) on one rank).
+  bool sums_micro_batches() const { return main_grad_buffer_.defined(); }
   /// The float32 main gradients take_gradients sums into (empty unless it is on).
   std::vector<torch::Tensor> main_gradients() const;
 
@@ -212,6 +216,7 @@ class DistributedOptimizer {
   // main_grad_buffer_ (undefined for FP8 weights and float32 parameters).
   torch::Tensor main_grad_buffer_;
   std::vector<torch::Tensor> main_grads_;
+  std::vector<bool> took_;  // parameter n's sum holds a gradient of this step
   std::vector<Param> params_;
   std::vector<Piece> pieces_;
   std::vector<torch::Tensor> master_shards_;

@@ -228,8 +228,11 @@ void MixedPrecisionPlugin::backward(const torch::Tensor& loss) {
     loss.backward();
   }
   // Micro-batches summed in float32 (one rank, grad_reduce_in_fp32; several ranks' hooks did).
-  if (optimizer_) optimizer_->take_gradients();
-  if (scaler_ && checks_scaled_gradients()) scaled_grad_norm_after_backward_ = model_gradient_norm();
+  // The last one's gradients stay in .grad until the step takes them (reduce_gradients), so
+  // that an edit of them in between is seen (check_gradients_unchanged); under static
+  // gradients every micro-batch's are taken, so that a CUDA graph of any one of them holds it.
+  if (optimizer_ && (!gradient_sync_ || optimizer_->static_gradients())) optimizer_->take_gradients();
+  if (checks_gradients_unchanged()) grad_norm_after_backward_ = model_gradient_norm();
   note_backward_done();
 }
 
@@ -285,7 +288,7 @@ void MixedPrecisionPlugin::unscale_gradients(torch::optim::Optimizer& optimizer)
               name(), "): this step's gradients did not come from plugin.backward(loss). loss.backward() does not "
               "multiply them by the loss scale (", loss_scale(),
               ") and unscaling divides them by it, so the model would barely train: call plugin.backward(loss)");
-  check_scaled_gradients_unchanged();
+  check_gradients_unchanged();
   torch::NoGradGuard no_grad;
   fused_step_ = use_fused_step(optimizer);
   // The fused step reads the gradients as they were reduced and unscales them on the fly; the
@@ -391,11 +394,12 @@ void MixedPrecisionPlugin::clear_gradients() {
   found_inf_ = false;
   scaled_backward_since_step_ = false;
   synced_backward_since_step_ = false;
+  grad_norm_after_backward_ = std::numeric_limits<double>::quiet_NaN();
 }
 
-bool MixedPrecisionPlugin::checks_scaled_gradients() const {
-  return scaler_ && !scaled_gradients_checked_ && model_ != nullptr && optimizer_ &&
-         optimizer_->world_size() == 1;
+bool MixedPrecisionPlugin::checks_gradients_unchanged() const {
+  return !gradients_checked_unchanged_ && model_ != nullptr && optimizer_ && optimizer_->world_size() == 1 &&
+         (scaler_ || optimizer_->sums_micro_batches());
 }
 
 double MixedPrecisionPlugin::model_gradient_norm() const {
@@ -408,18 +412,24 @@ double MixedPrecisionPlugin::model_gradient_norm() const {
   return grads.empty() ? 0.0 : global_grad_norm(grads, nullptr, grads.front().device());
 }
 
-void MixedPrecisionPlugin::check_scaled_gradients_unchanged() {
-  if (!checks_scaled_gradients() || !scaled_backward_since_step_) return;
-  const double before = scaled_grad_norm_after_backward_;
-  if (!std::isfinite(before)) return;  // an overflow (the step is skipped): compare next time
+void MixedPrecisionPlugin::check_gradients_unchanged() {
+  if (!checks_gradients_unchanged()) return;
+  const double before = grad_norm_after_backward_;
+  // No plugin.backward since the last step, or an overflow (the step is skipped): next time.
+  if (!std::isfinite(before)) return;
   const double now = model_gradient_norm();
-  TORCH_CHECK(now == before, "MixedPrecisionPlugin (", name(), "): the gradients changed between "
-              "plugin.backward(loss) and this step (their norm was ", before, " after the backward, is ",
-              now, " now). Until the step they are multiplied by the loss scale (", loss_scale(),
-              "), so torch::nn::utils::clip_grad_norm_ (or anything else applied to them there) "
+  const std::string changed = c10::str("MixedPrecisionPlugin (", name(), "): the gradients changed between "
+                                       "plugin.backward(loss) and this step (their norm was ", before,
+                                       " after the backward, is ", now, " now). ");
+  TORCH_CHECK(now == before || !scaler_, changed, "Until the step they are multiplied by the loss scale (",
+              loss_scale(), "), so torch::nn::utils::clip_grad_norm_ (or anything else applied to them there) "
               "works on scaled gradients: clip with plugin.clip_gradients(optimizer, max_norm), "
               "which unscales first");
-  scaled_gradients_checked_ = true;
+  TORCH_CHECK(now == before, changed, "The step's gradients are the float32 sum of its micro-batches, which the "
+              "plugin holds (grad_reduce_in_fp32); the parameters' .grad holds only the last micro-batch's, so "
+              "torch::nn::utils::clip_grad_norm_ (or anything else applied to them there) sees a part of them: "
+              "clip with plugin.clip_gradients(optimizer, max_norm)");
+  gradients_checked_unchanged_ = true;
 }
 
 void MixedPrecisionPlugin::check_swapped_modules_ran() {

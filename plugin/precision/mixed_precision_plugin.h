@@ -236,9 +236,9 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   void note_backward_done();
   // The check of loss-scaled gradients changed between backward() and the step (see the class
   // comment): whether it still runs, the norm it compares, and the comparison.
-  bool checks_scaled_gradients() const;
+  bool checks_gradients_unchanged() const;
   double model_gradient_norm() const;
-  void check_scaled_gradients_unchanged();
+  void check_gradients_unchanged();
   bool use_fused_step(const torch::optim::Optimizer& optimizer) const;
   AdamMomentDtypes moment_dtypes() const;
 
@@ -264,10 +264,11 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   bool gradient_sync_ = true;
   bool synced_backward_since_step_ = false;
   bool swapped_modules_checked_ = false;
-  // The loss-scaled gradients' norm after the last backward() (NaN before one), until
-  // unscale_gradients has compared it once with finite gradients (scaled_gradients_checked_).
-  double scaled_grad_norm_after_backward_ = std::numeric_limits<double>::quiet_NaN();
-  bool scaled_gradients_checked_ = false;
+  // The gradients' norm after the last backward() (NaN before one since the step), while they
+  // are loss-scaled or partly in the float32 micro-batch sums, until unscale_gradients has
+  // compared it once with finite gradients (gradients_checked_unchanged_).
+  double grad_norm_after_backward_ = std::numeric_limits<double>::quiet_NaN();
+  bool gradients_checked_unchanged_ = false;
   int64_t skipped_steps_ = 0;
 };
 

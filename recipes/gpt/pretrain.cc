@@ -299,7 +299,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                                  {"num_layers_at_start_in_bf16", std::to_string(p.num_layers_at_start_in_bf16())},
                                  {"num_layers_at_end_in_bf16", std::to_string(p.num_layers_at_end_in_bf16())}});
   }
-  if (world > 1) trainer.run_settings["grad_reduce_in_fp32"] = recipe.precision.grad_reduce_in_fp32() ? "true" : "false";
+  // The dtype gradients are summed in: across ranks, and across micro-batches on one GPU.
+  if (world > 1 || trainer_options.accumulate_grad_batches() > 1) {
+    trainer.run_settings["grad_reduce_in_fp32"] = recipe.precision.grad_reduce_in_fp32() ? "true" : "false";
+  }
   for (const auto& name : recipe.allow_changes) {
     TORCH_CHECK(trainer.run_settings.count(name) > 0, "allow-changes: unknown setting \"", name,
                 "\"; the settings a checkpoint records are ", [&] {
