@@ -84,10 +84,13 @@ class DistributedOptimizer {
   /// flat float32 buffer, 4 bytes per trainable such parameter on device(), allocated at the
   /// first set_gradient_sync(false)) and releases the .grad (zeroes it with static gradients),
   /// so that the micro-batches are summed in float32, not in the parameters' dtype. The plugin
-  /// calls it after each backward with gradient sync off; reduce_gradients takes the rest (the
-  /// last micro-batch's). Nothing to do otherwise (several ranks sum into the
-  /// ParamAndGradBuffer; FP8 weights' main_grad and float32 parameters are float32 already).
-  /// A parameter that got no gradient in the step still has none.
+  /// calls it after each backward with gradient sync off (after every backward under static
+  /// gradients); reduce_gradients takes the rest (the last micro-batch's). Nothing to do
+  /// otherwise (several ranks sum into the ParamAndGradBuffer; FP8 weights' main_grad and
+  /// float32 parameters are float32 already). A parameter that got no gradient in the step
+  /// still has none (under static gradients: a zero one, as its .grad). Which parameters have a
+  /// sum is decided at the allocation: one unfrozen later sums in its own dtype (as Megatron's
+  /// main_grad, made once).
   void take_gradients();
   /// Whether take_gradients sums (from the first set_gradient_sync(false) on one rank).
   bool sums_micro_batches() const { return main_grad_buffer_.defined(); }

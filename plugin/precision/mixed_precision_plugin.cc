@@ -398,8 +398,10 @@ void MixedPrecisionPlugin::clear_gradients() {
 }
 
 bool MixedPrecisionPlugin::checks_gradients_unchanged() const {
+  // Not under static gradients: backward() may run inside a CUDA graph's capture, where the
+  // norm's host read is not allowed (and every micro-batch is taken there: .grad holds nothing).
   return !gradients_checked_unchanged_ && model_ != nullptr && optimizer_ && optimizer_->world_size() == 1 &&
-         (scaler_ || optimizer_->sums_micro_batches());
+         !optimizer_->static_gradients() && (scaler_ || optimizer_->sums_micro_batches());
 }
 
 double MixedPrecisionPlugin::model_gradient_norm() const {
@@ -428,7 +430,8 @@ void MixedPrecisionPlugin::check_gradients_unchanged() {
   TORCH_CHECK(now == before, changed, "The step's gradients are the float32 sum of its micro-batches, which the "
               "plugin holds (grad_reduce_in_fp32); the parameters' .grad holds only the last micro-batch's, so "
               "torch::nn::utils::clip_grad_norm_ (or anything else applied to them there) sees a part of them: "
-              "clip with plugin.clip_gradients(optimizer, max_norm)");
+              "clip with plugin.clip_gradients(optimizer, max_norm). A backward outside plugin.backward(loss) "
+              "after it changes them too: call plugin.backward for every micro-batch");
   gradients_checked_unchanged_ = true;
 }
 

@@ -42,8 +42,8 @@ struct MixedPrecisionOptions {
   TORCH_ARG(bool, autocast_enabled) = false;
   /// Sum gradients in float32, as Megatron's float32 main_grad: across data-parallel ranks (the
   /// reduce-scatter) and across a step's micro-batches, on one rank too (from the first
-  /// set_gradient_sync(false); DistributedOptimizer::take_gradients). false: in the parameters'
-  /// dtype. Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
+  /// set_gradient_sync(false); DistributedOptimizer::take_gradients: the plugin holds the sum,
+  /// .grad only the last micro-batch's part until the step). false: in the parameters' dtype. Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
   TORCH_ARG(bool, grad_reduce_in_fp32) = true;
   /// Step a torch::optim::Adam / AdamW (without amsgrad) or SGD whose masters are on a GPU with
   /// amp8's multi-tensor kernels (fused_optimizer_step, TE's FusedAdam / FusedSGD with master
@@ -140,11 +140,14 @@ struct MixedPrecisionOptions {
 /// instead (drop-ins that compute in high precision outside an FP8 region).
 ///
 /// Under loss scaling (16-mixed) the gradients between backward() and the step are still
-/// multiplied by the loss scale: anything that changes them there (torch::nn::utils::
-/// clip_grad_norm_ clips them scaled) is an error at that step's clip_gradients() /
-/// optimizer_step(), checked until one step has compared finite gradients, on a world of one
-/// (the gradients' norm after each backward() against the norm when the step begins: one more
-/// read of the gradients per micro-batch, on the first step only).
+/// multiplied by the loss scale, and once micro-batches are summed in float32
+/// (grad_reduce_in_fp32 on one rank) the parameters' .grad holds only the last micro-batch's
+/// part: anything that changes them there (torch::nn::utils::clip_grad_norm_) is an error at
+/// that step's clip_gradients() / optimizer_step(), checked until one step has compared finite
+/// gradients, on a world of one without static gradients (the gradients' norm after each
+/// backward() against the norm when the step begins: one more read of the gradients per
+/// micro-batch, on the first step checked only). A backward outside backward() after it looks
+/// the same and is named too.
 ///
 /// A backward() with gradient sync on (the default) ends a step's gradients: another backward()
 /// before optimizer_step() or discard_gradients() is an error. It catches a loop that steps with
@@ -234,8 +237,9 @@ class MixedPrecisionPlugin : public PrecisionPlugin {
   // bookkeeping after one (also for backward_replayed).
   void check_backward_allowed() const;
   void note_backward_done();
-  // The check of loss-scaled gradients changed between backward() and the step (see the class
-  // comment): whether it still runs, the norm it compares, and the comparison.
+  // The check of gradients changed between backward() and the step, loss-scaled or partly
+  // summed (see the class comment): whether it still runs, the norm it compares, and the
+  // comparison.
   bool checks_gradients_unchanged() const;
   double model_gradient_norm() const;
   void check_gradients_unchanged();
