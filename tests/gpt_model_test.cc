@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "plugin/modules/convert_module.h"
 #include "plugin/fp8/fp8_autocast.h"
@@ -252,6 +253,24 @@ TEST(LossPlotTest, WritesOnePolylinePerCurve) {
   EXPECT_NE(svg.find("b&lt;c"), std::string::npos);
   EXPECT_EQ(svg.find("nan"), std::string::npos);
   std::filesystem::remove(path);
+}
+
+// Every curve of a picture with up to ten has its own colour (a seventh curve once reused the
+// first one's blue in bench/results/validation_long_corpus/val_gap.png).
+TEST(LossPlotTest, TenCurvesGetTenColours) {
+  const auto path = std::filesystem::temp_directory_path() / ("amp8_plot_colours_" + std::to_string(::getpid()) + ".svg");
+  std::vector<LossCurve> curves;
+  for (int c = 0; c < 10; ++c) curves.push_back({"run " + std::to_string(c), {{1, 5.0 - c * 0.1}, {2, 4.0 - c * 0.1}}});
+  write_loss_svg(path.string(), curves, "title");
+  std::ifstream in(path);
+  const std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(path);
+  std::set<std::string> colours;
+  const std::string key = "<polyline fill=\"none\" stroke=\"";
+  for (size_t at = svg.find(key); at != std::string::npos; at = svg.find(key, at + 1)) {
+    colours.insert(svg.substr(at + key.size(), 7));
+  }
+  EXPECT_EQ(colours.size(), 10u);
 }
 
 // The y axis names what the curves hold: the loss by default, or what the caller says (a

@@ -188,7 +188,10 @@ void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curve
     svg << "<text x=\"" << left + plot_w << "\" y=\"" << top - 6 << "\" text-anchor=\"end\" fill=\"#666\">"
         << "values above " << tick_label(y_max, y_spacing) << " (the first steps, spikes) cut off</text>\n";
   }
-  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"};
+  // Matplotlib's ten "tab10" colours, so that up to ten curves are told apart.
+  const char* colors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+                          "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+  constexpr size_t kColors = sizeof(colors) / sizeof(colors[0]);
   auto polyline = [&](const std::vector<std::pair<double, double>>& points, const char* color, double stroke,
                       double opacity) {
     svg << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"" << stroke
@@ -199,7 +202,7 @@ void write_loss_svg(const std::string& path, const std::vector<LossCurve>& curve
     svg << "\"/>\n";
   };
   for (size_t c = 0; c < curves.size(); ++c) {
-    const char* color = colors[c % 6];
+    const char* color = colors[c % kColors];
     const bool noisy = !trends[c].empty();
     polyline(curves[c].points, color, noisy ? 0.8 : 1.5, noisy ? 0.25 : 1.0);
     if (noisy) polyline(trends[c], color, 2.0, 1.0);

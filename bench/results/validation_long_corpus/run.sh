@@ -72,6 +72,18 @@ run() {  # name, flags: runs (or resumes) one run for T seconds, then SIGTERM (i
 # VARIANTS="blockwise_ends2:--fp8-recipe blockwise --num-layers-at-start-in-bf16 2 --num-layers-at-end-in-bf16 2"
 names=""
 [ "${BF16:-1}" = 1 ] && { run bf16 --precision bf16-mixed & names="bf16"; }
+# BF16_VARIANTS: more bf16-mixed runs, "NAME:FLAGS;..." (flags after the common ones, the last of
+# a repeated flag wins), e.g. BF16_VARIANTS="bf16_nondeterministic:--deterministic false": the
+# same seed and batches with another reduction order, how far two bf16 runs drift apart alone.
+if [ -n "${BF16_VARIANTS:-}" ]; then
+  IFS=';' read -ra variants <<< "$BF16_VARIANTS"
+  for variant in "${variants[@]}"; do
+    name=${variant%%:*}; flags=${variant#*:}
+    # shellcheck disable=SC2086  # FLAGS are words
+    run $name --precision bf16-mixed $flags &
+    names="$names $name"
+  done
+fi
 fp8_common="--precision bf16-mixed --fp8 hybrid --fp8-min-gemm-size 0"
 if [ -n "${VARIANTS:-}" ]; then
   IFS=';' read -ra variants <<< "$VARIANTS"
