@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/accumulate.h"
 #include "ops/fused_adam.h"
 #include "ops/fused_sgd.h"
 #include "ops/quantize.h"
@@ -583,6 +584,85 @@ TEST_F(FusedOptimizerTest, SumOfSquaresMatchesTheCpuReference_CUDA) {
   expect_infinity_then_nan(tensors);
   const std::vector<torch::Tensor> empty = {torch::empty({0}, torch::kCUDA)};
   EXPECT_EQ(sum_of_squares(empty).item<float>(), 0.0f);
+}
+
+// ---- accumulate_in_float32 (ops/accumulate.h): the float32 sums of micro-batch gradients ----
+
+// Float32 sums for norm_inputs' gradients (three dtypes, chunk edges, > 128 tensors), non-zero,
+// and every third entry overwritten instead of added to.
+struct AccumulateCase {
+  std::vector<torch::Tensor> sums, grads;
+  std::vector<bool> overwrite;
+};
+AccumulateCase accumulate_case(torch::Device device) {
+  AccumulateCase c;
+  c.grads = norm_inputs(device);
+  for (size_t i = 0; i < c.grads.size(); ++i) {
+    c.sums.push_back(torch::randn(c.grads[i].sizes()).mul(100).to(device));
+    c.overwrite.push_back(i % 3 == 1);
+  }
+  return c;
+}
+
+// The reference's meaning, checked in float64: an add is the float32 rounding of the exact sum;
+// an overwrite is the gradient exactly (its widening to float32 is exact).
+TEST_F(FusedOptimizerTest, AccumulateInFloat32AddsOrOverwrites) {
+  auto c = accumulate_case(torch::kCPU);
+  std::vector<torch::Tensor> before;
+  for (const auto& sum : c.sums) before.push_back(sum.clone());
+  accumulate_in_float32(c.sums, c.grads, c.overwrite);
+  int64_t added = 0, overwritten = 0;
+  for (size_t i = 0; i < c.sums.size(); ++i) {
+    SCOPED_TRACE("entry " + std::to_string(i));
+    const auto grad = c.grads[i].to(torch::kDouble);
+    const auto expected = c.overwrite[i] ? grad : (before[i].to(torch::kDouble) + grad).to(torch::kFloat).to(torch::kDouble);
+    ASSERT_TRUE(torch::equal(c.sums[i].to(torch::kDouble), expected));
+    (c.overwrite[i] ? overwritten : added) += c.grads[i].numel();
+  }
+  EXPECT_GT(added, 0);
+  EXPECT_GT(overwritten, 0);
+  // A NaN or an infinity in a gradient reaches its sum either way.
+  auto nan = std::vector<torch::Tensor>{torch::full({3}, std::numeric_limits<float>::quiet_NaN()).to(torch::kBFloat16)};
+  auto sum = std::vector<torch::Tensor>{torch::ones({3})};
+  accumulate_in_float32(sum, nan, {false});
+  EXPECT_TRUE(sum[0].isnan().all().item<bool>());
+}
+
+TEST_F(FusedOptimizerTest, AccumulateInFloat32NamesTheBadEntry) {
+  const auto ok = torch::ones({3}), bf16 = torch::ones({3}, torch::kBFloat16);
+  ExpectErrorContaining([&] { accumulate_in_float32({ok}, {bf16, bf16}, {false, false}); },
+                        "sums, grads and overwrite must have one length, got 1, 2 and 2");
+  ExpectErrorContaining([&] { accumulate_in_float32({ok, bf16}, {bf16, bf16}, {false, false}); },
+                        "sums[1] must be float32, got BFloat16");
+  ExpectErrorContaining([&] { accumulate_in_float32({ok, ok}, {bf16, torch::ones({3}, torch::kLong)}, {false, false}); },
+                        "grads[1] must be float32, bfloat16 or float16, got Long");
+  ExpectErrorContaining([&] { accumulate_in_float32({ok, torch::ones({4})}, {bf16, bf16}, {false, false}); },
+                        "sums[1] is [4], grads[1] [3]: each sum must have its gradient's shape");
+  ExpectErrorContaining([&] { accumulate_in_float32({torch::ones({4, 3}).t()}, {torch::ones({3, 4})}, {true}); },
+                        "sums[0] ([3, 4]) must be contiguous");
+  accumulate_in_float32({}, {}, {});  // nothing to do
+}
+
+// The multi-tensor kernel against the CPU reference, bit for bit (both round each element once).
+TEST_F(FusedOptimizerTest, AccumulateInFloat32MatchesTheCpuReference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  auto cpu = accumulate_case(torch::kCPU);
+  AccumulateCase gpu;
+  for (size_t i = 0; i < cpu.sums.size(); ++i) {
+    gpu.sums.push_back(cpu.sums[i].to(torch::kCUDA));
+    gpu.grads.push_back(cpu.grads[i].to(torch::kCUDA));
+  }
+  gpu.overwrite = cpu.overwrite;
+  for (int round = 0; round < 2; ++round) {  // the second round adds into the first's results
+    accumulate_in_float32(cpu.sums, cpu.grads, cpu.overwrite);
+    accumulate_in_float32(gpu.sums, gpu.grads, gpu.overwrite);
+    for (size_t i = 0; i < cpu.sums.size(); ++i) {
+      ASSERT_TRUE(BytesEqual(gpu.sums[i].cpu(), cpu.sums[i])) << "round " << round << ", entry " << i;
+    }
+  }
+  const auto device = torch::Device(torch::kCUDA);
+  ExpectErrorContaining([&] { accumulate_in_float32({torch::ones({3})}, {torch::ones({3}, device)}, {false}); },
+                        "sums[0] is on cpu, grads on cuda:0: all must be on one device");
 }
 
 // ---- CUDA ----

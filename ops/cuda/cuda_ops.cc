@@ -525,6 +525,21 @@ at::Tensor sum_of_squares_cuda(const std::vector<at::Tensor>& tensors) {
   return partials.sum().reshape({1});
 }
 
+void accumulate_in_float32_cuda(const std::vector<at::Tensor>& sums, const std::vector<at::Tensor>& grads,
+                                const std::vector<bool>& overwrite) {
+  const c10::cuda::CUDAGuard guard(grads.front().device());
+  size_t next = 0;  // launch_grouped makes the entries in the list's order
+  launch_grouped<cuda::AccumulateTensor>(
+      grads, input_type,
+      [&](const at::Tensor& grad) -> cuda::AccumulateTensor {
+        const size_t i = next++;
+        return {sums[i].mutable_data_ptr<float>(), grad.const_data_ptr(), grad.numel(), overwrite[i]};
+      },
+      [&](const cuda::AccumulateTensor* list, int n, cuda::InputType type) {
+        return cuda::launch_accumulate_in_float32(list, n, type, current_stream());
+      });
+}
+
 void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdStepOptions& o,
                          double grad_multiplier) {
   const c10::cuda::CUDAGuard guard(tensors.front().param.device());

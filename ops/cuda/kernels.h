@@ -232,6 +232,17 @@ struct SumOfSquaresScalars {};
 int launch_sum_of_squares(const SumOfSquaresTensor* tensors, int num_tensors, InputType type,
                           Stream stream);
 
+// ---- Float32 sums of many gradients (accumulate_kernels.cu, over multi_tensor_apply) ----
+struct AccumulateTensor {
+  float* sum;        // float32, in place
+  const void* grad;  // the launch's input type
+  int64_t numel;
+  bool overwrite;    // sum = grad (the sum's first micro-batch) instead of sum += grad
+};
+struct AccumulateScalars {};
+// One launch per 128 tensors.
+int launch_accumulate_in_float32(const AccumulateTensor* tensors, int num_tensors, InputType type, Stream stream);
+
 // ---- Fused SGD with FP32 master weights (fused_sgd_kernels.cu) ----
 struct SgdTensorPointers {
   float* param;            // FP32 master, updated in place

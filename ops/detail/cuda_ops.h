@@ -112,6 +112,11 @@ void fused_sgd_step_cuda(const std::vector<SgdStepTensor>& tensors, const SgdSte
 // sum_of_squares (ops/sum_of_squares.h).
 at::Tensor sum_of_squares_cuda(const std::vector<at::Tensor>& tensors);
 
+// sums[i] += grads[i] (= where overwrite[i]) in float32 (accumulate_kernels.cu); arguments
+// checked by accumulate_in_float32 (ops/accumulate.h).
+void accumulate_in_float32_cuda(const std::vector<at::Tensor>& sums, const std::vector<at::Tensor>& grads,
+                                const std::vector<bool>& overwrite);
+
 // cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
 at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
                          const Fp8GemmOptions& options);

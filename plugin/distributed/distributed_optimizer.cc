@@ -5,6 +5,7 @@
 #include <map>
 #include <numeric>
 
+#include "ops/accumulate.h"
 #include "ops/blockwise.h"
 #include "ops/quantize.h"
 #include "plugin/modules/fp8_meta.h"
@@ -191,14 +192,19 @@ void DistributedOptimizer::take_gradients() {
   if (!main_grad_buffer_.defined()) return;
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> sums, grads;
+  std::vector<bool> overwrite;
   for (size_t n = 0; n < params_.size(); ++n) {
     if (!main_grads_[n].defined() || !params_[n].model.grad().defined()) continue;
     sums.push_back(main_grads_[n]);
-    grads.push_back(params_[n].model.grad());
+    grads.push_back(params_[n].model.grad().contiguous());
+    // A sum's first gradient of the step is written, not added: zero_gradients leaves the
+    // sums as they are. Under static gradients a CUDA graph's capture may hold this take, and
+    // a replay repeats it as captured: there every take adds into sums zeroed at the step.
+    overwrite.push_back(!took_[n] && !static_gradients_on_);
     took_[n] = true;
   }
   if (grads.empty()) return;
-  at::_foreach_add_(sums, grads);
+  accumulate_in_float32(sums, grads, overwrite);
   if (static_gradients_on_) {
     // The .grad stays where a CUDA graph's capture wrote it.
     at::_foreach_zero_(grads);
@@ -210,11 +216,11 @@ void DistributedOptimizer::take_gradients() {
 }
 
 std::vector<torch::Tensor> DistributedOptimizer::main_gradients() const {
-  std::vector<torch::Tensor> defined;
-  for (const auto& grad : main_grads_) {
-    if (grad.defined()) defined.push_back(grad);
+  std::vector<torch::Tensor> summed;
+  for (size_t n = 0; n < main_grads_.size(); ++n) {
+    if (main_grads_[n].defined() && (took_[n] || static_gradients_on_)) summed.push_back(main_grads_[n]);
   }
-  return defined;
+  return summed;
 }
 
 const std::vector<torch::Tensor>& DistributedOptimizer::reduce_gradients() {
@@ -475,8 +481,11 @@ void DistributedOptimizer::zero_gradients() {
       else param.model.mutable_grad().reset();
     }
     if (main_grad_buffer_.defined()) {
-      torch::NoGradGuard no_grad;
-      main_grad_buffer_.zero_();
+      // The next take overwrites each sum (take_gradients); static gradients' takes add.
+      if (static_gradients_on_) {
+        torch::NoGradGuard no_grad;
+        main_grad_buffer_.zero_();
+      }
       took_.assign(params_.size(), false);
     }
   }

@@ -83,7 +83,10 @@ class DistributedOptimizer {
   /// fp16 parameter's autograd gradient into its float32 main gradient (Megatron's main_grad: a
   /// flat float32 buffer, 4 bytes per trainable such parameter on device(), allocated at the
   /// first set_gradient_sync(false)) and releases the .grad (zeroes it with static gradients),
-  /// so that the micro-batches are summed in float32, not in the parameters' dtype. The plugin
+  /// so that the micro-batches are summed in float32, not in the parameters' dtype. One
+  /// multi-tensor launch (ops/accumulate.h); a sum's first gradient of a step is written, not
+  /// added, so the step does not zero the sums (it does under static gradients, whose CUDA graph
+  /// may hold a take and repeat it as captured: every take there adds). The plugin
   /// calls it after each backward with gradient sync off (after every backward under static
   /// gradients); reduce_gradients takes the rest (the last micro-batch's). Nothing to do
   /// otherwise (several ranks sum into the ParamAndGradBuffer; FP8 weights' main_grad and
@@ -94,7 +97,8 @@ class DistributedOptimizer {
   void take_gradients();
   /// Whether take_gradients sums (from the first set_gradient_sync(false) on one rank).
   bool sums_micro_batches() const { return main_grad_buffer_.defined(); }
-  /// The float32 main gradients take_gradients sums into (empty unless it is on).
+  /// The float32 main gradients take_gradients has summed this step (all of them under static
+  /// gradients; empty unless it is on).
   std::vector<torch::Tensor> main_gradients() const;
 
   /// Finishes the gradient reduction and returns each master's gradient, in master_shards()
