@@ -5,6 +5,8 @@
 #include <map>
 #include <numeric>
 
+#include <c10/util/accumulate.h>
+
 #include "ops/accumulate.h"
 #include "ops/blockwise.h"
 #include "ops/quantize.h"
@@ -16,6 +18,43 @@ namespace amp8 {
 namespace {
 
 const void* key(const torch::Tensor& t) { return t.unsafeGetTensorImpl(); }
+
+// Parameters' places in flat zeroed buffers, one per dtype (Megatron's grad buffers): the one-rank
+// float32 sums and the static gradients. add() appends parameter n; allocate() makes the buffers
+// and returns each parameter's view (undefined for one not added).
+class FlatLayout {
+ public:
+  void add(size_t n, at::ScalarType dtype, at::IntArrayRef sizes) {
+    auto& layout = layouts_[dtype];
+    layout.slots.push_back({n, layout.size, sizes.vec()});
+    layout.size += c10::multiply_integers(sizes);
+  }
+  bool empty() const { return layouts_.empty(); }
+  std::vector<torch::Tensor> allocate(size_t num_params, const torch::Device& device,
+                                      std::vector<torch::Tensor>& buffers) const {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> views(num_params);
+    for (const auto& [dtype, layout] : layouts_) {
+      buffers.push_back(torch::zeros({layout.size}, torch::TensorOptions().dtype(dtype).device(device)));
+      for (const auto& slot : layout.slots) {
+        views[slot.n] = buffers.back().narrow(0, slot.offset, c10::multiply_integers(slot.sizes)).view(slot.sizes);
+      }
+    }
+    return views;
+  }
+
+ private:
+  struct Slot {
+    size_t n;
+    int64_t offset;
+    std::vector<int64_t> sizes;
+  };
+  struct Layout {
+    int64_t size = 0;
+    std::vector<Slot> slots;
+  };
+  std::map<at::ScalarType, Layout> layouts_;
+};
 
 }  // namespace
 
@@ -166,26 +205,19 @@ void DistributedOptimizer::set_gradient_sync(bool enabled) {
   if (enabled || !grad_reduce_in_fp32_ || main_grad_buffer_.defined() || !connected_) return;
   // The first micro-batch that does not end its step: from now on, sum in float32. Allocated
   // here, between micro-batches (never inside a CUDA graph's capture).
-  int64_t numel = 0;
-  std::vector<int64_t> offsets(params_.size(), -1);
+  FlatLayout layout;
   for (size_t n = 0; n < params_.size(); ++n) {
     const auto& model = params_[n].model;
     // As Megatron's main_grad: parameters that train; FP8 weights have theirs; and one device.
     if (params_[n].fp8_meta || !model.defined() || !model.requires_grad() || model.device() != device()) continue;
     if (model.scalar_type() != at::kBFloat16 && model.scalar_type() != at::kHalf) continue;
-    offsets[n] = numel;
-    numel += model.numel();
+    layout.add(n, at::kFloat, model.sizes());
   }
-  if (numel == 0) return;
-  torch::NoGradGuard no_grad;
-  main_grad_buffer_ = torch::zeros({numel}, torch::TensorOptions().dtype(at::kFloat).device(device()));
-  main_grads_.assign(params_.size(), torch::Tensor());
+  if (layout.empty()) return;
+  std::vector<torch::Tensor> buffers;
+  main_grads_ = layout.allocate(params_.size(), device(), buffers);
+  main_grad_buffer_ = buffers.front();
   took_.assign(params_.size(), false);
-  for (size_t n = 0; n < params_.size(); ++n) {
-    if (offsets[n] < 0) continue;
-    const auto& model = params_[n].model;
-    main_grads_[n] = main_grad_buffer_.narrow(0, offsets[n], model.numel()).view(model.sizes());
-  }
 }
 
 void DistributedOptimizer::take_gradients() {
@@ -508,35 +540,22 @@ void DistributedOptimizer::use_static_gradients() {
   if (static_gradients_on_) return;
   // Each parameter's place in the flat buffer of its gradient's dtype (an FP8 weight's main_grad
   // accumulates in float32). One rank has one device: the dtype names the buffer.
-  struct Layout {
-    int64_t size = 0;
-    std::vector<std::pair<size_t, int64_t>> slots;  // (parameter, offset)
-  };
-  std::map<at::ScalarType, Layout> layouts;
+  FlatLayout layout;
   for (size_t n = 0; n < params_.size(); ++n) {
     const auto& param = params_[n];
     if (!param.model.defined()) continue;
     TORCH_CHECK(!param.fp8_meta || !param.fp8_meta->main_grad().is_bound(),
                 "DistributedOptimizer::use_static_gradients: FP8 weight ", n,
                 "'s main_grad is already bound to a buffer");
-    auto& layout = layouts[param.fp8_meta ? at::kFloat : param.model.scalar_type()];
-    layout.slots.emplace_back(n, layout.size);
-    layout.size += param.model.numel();
+    layout.add(n, param.fp8_meta ? at::kFloat : param.model.scalar_type(), param.model.sizes());
   }
-  torch::NoGradGuard no_grad;
-  static_grads_.assign(params_.size(), torch::Tensor());
-  for (const auto& [dtype, layout] : layouts) {
-    static_grad_buffers_.push_back(
-        torch::zeros({layout.size}, torch::TensorOptions().dtype(dtype).device(device())));
-    for (const auto& [n, offset] : layout.slots) {
-      auto& param = params_[n];
-      auto view = static_grad_buffers_.back().narrow(0, offset, param.model.numel()).view(param.model.sizes());
-      if (param.fp8_meta) {
-        param.fp8_meta->main_grad().bind(view, param.model.device());
-      } else {
-        static_grads_[n] = view;
-      }
-    }
+  static_grads_ = layout.allocate(params_.size(), device(), static_grad_buffers_);
+  for (size_t n = 0; n < params_.size(); ++n) {
+    auto& param = params_[n];
+    if (!param.fp8_meta || !static_grads_[n].defined()) continue;
+    // An FP8 weight's gradient is its main_grad: bound to the view, no .grad view of its own.
+    param.fp8_meta->main_grad().bind(static_grads_[n], param.model.device());
+    static_grads_[n] = torch::Tensor();
   }
   static_gradients_on_ = true;
   zero_gradients();
