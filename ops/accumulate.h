@@ -12,7 +12,8 @@ namespace amp8 {
 ///
 /// CUDA: one launch per 128 tensors of a gradient dtype, whatever their number (ATen's mixed-dtype
 /// add takes one launch per tensor). Each element is rounded once, as the CPU reference (ATen's
-/// add_ / copy_) does: both give the same bits.
+/// add_ / copy_) does: both give the same bits, but for a NaN's payload (a NaN stays a NaN, an
+/// infinity the same infinity).
 ///
 /// sums: float32, contiguous; grads: float32, bfloat16 or float16 (mixed dtypes are fine),
 /// contiguous, each the shape of its sum; all on one device; the three lists of one length

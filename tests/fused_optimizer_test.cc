@@ -589,19 +589,55 @@ TEST_F(FusedOptimizerTest, SumOfSquaresMatchesTheCpuReference_CUDA) {
 // ---- accumulate_in_float32 (ops/accumulate.h): the float32 sums of micro-batch gradients ----
 
 // Float32 sums for norm_inputs' gradients (three dtypes, chunk edges, > 128 tensors), non-zero,
-// and every third entry overwritten instead of added to.
+// and every third entry overwritten instead of added to. The sums are views of one flat buffer,
+// as the optimizer's are, with one guard element after each that nothing may write.
 struct AccumulateCase {
+  torch::Tensor flat;  // the sums and their guards
   std::vector<torch::Tensor> sums, grads;
   std::vector<bool> overwrite;
+  std::vector<int64_t> guards;  // each guard's index in flat
 };
+constexpr float kGuard = 12345.0f;
 AccumulateCase accumulate_case(torch::Device device) {
   AccumulateCase c;
   c.grads = norm_inputs(device);
+  int64_t size = 0;
+  for (const auto& grad : c.grads) size += grad.numel() + 1;
+  c.flat = torch::randn({size}).mul(100).to(device);
+  int64_t offset = 0;
   for (size_t i = 0; i < c.grads.size(); ++i) {
-    c.sums.push_back(torch::randn(c.grads[i].sizes()).mul(100).to(device));
+    const int64_t numel = c.grads[i].numel();
+    c.sums.push_back(c.flat.narrow(0, offset, numel).view(c.grads[i].sizes()));
+    c.guards.push_back(offset + numel);
+    c.flat[offset + numel] = kGuard;
+    offset += numel + 1;
     c.overwrite.push_back(i % 3 == 1);
   }
   return c;
+}
+
+void expect_guards_untouched(const AccumulateCase& c) {
+  const auto flat = c.flat.cpu();
+  for (const int64_t guard : c.guards) ASSERT_EQ(flat[guard].item<float>(), kGuard) << "guard at " << guard;
+}
+
+// A NaN or an infinity in a gradient reaches its sum, added or written, in each dtype (a NaN's
+// payload may differ between CPU and GPU; its NaN-ness not).
+void expect_non_finite_reach_the_sums(torch::Device device) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (const bool overwrite : {false, true}) {
+      SCOPED_TRACE(c10::str(dtype, overwrite ? ", overwrite" : ", add"));
+      std::vector<torch::Tensor> sums = {torch::ones({4}, torch::Device(device))};
+      const std::vector<torch::Tensor> grads = {torch::tensor({nan, inf, -inf, 2.0f}).to(device, dtype)};
+      accumulate_in_float32(sums, grads, {overwrite});
+      const auto sum = sums[0].cpu();
+      EXPECT_TRUE(std::isnan(sum[0].item<float>()));
+      EXPECT_EQ(sum[1].item<float>(), inf);
+      EXPECT_EQ(sum[2].item<float>(), -inf);
+      EXPECT_EQ(sum[3].item<float>(), overwrite ? 2.0f : 3.0f);
+    }
+  }
 }
 
 // The reference's meaning, checked in float64: an add is the float32 rounding of the exact sum;
@@ -621,11 +657,8 @@ TEST_F(FusedOptimizerTest, AccumulateInFloat32AddsOrOverwrites) {
   }
   EXPECT_GT(added, 0);
   EXPECT_GT(overwritten, 0);
-  // A NaN or an infinity in a gradient reaches its sum either way.
-  auto nan = std::vector<torch::Tensor>{torch::full({3}, std::numeric_limits<float>::quiet_NaN()).to(torch::kBFloat16)};
-  auto sum = std::vector<torch::Tensor>{torch::ones({3})};
-  accumulate_in_float32(sum, nan, {false});
-  EXPECT_TRUE(sum[0].isnan().all().item<bool>());
+  expect_guards_untouched(c);
+  expect_non_finite_reach_the_sums(torch::kCPU);
 }
 
 TEST_F(FusedOptimizerTest, AccumulateInFloat32NamesTheBadEntry) {
@@ -647,12 +680,14 @@ TEST_F(FusedOptimizerTest, AccumulateInFloat32NamesTheBadEntry) {
 TEST_F(FusedOptimizerTest, AccumulateInFloat32MatchesTheCpuReference_CUDA) {
   AMP8_REQUIRE_CUDA();
   auto cpu = accumulate_case(torch::kCPU);
-  AccumulateCase gpu;
+  AccumulateCase gpu = cpu;
+  gpu.flat = cpu.flat.to(torch::kCUDA);
+  int64_t offset = 0;
   for (size_t i = 0; i < cpu.sums.size(); ++i) {
-    gpu.sums.push_back(cpu.sums[i].to(torch::kCUDA));
-    gpu.grads.push_back(cpu.grads[i].to(torch::kCUDA));
+    gpu.sums[i] = gpu.flat.narrow(0, offset, cpu.sums[i].numel()).view(cpu.sums[i].sizes());
+    offset += cpu.sums[i].numel() + 1;
+    gpu.grads[i] = cpu.grads[i].to(torch::kCUDA);
   }
-  gpu.overwrite = cpu.overwrite;
   for (int round = 0; round < 2; ++round) {  // the second round adds into the first's results
     accumulate_in_float32(cpu.sums, cpu.grads, cpu.overwrite);
     accumulate_in_float32(gpu.sums, gpu.grads, gpu.overwrite);
@@ -660,6 +695,8 @@ TEST_F(FusedOptimizerTest, AccumulateInFloat32MatchesTheCpuReference_CUDA) {
       ASSERT_TRUE(BytesEqual(gpu.sums[i].cpu(), cpu.sums[i])) << "round " << round << ", entry " << i;
     }
   }
+  expect_guards_untouched(gpu);
+  expect_non_finite_reach_the_sums(torch::kCUDA);
   const auto device = torch::Device(torch::kCUDA);
   ExpectErrorContaining([&] { accumulate_in_float32({torch::ones({3})}, {torch::ones({3}, device)}, {false}); },
                         "sums[0] is on cpu, grads on cuda:0: all must be on one device");

@@ -225,18 +225,23 @@ void DistributedOptimizer::take_gradients() {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> sums, grads;
   std::vector<bool> overwrite;
+  std::vector<size_t> taken;
   for (size_t n = 0; n < params_.size(); ++n) {
     if (!main_grads_[n].defined() || !params_[n].model.grad().defined()) continue;
     sums.push_back(main_grads_[n]);
-    grads.push_back(params_[n].model.grad().contiguous());
+    grads.push_back(params_[n].model.grad());
     // A sum's first gradient of the step is written, not added: zero_gradients leaves the
     // sums as they are. Under static gradients a CUDA graph's capture may hold this take, and
     // a replay repeats it as captured: there every take adds into sums zeroed at the step.
     overwrite.push_back(!took_[n] && !static_gradients_on_);
-    took_[n] = true;
+    taken.push_back(n);
   }
   if (grads.empty()) return;
-  accumulate_in_float32(sums, grads, overwrite);
+  std::vector<torch::Tensor> contiguous_grads;  // autograd's are nearly always contiguous already
+  for (const auto& grad : grads) contiguous_grads.push_back(grad.contiguous());
+  accumulate_in_float32(sums, contiguous_grads, overwrite);
+  // Only once the sums hold them: a take that throws leaves no sum marked as this step's.
+  for (const size_t n : taken) took_[n] = true;
   if (static_gradients_on_) {
     // The .grad stays where a CUDA graph's capture wrote it.
     at::_foreach_zero_(grads);

@@ -131,7 +131,9 @@ class DistributedOptimizer {
   /// parameters are then final. Nothing to do on one rank or without the overlap.
   void finish_param_gather();
   /// Zeroes every gradient (the buffer, the model's, main_grad, the masters'), ready for the
-  /// next step. With static gradients: fills them with zeros, where they are.
+  /// next step. With static gradients: fills them with zeros, where they are. The one-rank
+  /// float32 sums are not zeroed (outside static gradients) but marked empty: the next take
+  /// writes each.
   void zero_gradients();
   /// From now on every gradient the backward pass writes stays at one address (what a CUDA
   /// graph replay needs: it writes where the capture wrote): each parameter's .grad is a view of
