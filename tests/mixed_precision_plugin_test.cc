@@ -1288,6 +1288,32 @@ TEST(MicroBatchSumTest, AParameterWithoutAGradientIsNotStepped) {
   EXPECT_TRUE(torch::equal(frozen->weight, before_frozen));
 }
 
+TEST(MicroBatchSumTest, MainGradientsAreThisStepsSumsOnly) {
+  // The sums are not zeroed between steps (a step's first take writes each): a parameter with a
+  // gradient last step and none in this one keeps last step's sum in the buffer, and
+  // main_gradients (what the gradients-unchanged check reads) must not hand it out.
+  torch::manual_seed(4);
+  torch::nn::Linear a(6, 4), b(6, 4);
+  torch::optim::SGD optimizer(torch::nn::Sequential(a, b)->parameters(), 0.1);
+  torch::nn::Sequential model(a, b);
+  MixedPrecisionPlugin plugin = recipes::bf16_mixed();
+  plugin.connect(*model, optimizer);
+  const auto x = torch::randn({5, 6}).to(at::kBFloat16);
+  auto step = [&](bool use_b) {
+    plugin.set_gradient_sync(false);
+    auto loss = a->forward(x).to(at::kFloat).square().sum();
+    if (use_b) loss = loss + b->forward(x).to(at::kFloat).square().sum();
+    plugin.backward(loss);
+    const size_t summed = plugin.distributed_optimizer()->main_gradients().size();
+    plugin.set_gradient_sync(true);
+    plugin.backward(a->forward(x).to(at::kFloat).square().sum());
+    EXPECT_TRUE(plugin.optimizer_step(optimizer));
+    return summed;
+  };
+  EXPECT_EQ(step(/*use_b=*/true), 4u);   // a's and b's weight and bias
+  EXPECT_EQ(step(/*use_b=*/false), 2u);  // a's only: b's sums are last step's
+}
+
 TEST(MicroBatchSumTest, ClippingTheParametersGradIsNamed) {
   // With float32 sums the parameters' .grad holds only the last micro-batch's gradient between
   // plugin.backward and the step: torch::nn::utils::clip_grad_norm_ there would clip a part of
