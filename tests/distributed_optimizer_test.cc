@@ -957,6 +957,28 @@ TEST(DistributedOptimizerTest, EveryRankSkipsAStepSomeRankDidNotSave) {
   }
 }
 
+// A rank whose own newest file is corrupt would resume alone from an older step (every rank
+// then stopped: "resumed from different steps"). Given the folder, fit has the ranks agree: all
+// go back to the newest step every rank can load, and train on exactly as the run did.
+TEST(DistributedOptimizerTest, RanksAgreeOnAStepWhenOneRanksNewestFileIsCorrupt) {
+  const auto options = recipes::bf16_mixed();
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "corrupt_newest_of_one_rank");
+  const auto straight = fit_world(options, 2, 6, "", dir.string(), 2);  // saves steps 2, 4 and 6
+  {
+    std::fstream file(dir / Trainer::checkpoint_name(6, 1, 2), std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(100);
+    file.put('\x7f');  // one byte of the archive: the checksum catches it
+  }
+  EXPECT_EQ(Trainer::latest_checkpoint(dir.string(), 0, 2), (dir / Trainer::checkpoint_name(6, 0, 2)).string());
+  EXPECT_EQ(Trainer::latest_checkpoint(dir.string(), 1, 2), (dir / Trainer::checkpoint_name(4, 1, 2)).string());
+  const auto resumed = fit_world(options, 2, 6, dir.string());  // both ranks from step 4
+  ASSERT_EQ(resumed.losses.size(), 2u);
+  EXPECT_EQ(resumed.losses[0], straight.losses[4]);
+  EXPECT_EQ(resumed.losses[1], straight.losses[5]);
+  ASSERT_EQ(resumed.params.size(), straight.params.size());
+  for (size_t i = 0; i < resumed.params.size(); ++i) EXPECT_TRUE(torch::equal(resumed.params[i], straight.params[i])) << i;
+}
+
 // A checkpoint missing one rank's file cannot be resharded: latest_checkpoint skips its step
 // (and passes over names the Trainer never writes), load_checkpoint names the missing file.
 TEST(DistributedOptimizerTest, ACheckpointThatCannotBeReshardedIsNamed) {

@@ -178,14 +178,13 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
   if (!ckpt_path.empty()) {
     std::string path = ckpt_path;
     if (std::filesystem::is_directory(ckpt_path)) {
-      std::vector<std::string> skipped;
-      path = latest_checkpoint(ckpt_path, plugins->data_parallel_rank(), plugins->data_parallel_size(), &skipped);
-      for (const auto& line : skipped) *log << "Trainer: skipping checkpoint " << line << std::endl;
+      const auto parameters = model.parameters();
+      const auto device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
+      path = agreed_latest_checkpoint(ckpt_path, *plugins, device, *log);
       TORCH_CHECK(!path.empty(), "Trainer::fit: no complete ",
                   checkpoint_name(0, plugins->data_parallel_rank(), plugins->data_parallel_size())
                       .replace(5, 8, "<N>"),
                   " checkpoint in ", ckpt_path);
-      if (!skipped.empty()) *log << "Trainer: resuming from the previous complete checkpoint " << path << std::endl;
     }
     load_checkpoint(path, model, optimizer);
     if (plugins->data_parallel_size() > 1) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <iosfwd>
 #include <map>
 #include <memory>
@@ -217,9 +218,12 @@ class Trainer {
   /// world size whose every rank's file is there (so all ranks choose the same step), else
   /// rank 0's file of one written by another whose every file is intact (at one step, this
   /// world size's first). Newer ones that are incomplete or corrupt are skipped; `skipped`,
-  /// when given, receives a line for each ("<path>: <what is wrong>").
+  /// when given, receives a line for each ("<path>: <what is wrong>"). Steps past `at_most_step`
+  /// are passed over (not listed). A rank whose own newest file is corrupt chooses an older step
+  /// than the others; fit, given the folder, has the ranks agree on one.
   static std::string latest_checkpoint(const std::string& folder, int rank = 0, int world_size = 1,
-                                       std::vector<std::string>* skipped = nullptr);
+                                       std::vector<std::string>* skipped = nullptr,
+                                       int64_t at_most_step = std::numeric_limits<int64_t>::max());
   /// step_<N>.ckpt; data-parallel (sharded optimizer state): step_<N>-rank<r>-of-<W>.ckpt.
   static std::string checkpoint_name(int64_t step, int rank = 0, int world_size = 1);
   /// What a name checkpoint_name gives says: the step, and which of how many data-parallel
@@ -260,6 +264,11 @@ class Trainer {
 
  private:
   void connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+  // The newest checkpoint in `folder` every data-parallel rank can resume from (latest_checkpoint
+  // on each; where their steps differ, each one's newest at or below the oldest of them, until
+  // they agree), through the plugin's data_parallel_mean on `device`. Logs what it passed over.
+  std::string agreed_latest_checkpoint(const std::string& folder, PrecisionPlugin& plugin,
+                                       const torch::Device& device, std::ostream& log);
   // What fit runs for one micro-batch: its forward pass, loss and backward pass (with the
   // gradient sync for it set); returns the loss, detached, float32, one element.
   using MicroBatch = std::function<torch::Tensor(const TrainStepInput&)>;

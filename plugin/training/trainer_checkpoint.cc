@@ -320,14 +320,16 @@ std::optional<Trainer::CheckpointName> Trainer::parse_checkpoint_name(const std:
 }
 
 std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int world_size,
-                                       std::vector<std::string>* skipped) {
+                                       std::vector<std::string>* skipped, int64_t at_most_step) {
   // Every checkpoint in the folder: (step, world size that wrote it) -> the ranks' files.
   std::map<std::pair<long long, int>, std::map<int, std::string>> checkpoints;
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(folder, error)) {
     if (!entry.is_regular_file(error)) continue;
     const auto parsed = parse_checkpoint_name(entry.path().filename().string());
-    if (parsed) checkpoints[{parsed->step, parsed->world_size}][parsed->rank] = entry.path().string();
+    if (parsed && parsed->step <= at_most_step) {
+      checkpoints[{parsed->step, parsed->world_size}][parsed->rank] = entry.path().string();
+    }
   }
   // Newest step first; at one step, one written by this world size first.
   std::vector<std::pair<long long, int>> order;
@@ -370,6 +372,50 @@ std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int 
     if (skipped != nullptr) skipped->push_back(problem);
   }
   return "";
+}
+
+std::string Trainer::agreed_latest_checkpoint(const std::string& folder, PrecisionPlugin& plugin,
+                                              const torch::Device& device, std::ostream& log) {
+  const int rank = plugin.data_parallel_rank(), world = plugin.data_parallel_size();
+  // Every rank's step (-1: none), through the one collective a plugin has: rank r's value in
+  // slot r of zeros, averaged, times the world size (exact for steps below 2^50).
+  auto every_rank_step = [&](int64_t step) {
+    auto slots = torch::zeros({world}, torch::dtype(torch::kDouble));
+    slots[rank] = static_cast<double>(step);
+    const auto mean = plugin.data_parallel_mean(slots.to(device)).cpu();
+    std::vector<int64_t> steps(world);
+    for (int r = 0; r < world; ++r) steps[r] = std::llround(mean[r].item<double>() * world);
+    return steps;
+  };
+  auto step_of = [](const std::string& path) {
+    return path.empty() ? int64_t{-1} : parse_checkpoint_name(std::filesystem::path(path).filename().string())->step;
+  };
+  std::vector<std::string> skipped;
+  std::string path = latest_checkpoint(folder, rank, world, &skipped);
+  for (const auto& line : skipped) log << "Trainer: skipping checkpoint " << line << std::endl;
+  bool went_back = !skipped.empty();
+  const auto said = [&] {
+    if (went_back && !path.empty()) log << "Trainer: resuming from the previous complete checkpoint " << path << std::endl;
+    return path;
+  };
+  if (world == 1) return said();
+  // Each round every rank's step is at most the oldest of the last round's: the oldest falls
+  // until all agree (or some rank has none left).
+  for (auto steps = every_rank_step(step_of(path));
+       std::any_of(steps.begin(), steps.end(), [&](int64_t s) { return s != steps.front(); });
+       steps = every_rank_step(step_of(path))) {
+    const int64_t oldest = *std::min_element(steps.begin(), steps.end());
+    TORCH_CHECK(oldest >= 0, "Trainer::fit: data-parallel rank ",
+                std::min_element(steps.begin(), steps.end()) - steps.begin(), " has no complete checkpoint in ",
+                folder, " that it can resume from, the others do (steps ", c10::Join(", ", steps),
+                "); every rank must resume from one step");
+    if (step_of(path) == oldest) continue;
+    log << "Trainer: the data-parallel ranks' newest complete checkpoints are of steps " << c10::Join(", ", steps)
+        << "; rank " << rank << " goes back to step " << oldest << " or before, with them" << std::endl;
+    path = latest_checkpoint(folder, rank, world, nullptr, oldest);
+    went_back = true;
+  }
+  return said();
 }
 
 }  // namespace amp8
