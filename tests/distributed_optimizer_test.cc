@@ -812,14 +812,15 @@ struct WorldRun {
 // param groups (weights with decay, biases without), saving every rank's file every
 // `save_every` steps into `save_dir`. With `reshard_to`, they only load `resume` and write it
 // again, as their own files at its step, into `reshard_to`.
+// `errors`: each rank's error, for a test that expects some; without it every rank must succeed.
 WorldRun fit_world(const MixedPrecisionOptions& options, int world, int steps, const std::string& resume,
                    const std::string& save_dir = "", int save_every = 0, const std::string& reshard_to = "",
-                   torch::Device device = torch::kCPU) {
+                   torch::Device device = torch::kCPU, std::vector<std::string>* errors = nullptr) {
   data();
   std::vector<torch::nn::Sequential> models;
   for (int r = 0; r < world; ++r) models.push_back(initial_model(options));
   std::vector<WorldRun> runs(world);
-  const auto errors = testing::run_ranks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  const auto rank_errors = testing::run_ranks(world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> group) {
     auto& model = models[rank];
     model->to(device);
     std::vector<torch::Tensor> weights, biases;
@@ -854,7 +855,11 @@ WorldRun fit_world(const MixedPrecisionOptions& options, int world, int steps, c
     for (const auto& m : trainer.history()) runs[rank].losses.push_back(m.loss);
     for (const auto& p : model->parameters()) runs[rank].params.push_back(p.detach().to(torch::kCPU, at::kFloat).clone());
   });
-  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  if (errors != nullptr) {
+    *errors = rank_errors;
+    return runs[0];
+  }
+  for (int r = 0; r < world; ++r) EXPECT_EQ(rank_errors[r], "") << "rank " << r;
   for (int r = 1; r < world; ++r) EXPECT_EQ(runs[r].losses, runs[0].losses) << "rank " << r;
   return runs[0];
 }
@@ -977,6 +982,60 @@ TEST(DistributedOptimizerTest, RanksAgreeOnAStepWhenOneRanksNewestFileIsCorrupt)
   EXPECT_EQ(resumed.losses[1], straight.losses[5]);
   ASSERT_EQ(resumed.params.size(), straight.params.size());
   for (size_t i = 0; i < resumed.params.size(); ++i) EXPECT_TRUE(torch::equal(resumed.params[i], straight.params[i])) << i;
+}
+
+void corrupt(const std::filesystem::path& file) {
+  std::fstream stream(file, std::ios::in | std::ios::out | std::ios::binary);
+  stream.seekp(100);
+  stream.put('\x7f');  // one byte of the archive: the checksum catches it
+}
+
+// Agreement over several rounds: rank 1's step 6 and rank 0's step 4 corrupt. Round one: steps
+// 6 and 4, rank 0 goes back and finds step 2; round two: 2 and 4, rank 1 goes back to 2.
+TEST(DistributedOptimizerTest, RanksAgreeOverSeveralRounds) {
+  const auto options = recipes::bf16_mixed();
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "agree_over_rounds");
+  const auto straight = fit_world(options, 2, 6, "", dir.string(), 2);
+  corrupt(dir / Trainer::checkpoint_name(6, 1, 2));
+  corrupt(dir / Trainer::checkpoint_name(4, 0, 2));
+  const auto resumed = fit_world(options, 2, 6, dir.string());  // both ranks from step 2
+  ASSERT_EQ(resumed.losses.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(resumed.losses[i], straight.losses[2 + i]) << "step " << 3 + i;
+}
+
+// One step, two checkpoints of it (written by one rank and by two): a rank whose own file is
+// corrupt would take the one-rank checkpoint (resharded) while the other loads its shard. Every
+// rank stops instead, saying what to move away.
+TEST(DistributedOptimizerTest, OneStepWrittenByTwoWorldSizesIsNotMixed) {
+  const auto options = recipes::bf16_mixed();
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "one_step_two_world_sizes");
+  fit_world(options, 1, 4, "", dir.string(), 2);
+  fit_world(options, 2, 4, "", dir.string(), 2);
+  corrupt(dir / Trainer::checkpoint_name(4, 1, 2));
+  EXPECT_EQ(Trainer::latest_checkpoint(dir.string(), 1, 2), (dir / Trainer::checkpoint_name(4)).string());
+  std::vector<std::string> errors;
+  fit_world(options, 2, 6, dir.string(), "", 0, "", torch::kCPU, &errors);
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("at step 4 in " + dir.string() + " the data-parallel ranks would load checkpoints "
+                         "written by different numbers of ranks (2, 1)"), std::string::npos) << error;
+  }
+}
+
+// A rank with no checkpoint it can load stops every rank, naming it (not a hang, not a mix).
+TEST(DistributedOptimizerTest, ARankWithNoCheckpointLeftStopsEveryRank) {
+  const auto options = recipes::bf16_mixed();
+  const auto dir = testing::scratch_path("DistributedOptimizerTest", "rank_without_checkpoint");
+  fit_world(options, 2, 4, "", dir.string(), 2);
+  corrupt(dir / Trainer::checkpoint_name(4, 1, 2));
+  corrupt(dir / Trainer::checkpoint_name(2, 1, 2));
+  std::vector<std::string> errors;
+  fit_world(options, 2, 6, dir.string(), "", 0, "", torch::kCPU, &errors);
+  ASSERT_EQ(errors.size(), 2u);
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("data-parallel rank 1 has no complete checkpoint in " + dir.string() +
+                         " that it can load (the ranks' picks: steps 4, -1"), std::string::npos) << error;
+  }
 }
 
 // A checkpoint missing one rank's file cannot be resharded: latest_checkpoint skips its step

@@ -188,8 +188,9 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
     }
     load_checkpoint(path, model, optimizer);
     if (plugins->data_parallel_size() > 1) {
-      // Every rank continues from the same step (one whose newest shard was incomplete would
-      // otherwise fall back alone): the steps are all equal iff mean(s^2) == mean(s)^2.
+      // Every rank continues from the same step (a folder's ranks agreed above; files given one
+      // per rank, as gpt_pretrain does, may differ): the steps are all equal iff
+      // mean(s^2) == mean(s)^2.
       const auto parameters = model.parameters();
       const auto device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
       const auto s = static_cast<double>(global_step_);

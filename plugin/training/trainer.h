@@ -9,8 +9,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <limits>
 #include <iosfwd>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -266,7 +266,9 @@ class Trainer {
   void connect(torch::nn::Module& model, torch::optim::Optimizer& optimizer);
   // The newest checkpoint in `folder` every data-parallel rank can resume from (latest_checkpoint
   // on each; where their steps differ, each one's newest at or below the oldest of them, until
-  // they agree), through the plugin's data_parallel_mean on `device`. Logs what it passed over.
+  // they agree), through the plugin's data_parallel_mean on `device` (a plugin with several
+  // ranks must average there). Logs what it passed over; throws where a rank has none, or where
+  // the ranks would load one step's checkpoints written by different world sizes.
   std::string agreed_latest_checkpoint(const std::string& folder, PrecisionPlugin& plugin,
                                        const torch::Device& device, std::ostream& log);
   // What fit runs for one micro-batch: its forward pass, loss and backward pass (with the

@@ -5,11 +5,13 @@
 
 #include <ATen/Context.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/StringUtil.h>
 #include <torch/cuda.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -377,45 +379,65 @@ std::string Trainer::latest_checkpoint(const std::string& folder, int rank, int 
 std::string Trainer::agreed_latest_checkpoint(const std::string& folder, PrecisionPlugin& plugin,
                                               const torch::Device& device, std::ostream& log) {
   const int rank = plugin.data_parallel_rank(), world = plugin.data_parallel_size();
-  // Every rank's step (-1: none), through the one collective a plugin has: rank r's value in
-  // slot r of zeros, averaged, times the world size (exact for steps below 2^50).
-  auto every_rank_step = [&](int64_t step) {
-    auto slots = torch::zeros({world}, torch::dtype(torch::kDouble));
-    slots[rank] = static_cast<double>(step);
-    const auto mean = plugin.data_parallel_mean(slots.to(device)).cpu();
-    std::vector<int64_t> steps(world);
-    for (int r = 0; r < world; ++r) steps[r] = std::llround(mean[r].item<double>() * world);
-    return steps;
+  // The pick's step and the world size that wrote it ({-1, 0}: none).
+  auto pick = [](const std::string& path) -> std::pair<int64_t, int64_t> {
+    if (path.empty()) return {-1, 0};
+    const auto name = parse_checkpoint_name(std::filesystem::path(path).filename().string());
+    return {name->step, name->world_size};
   };
-  auto step_of = [](const std::string& path) {
-    return path.empty() ? int64_t{-1} : parse_checkpoint_name(std::filesystem::path(path).filename().string())->step;
+  // Every rank's pick, through the one collective a plugin has: rank r's values in slots r and
+  // world + r of zeros, averaged, times the world size (exact for values below 2^50).
+  auto every_rank = [&](std::pair<int64_t, int64_t> mine) {
+    auto slots = torch::zeros({2 * world}, torch::dtype(torch::kDouble));
+    slots[rank] = static_cast<double>(mine.first);
+    slots[world + rank] = static_cast<double>(mine.second);
+    const auto mean = plugin.data_parallel_mean(slots.to(device)).cpu();
+    std::vector<int64_t> steps(world), writers(world);
+    for (int r = 0; r < world; ++r) {
+      steps[r] = std::llround(mean[r].item<double>() * world);
+      writers[r] = std::llround(mean[world + r].item<double>() * world);
+    }
+    return std::pair{steps, writers};
+  };
+  auto all_equal = [](const std::vector<int64_t>& v) {
+    return std::all_of(v.begin(), v.end(), [&](int64_t x) { return x == v.front(); });
   };
   std::vector<std::string> skipped;
   std::string path = latest_checkpoint(folder, rank, world, &skipped);
-  for (const auto& line : skipped) log << "Trainer: skipping checkpoint " << line << std::endl;
   bool went_back = !skipped.empty();
-  const auto said = [&] {
-    if (went_back && !path.empty()) log << "Trainer: resuming from the previous complete checkpoint " << path << std::endl;
-    return path;
+  auto log_skipped = [&] {
+    for (const auto& line : skipped) log << "Trainer: skipping checkpoint " << line << std::endl;
+    skipped.clear();
   };
-  if (world == 1) return said();
-  // Each round every rank's step is at most the oldest of the last round's: the oldest falls
-  // until all agree (or some rank has none left).
-  for (auto steps = every_rank_step(step_of(path));
-       std::any_of(steps.begin(), steps.end(), [&](int64_t s) { return s != steps.front(); });
-       steps = every_rank_step(step_of(path))) {
-    const int64_t oldest = *std::min_element(steps.begin(), steps.end());
-    TORCH_CHECK(oldest >= 0, "Trainer::fit: data-parallel rank ",
-                std::min_element(steps.begin(), steps.end()) - steps.begin(), " has no complete checkpoint in ",
-                folder, " that it can resume from, the others do (steps ", c10::Join(", ", steps),
-                "); every rank must resume from one step");
-    if (step_of(path) == oldest) continue;
-    log << "Trainer: the data-parallel ranks' newest complete checkpoints are of steps " << c10::Join(", ", steps)
-        << "; rank " << rank << " goes back to step " << oldest << " or before, with them" << std::endl;
-    path = latest_checkpoint(folder, rank, world, nullptr, oldest);
-    went_back = true;
+  log_skipped();
+  if (world > 1) {
+    // Each round every rank's step is at most the oldest of the last round's: the oldest falls
+    // until all agree (or some rank has none left), the same number of rounds on every rank.
+    std::string bound = "";  // " at or below step N" after the first round
+    for (auto [steps, writers] = every_rank(pick(path)); !all_equal(steps); std::tie(steps, writers) = every_rank(pick(path))) {
+      const auto oldest = std::min_element(steps.begin(), steps.end());
+      TORCH_CHECK(*oldest >= 0, "Trainer::fit: data-parallel rank ", oldest - steps.begin(),
+                  " has no complete checkpoint in ", folder, bound, " that it can load (the ranks' picks: steps ",
+                  c10::Join(", ", steps), ", -1 for none); every rank must resume from one step");
+      bound = c10::str(" at or below step ", *oldest);
+      if (pick(path).first == *oldest) continue;
+      log << "Trainer: the data-parallel ranks would resume from steps " << c10::Join(", ", steps) << "; rank "
+          << rank << " goes back to step " << *oldest << " or before, with them" << std::endl;
+      path = latest_checkpoint(folder, rank, world, &skipped, *oldest);
+      log_skipped();
+      went_back = true;
+    }
+    // One step, but not one checkpoint: files of that step written by two world sizes, a rank
+    // whose own file is corrupt taking the other's (rebuilt from them while the others load
+    // their shards). Not resumed from a mix.
+    auto [steps, writers] = every_rank(pick(path));
+    TORCH_CHECK(all_equal(writers), "Trainer::fit: at step ", steps.front(), " in ", folder,
+                " the data-parallel ranks would load checkpoints written by different numbers of ranks (",
+                c10::Join(", ", writers), "): a rank's own file of the step is unreadable, and a checkpoint of the "
+                "same step written by another world size is there; move one of the two away");
   }
-  return said();
+  if (went_back && !path.empty()) log << "Trainer: resuming from the previous complete checkpoint " << path << std::endl;
+  return path;
 }
 
 }  // namespace amp8
