@@ -43,7 +43,8 @@ struct MixedPrecisionOptions {
   /// Sum gradients in float32, as Megatron's float32 main_grad: across data-parallel ranks (the
   /// reduce-scatter) and across a step's micro-batches, on one rank too (from the first
   /// set_gradient_sync(false); DistributedOptimizer::take_gradients: the plugin holds the sum,
-  /// .grad only the last micro-batch's part until the step). false: in the parameters' dtype. Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
+  /// .grad only the last micro-batch's part until the step). false: in the parameters' dtype.
+  /// Default: true (NeMo: true for bf16_mixed, false for fp16_mixed).
   TORCH_ARG(bool, grad_reduce_in_fp32) = true;
   /// Step a torch::optim::Adam / AdamW (without amsgrad) or SGD whose masters are on a GPU with
   /// amp8's multi-tensor kernels (fused_optimizer_step, TE's FusedAdam / FusedSGD with master

@@ -176,10 +176,11 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
   if (options.deterministic()) use_deterministic_algorithms();
   connect(model, optimizer);
   if (!ckpt_path.empty()) {
+    // Where the ranks' collectives below run: the model's device.
+    const auto parameters = model.parameters();
+    const auto device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
     std::string path = ckpt_path;
     if (std::filesystem::is_directory(ckpt_path)) {
-      const auto parameters = model.parameters();
-      const auto device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
       path = agreed_latest_checkpoint(ckpt_path, *plugins, device, *log);
       TORCH_CHECK(!path.empty(), "Trainer::fit: no complete ",
                   checkpoint_name(0, plugins->data_parallel_rank(), plugins->data_parallel_size())
@@ -191,8 +192,6 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
       // Every rank continues from the same step (a folder's ranks agreed above; files given one
       // per rank, as gpt_pretrain does, may differ): the steps are all equal iff
       // mean(s^2) == mean(s)^2.
-      const auto parameters = model.parameters();
-      const auto device = parameters.empty() ? torch::Device(torch::kCPU) : parameters.front().device();
       const auto s = static_cast<double>(global_step_);
       const auto mean = plugins->data_parallel_mean(torch::tensor({s, s * s}, torch::dtype(torch::kDouble).device(device))).cpu();
       TORCH_CHECK(mean[1].item<double>() == mean[0].item<double>() * mean[0].item<double>(),

@@ -19,6 +19,7 @@
 #include <optional>
 #include <regex>
 #include <sstream>
+#include <tuple>
 
 #include "plugin/modules/fp8_layer_norm.h"
 #include "plugin/modules/fp8_linear.h"
@@ -414,7 +415,9 @@ std::string Trainer::agreed_latest_checkpoint(const std::string& folder, Precisi
     // Each round every rank's step is at most the oldest of the last round's: the oldest falls
     // until all agree (or some rank has none left), the same number of rounds on every rank.
     std::string bound = "";  // " at or below step N" after the first round
-    for (auto [steps, writers] = every_rank(pick(path)); !all_equal(steps); std::tie(steps, writers) = every_rank(pick(path))) {
+    std::vector<int64_t> steps, writers;
+    for (std::tie(steps, writers) = every_rank(pick(path)); !all_equal(steps);
+         std::tie(steps, writers) = every_rank(pick(path))) {
       const auto oldest = std::min_element(steps.begin(), steps.end());
       TORCH_CHECK(*oldest >= 0, "Trainer::fit: data-parallel rank ", oldest - steps.begin(),
                   " has no complete checkpoint in ", folder, bound, " that it can load (the ranks' picks: steps ",
@@ -430,7 +433,6 @@ std::string Trainer::agreed_latest_checkpoint(const std::string& folder, Precisi
     // One step, but not one checkpoint: files of that step written by two world sizes, a rank
     // whose own file is corrupt taking the other's (rebuilt from them while the others load
     // their shards). Not resumed from a mix.
-    auto [steps, writers] = every_rank(pick(path));
     TORCH_CHECK(all_equal(writers), "Trainer::fit: at step ", steps.front(), " in ", folder,
                 " the data-parallel ranks would load checkpoints written by different numbers of ranks (",
                 c10::Join(", ", writers), "): a rank's own file of the step is unreadable, and a checkpoint of the "
