@@ -188,14 +188,19 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
               "--save-dir (or remove the folder)");
   std::string resume = recipe.resume;
   if (resume.empty() && recipe.resume_if_exists && existing.checkpoints > 0) resume = recipe.save_dir;
-  std::vector<std::string> skipped_checkpoints;
+  // What fit resumes from: the file given, or the checkpoints folder, whose newest checkpoint
+  // that every rank can load fit picks (the ranks agree on one step; it names what it skips).
+  // `resume` is then this rank's own pick, for the checks below; with several ranks fit may go
+  // back further, and a rank with none stops every rank there (here it would stop alone).
+  std::string fit_from = resume;
   if (!resume.empty() && fs::is_directory(resume, error)) {
     const auto checkpoints = fs::path(resume) / "checkpoints";
-    const auto folder = fs::is_directory(checkpoints, error) ? checkpoints.string() : resume;
-    resume = Trainer::latest_checkpoint(folder, rank, world, &skipped_checkpoints);
-    TORCH_CHECK(!resume.empty(), "resume: no complete ", Trainer::checkpoint_name(0, rank, world).replace(5, 8, "<N>"),
-                " checkpoint in ", folder,
-                skipped_checkpoints.empty() ? std::string() : " (skipped: " + skipped_checkpoints.front() + ")");
+    fit_from = fs::is_directory(checkpoints, error) ? checkpoints.string() : resume;
+    std::vector<std::string> skipped;
+    resume = Trainer::latest_checkpoint(fit_from, rank, world, &skipped);
+    TORCH_CHECK(world > 1 || !resume.empty(), "resume: no complete ",
+                Trainer::checkpoint_name(0, rank, world).replace(5, 8, "<N>"), " checkpoint in ", fit_from,
+                skipped.empty() ? std::string() : " (skipped: " + skipped.front() + ")");
   }
   // A run continues in its own folder: another folder's checkpoint resumed into one that holds
   // a run would splice the two runs' metrics and checkpoints. And from its newest checkpoint:
@@ -224,7 +229,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   // metrics and the picture (each rank writes its own checkpoint shard).
   std::ostream null_stream(nullptr);
   std::ostream& out = rank == 0 ? log : null_stream;
-  if (resume.empty() && recipe.resume_if_exists && existing.holds_run()) {
+  if (fit_from.empty() && recipe.resume_if_exists && existing.holds_run()) {
     out << "gpt_pretrain: --resume-if-exists: " << recipe.save_dir << " holds no checkpoint to resume ("
         << existing.describe() << "); the run starts again from step 0 and replaces its metrics" << std::endl;
   }
@@ -260,8 +265,6 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   }
   Trainer trainer(trainer_options, plugin);
   trainer.log = &out;
-  for (const auto& line : skipped_checkpoints) out << "gpt_pretrain: skipping checkpoint " << line << std::endl;
-  if (!skipped_checkpoints.empty()) out << "gpt_pretrain: resuming from the previous complete checkpoint " << resume << std::endl;
   // What an exact resume needs besides the state (the precision is checked by the Trainer).
   trainer.run_settings = {
       {"config", recipe.config_name},
@@ -360,7 +363,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
       << ", " << trainer_options.max_steps()
       << " steps of " << trainer_options.accumulate_grad_batches() << " x " << recipe.micro_batch
       << " x " << recipe.seq << " tokens" << (world > 1 ? " on each of " + std::to_string(world) + " data-parallel ranks" : "")
-      << (resume.empty() ? "" : ", resuming from " + resume);
+      << (fit_from.empty() ? ""
+          : fit_from != resume && world > 1
+              ? ", resuming from the newest checkpoint in " + fit_from + " that every rank can load"
+              : ", resuming from " + resume);
   if (const auto& r = recompute(model_config); r.method() != RecomputeMethod::kNone) {
     out << ", activations recomputed (" << to_string(r.method()) << ", " << r.num_layers() << " layer"
         << (r.num_layers() == 1 ? "" : "s") << ")";
@@ -393,7 +399,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
     auto logits = precision.convert_output(model.forward(precision.convert_input(batch[0])));
     return torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), batch[1].reshape({-1}));
   };
-  trainer.fit(model.module(), optimizer, step, resume);
+  trainer.fit(model.module(), optimizer, step, fit_from);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   PretrainResult result;
