@@ -1,6 +1,7 @@
 // fp8_gemm (cuBLASLt, TN) against at::_scaled_mm on the same FP8 operands, and against a bf16
 // GEMM of the same shape, all in one run; and the blockwise FP8 GEMMs (1×128 × 128×128 and
-// 1×128 × 1×128 tiles) against the same bf16 GEMM. y[M,N] = x[M,K]·W[N,K]ᵀ.
+// 1×128 × 1×128 tiles) against the same bf16 GEMM; then each algorithm choice against the other
+// (algo_selection_rows). y[M,N] = x[M,K]·W[N,K]ᵀ.
 
 #include <ATen/ATen.h>
 
@@ -8,6 +9,75 @@
 #include "ops/blockwise.h"
 #include "ops/fp8_gemm.h"
 #include "ops/quantize.h"
+
+namespace {
+
+// The fastest measured cuBLASLt algorithm (Fp8GemmAlgoSelection::kFastestMeasured) against the
+// heuristic's first, at the GEMMs of the 1b GPT step (16384 tokens, hidden 2048, QKV 6144, FFN
+// 8192) as its FP8 layers call them: the forward in E4M3 with fast accumulation into bf16, dgrad
+// E5M2 × E4M3 into bf16, wgrad E5M2 × E4M3 accumulated into a float32 main_grad; tensorwise and
+// blockwise (1×128 activations and gradients, 128×128 weights; wgrad 1×128 × 1×128).
+void algo_selection_rows(const std::string& cmd) {
+  using namespace amp8;
+  struct Gemm {
+    const char* name;
+    int64_t m, k, n;
+  };
+  const std::vector<Gemm> gemms = {
+      {"fwd_qkv", 16384, 2048, 6144},  {"fwd_fc1", 16384, 2048, 8192},    {"fwd_fc2", 16384, 8192, 2048},
+      {"dgrad_fc1", 16384, 8192, 2048}, {"dgrad_fc2", 16384, 2048, 8192}, {"wgrad_qkv", 6144, 16384, 2048},
+      {"wgrad_fc1", 8192, 16384, 2048}, {"wgrad_fc2", 2048, 16384, 8192}};
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  for (const auto& g : gemms) {
+    const std::string role = std::string(g.name).substr(0, std::string(g.name).find('_'));
+    const bool forward = role == "fwd", wgrad = role == "wgrad";
+    const auto a_format = forward ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+    auto x = at::randn({g.m, g.k}, cuda.dtype(at::kBFloat16));
+    auto w = at::randn({g.n, g.k}, cuda.dtype(at::kBFloat16));
+    Fp8GemmOptions options;
+    options.use_fast_accum = forward;
+    const auto out_dtype = wgrad ? at::kFloat : at::kBFloat16;
+    if (wgrad) {
+      options.out = at::zeros({g.m, g.n}, cuda.dtype(at::kFloat));
+      options.accumulate = true;
+    }
+    const auto xq = quantize_current_scaling(x, a_format);
+    const auto wq = quantize_current_scaling(w, Fp8Format::kE4M3);
+    BlockwiseQuantizeOptions x_tiles, w_tiles;
+    x_tiles.format = a_format;
+    w_tiles.block = wgrad ? Fp8BlockShape::k1x128 : Fp8BlockShape::k128x128;
+    const auto xb = quantize_blockwise(x, x_tiles).data;
+    const auto wb = quantize_blockwise(w, w_tiles).data;
+    const double flops = 2.0 * g.m * g.n * g.k;
+    for (const bool blockwise : {false, true}) {
+      auto gemm = [&] {
+        if (blockwise) {
+          fp8_blockwise_gemm(xb, wb, out_dtype, options);
+        } else {
+          fp8_gemm(xq, wq, out_dtype, options);
+        }
+      };
+      double heuristic = 0, measured = 0;
+      {
+        const Fp8GemmAlgoSelectionGuard choice(Fp8GemmAlgoSelection::kHeuristic);
+        heuristic = bench::median_ms(gemm);
+      }
+      {
+        const Fp8GemmAlgoSelectionGuard choice(Fp8GemmAlgoSelection::kFastestMeasured);
+        measured = bench::median_ms(gemm);
+      }
+      bench::Record("fp8_gemm_algo_selection",
+                    std::to_string(g.m) + "x" + std::to_string(g.k) + "x" + std::to_string(g.n), cmd)
+          .timing(measured, "the same GEMM with cuBLASLt's first heuristic algorithm", heuristic)
+          .set("gemm", g.name)
+          .set("recipe", blockwise ? "blockwise" : "tensorwise")
+          .set("tflops", flops / measured / 1e9)
+          .print();
+    }
+  }
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace amp8;
@@ -67,5 +137,6 @@ int main(int argc, char** argv) {
           .print();
     }
   }
+  algo_selection_rows(cmd);
   return 0;
 }

@@ -1,5 +1,7 @@
 #include "ops/fp8_gemm.h"
 
+#include <atomic>
+
 #include "ops/detail/cuda_ops.h"
 #include "ops/quantize.h"
 
@@ -100,6 +102,20 @@ at::Tensor fp8_gemm_cpu(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType o
 }
 
 }  // namespace
+
+namespace {
+std::atomic<Fp8GemmAlgoSelection> algo_selection{Fp8GemmAlgoSelection::kHeuristic};
+}  // namespace
+
+namespace detail {
+std::atomic<int64_t> fp8_gemm_candidates_timed{0};
+}  // namespace detail
+
+void set_fp8_gemm_algo_selection(Fp8GemmAlgoSelection selection) { algo_selection = selection; }
+
+Fp8GemmAlgoSelection fp8_gemm_algo_selection() { return algo_selection; }
+
+int64_t fp8_gemm_candidates_timed() { return detail::fp8_gemm_candidates_timed; }
 
 at::Tensor fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
                     const Fp8GemmOptions& options) {

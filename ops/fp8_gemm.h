@@ -36,4 +36,42 @@ struct Fp8GemmOptions {
 at::Tensor fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,
                     const Fp8GemmOptions& options = {});
 
+/// How the CUDA path chooses cuBLASLt's algorithm for a GEMM configuration (shape, dtypes,
+/// options, scale modes, alignments: fp8_gemm's and fp8_blockwise_gemm's), once per
+/// configuration, at its first call under the current choice.
+enum class Fp8GemmAlgoSelection {
+  /// cuBLASLt's first heuristic pick: the same algorithm in every run, so the same rounding.
+  kHeuristic,
+  /// The fastest of up to 8 heuristic candidates, each timed on the call's own operands into a
+  /// scratch output (what PyTorch's TunableOp does for cuBLASLt). Costs a few milliseconds and
+  /// one host synchronization per configuration; which algorithm wins, and so the rounding,
+  /// can differ from run to run. Falls back to kHeuristic while
+  /// at::globalContext().deterministicAlgorithms() is set (the Trainer's deterministic mode)
+  /// and during CUDA graph capture.
+  kFastestMeasured,
+};
+
+/// The process-wide choice (default kHeuristic). Configurations already chosen under the other
+/// choice are chosen again at their next call.
+void set_fp8_gemm_algo_selection(Fp8GemmAlgoSelection selection);
+Fp8GemmAlgoSelection fp8_gemm_algo_selection();
+
+/// Sets the choice for its lifetime and puts the previous one back.
+class Fp8GemmAlgoSelectionGuard {
+ public:
+  explicit Fp8GemmAlgoSelectionGuard(Fp8GemmAlgoSelection selection) : previous_(fp8_gemm_algo_selection()) {
+    set_fp8_gemm_algo_selection(selection);
+  }
+  ~Fp8GemmAlgoSelectionGuard() { set_fp8_gemm_algo_selection(previous_); }
+  Fp8GemmAlgoSelectionGuard(const Fp8GemmAlgoSelectionGuard&) = delete;
+  Fp8GemmAlgoSelectionGuard& operator=(const Fp8GemmAlgoSelectionGuard&) = delete;
+
+ private:
+  Fp8GemmAlgoSelection previous_;
+};
+
+/// How many candidate algorithms kFastestMeasured has timed in this process (it grows by the
+/// candidates of each configuration chosen that way; 0 where none was).
+int64_t fp8_gemm_candidates_timed();
+
 }  // namespace amp8

@@ -87,6 +87,14 @@ TEST_P(Fp8GemmTest, MatchesFp64Reference_CUDA) {
   run(at::kCUDA);
 }
 
+// The measured algorithm gives the heuristic's results within the same bounds, accumulating too:
+// the timed launches write a scratch output, not `out` (into `out` they would add A·Bᵀ again).
+TEST_P(Fp8GemmTest, FastestMeasuredAlgoMatchesFp64Reference_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
+  run(at::kCUDA);
+}
+
 INSTANTIATE_TEST_SUITE_P(OutputDtypes, Fp8GemmTest,
                          ::testing::Values(Case{at::kFloat, false}, Case{at::kFloat, true},
                                            Case{at::kBFloat16, false}, Case{at::kBFloat16, true},
@@ -119,6 +127,57 @@ TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmax) { fp8_output_case(at::kCPU); 
 TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmax_CUDA) {
   AMP8_REQUIRE_CUDA();
   fp8_output_case(at::kCUDA);
+}
+
+TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmaxUnderTheMeasuredAlgo_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
+  fp8_output_case(at::kCUDA);
+}
+
+// At a shape with several candidates the measured choice times them once per configuration
+// (none at the next call), accumulates A·Bᵀ into `out` once, and times nothing under
+// deterministic algorithms (a new configuration takes the heuristic's first).
+TEST(Fp8GemmAlgoSelectionTest, FastestMeasuredTimesCandidatesOncePerConfiguration_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  at::manual_seed(17);
+  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
+  auto a = operand(1040, 768, Fp8Format::kE4M3, at::kCUDA);
+  auto b = operand(1536, 768, Fp8Format::kE4M3, at::kCUDA);
+  const auto start = at::randn({1040, 1536}).to(at::kCUDA);
+  Fp8GemmOptions options;
+  options.out = start.clone();
+  options.accumulate = true;
+  const auto before = fp8_gemm_candidates_timed();
+  auto y = fp8_gemm(a, b, at::kFloat, options);
+  const auto timed = fp8_gemm_candidates_timed();
+  EXPECT_GT(timed, before + 1) << "cuBLASLt offered one candidate at 1040x768x1536, or none was timed";
+  EXPECT_LE(relative_error(y, reference(a, b) + start.cpu().to(at::kDouble)), tolerance(at::kFloat, at::kCUDA));
+  options.out = start.clone();
+  y = fp8_gemm(a, b, at::kFloat, options);
+  EXPECT_EQ(fp8_gemm_candidates_timed(), timed);
+  EXPECT_LE(relative_error(y, reference(a, b) + start.cpu().to(at::kDouble)), tolerance(at::kFloat, at::kCUDA));
+
+  auto& context = at::globalContext();
+  const bool deterministic = context.deterministicAlgorithms(), warn_only = context.deterministicAlgorithmsWarnOnly();
+  context.setDeterministicAlgorithms(true, false);
+  auto c = operand(1040, 896, Fp8Format::kE4M3, at::kCUDA);
+  auto d = operand(1536, 896, Fp8Format::kE4M3, at::kCUDA);
+  const auto z = fp8_gemm(c, d, at::kFloat);
+  const auto timed_deterministic = fp8_gemm_candidates_timed();
+  context.setDeterministicAlgorithms(deterministic, warn_only);
+  EXPECT_EQ(timed_deterministic, timed);
+  EXPECT_LE(relative_error(z, reference(c, d)), tolerance(at::kFloat, at::kCUDA));
+}
+
+TEST(Fp8GemmAlgoSelectionTest, TheChoiceIsKeptUntilChanged) {
+  const Fp8GemmAlgoSelectionGuard heuristic(Fp8GemmAlgoSelection::kHeuristic);
+  EXPECT_EQ(fp8_gemm_algo_selection(), Fp8GemmAlgoSelection::kHeuristic);
+  {
+    const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
+    EXPECT_EQ(fp8_gemm_algo_selection(), Fp8GemmAlgoSelection::kFastestMeasured);
+  }
+  EXPECT_EQ(fp8_gemm_algo_selection(), Fp8GemmAlgoSelection::kHeuristic);
 }
 
 TEST(Fp8GemmScaledMmTest, MatchesScaledMm_CUDA) {

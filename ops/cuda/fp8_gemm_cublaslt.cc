@@ -1,13 +1,17 @@
 // FP8 GEMM through cuBLASLt: LibTorch's handle, workspace and current stream; descriptors in
-// RAII holders, built once per (shape, dtypes, flags) with the heuristic's algorithm and cached
+// RAII holders, built once per (shape, dtypes, flags) with the algorithm chosen for them
+// (fp8_gemm_algo_selection: the heuristic's first, or the fastest candidate measured) and cached
 // per thread.
 
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -94,7 +98,7 @@ using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int, i
                            int, int, std::array<uint32_t, 4>>;
 
 // Everything about one GEMM configuration that does not change from call to call: the
-// descriptors (with their fixed attributes) and the algorithm the heuristic chose (once found).
+// descriptors (with their fixed attributes) and the algorithm chosen for them (once chosen).
 // Per call only the data and scale pointers are set. Plans are per thread, so no call waits on a
 // lock and no two threads share a descriptor whose pointers they are setting.
 struct GemmPlan {
@@ -102,7 +106,13 @@ struct GemmPlan {
   MatrixLayout a_layout, b_layout, c_layout, d_layout;
   cublasLtMatmulAlgo_t algo{};
   bool has_algo = false;
+  Fp8GemmAlgoSelection chosen_by = Fp8GemmAlgoSelection::kHeuristic;
 };
+
+// kFastestMeasured: how many of the heuristic's candidates are timed, and how many launches of
+// each (after one to warm up) are timed together.
+constexpr int kMaxCandidates = 8;
+constexpr int kTimedLaunches = 3;
 
 std::map<PlanKey, std::unique_ptr<GemmPlan>>& plans() {
   thread_local std::map<PlanKey, std::unique_ptr<GemmPlan>> cache;
@@ -197,7 +207,27 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
     }
   }
   if (o.bias.defined()) set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
-  if (!plan.has_algo) {
+  const float alpha = 1.0f;
+  const float beta = o.accumulate ? 1.0f : 0.0f;
+  // cuBLASLt rejects C == D with different descriptors, which an FP8 D always has; C is not
+  // read at beta = 0, so it gets no pointer then.
+  const void* c_ptr = fp8_out ? nullptr : out.const_data_ptr();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  auto launch = [&](const cublasLtMatmulAlgo_t& algo, void* d) {
+    return cublasLtMatmul(handle, desc, &alpha, b.data.const_data_ptr(), plan.a_layout.get(),
+                          a.data.const_data_ptr(), plan.b_layout.get(), &beta, c_ptr,
+                          plan.c_layout.get(), d, plan.d_layout.get(), &algo, workspace,
+                          workspace_size, stream);
+  };
+  // The choice for this call: the measured one falls back to the heuristic's under
+  // deterministic algorithms. While a CUDA graph is captured nothing is timed: a configuration
+  // keeps the algorithm it has (the graph records it), and a new one takes the heuristic's.
+  auto selection = fp8_gemm_algo_selection();
+  if (at::globalContext().deterministicAlgorithms()) selection = Fp8GemmAlgoSelection::kHeuristic;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) selection = Fp8GemmAlgoSelection::kHeuristic;
+  if (!plan.has_algo || (plan.chosen_by != selection && capture == cudaStreamCaptureStatusNone)) {
     Preference preference;
     AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(preference.out()));
     const uint64_t max_workspace = workspace_size;
@@ -211,27 +241,45 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
       AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
           preference.get(), alignment_attributes[i], &alignments[i], sizeof(alignments[i])));
     }
-    cublasLtMatmulHeuristicResult_t result{};
+    const bool measure = selection == Fp8GemmAlgoSelection::kFastestMeasured;
+    std::array<cublasLtMatmulHeuristicResult_t, kMaxCandidates> candidates{};
     int found = 0;
     AMP8_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(
         handle, desc, plan.a_layout.get(), plan.b_layout.get(), plan.c_layout.get(),
-        plan.d_layout.get(), preference.get(), 1, &result, &found));
+        plan.d_layout.get(), preference.get(), measure ? kMaxCandidates : 1, candidates.data(), &found));
     TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
                 " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
                 o.bias.defined() ? " with bias" : "");
-    plan.algo = result.algo;
+    plan.algo = candidates[0].algo;
+    if (measure && found > 1) {
+      // Each candidate writes a scratch D (C, when accumulating, is read from `out` and left as
+      // it was; an FP8 D's amax is written with the values the real launch writes). One that
+      // fails to launch is passed over; the heuristic's first is the fallback.
+      auto scratch = at::empty({m, n}, out.options());
+      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+      float best_ms = std::numeric_limits<float>::infinity();
+      for (int i = 0; i < found; ++i) {
+        if (launch(candidates[i].algo, scratch.mutable_data_ptr()) != CUBLAS_STATUS_SUCCESS) continue;
+        start.record();
+        bool launched = true;
+        for (int r = 0; r < kTimedLaunches && launched; ++r) {
+          launched = launch(candidates[i].algo, scratch.mutable_data_ptr()) == CUBLAS_STATUS_SUCCESS;
+        }
+        stop.record();
+        stop.synchronize();
+        if (!launched) continue;
+        ++fp8_gemm_candidates_timed;
+        const float ms = start.elapsed_time(stop);
+        if (ms < best_ms) {
+          best_ms = ms;
+          plan.algo = candidates[i].algo;
+        }
+      }
+    }
     plan.has_algo = true;
+    plan.chosen_by = selection;
   }
-  const float alpha = 1.0f;
-  const float beta = o.accumulate ? 1.0f : 0.0f;
-  // cuBLASLt rejects C == D with different descriptors, which an FP8 D always has; C is not
-  // read at beta = 0, so it gets no pointer then.
-  const void* c_ptr = fp8_out ? nullptr : out.const_data_ptr();
-  AMP8_CUBLAS_CHECK(
-      cublasLtMatmul(handle, desc, &alpha, b.data.const_data_ptr(), plan.a_layout.get(),
-                     a.data.const_data_ptr(), plan.b_layout.get(), &beta, c_ptr,
-                     plan.c_layout.get(), out.mutable_data_ptr(), plan.d_layout.get(), &plan.algo,
-                     workspace, workspace_size, at::cuda::getCurrentCUDAStream().stream()));
+  AMP8_CUBLAS_CHECK(launch(plan.algo, out.mutable_data_ptr()));
   return out;
 }
 

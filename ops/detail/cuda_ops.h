@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <vector>
 
 #include "ops/blockwise.h"
@@ -116,6 +117,9 @@ at::Tensor sum_of_squares_cuda(const std::vector<at::Tensor>& tensors);
 // checked by accumulate_in_float32 (ops/accumulate.h).
 void accumulate_in_float32_cuda(const std::vector<at::Tensor>& sums, const std::vector<at::Tensor>& grads,
                                 const std::vector<bool>& overwrite);
+
+// Counted by the CUDA GEMM, read by fp8_gemm_candidates_timed (ops/fp8_gemm.cc).
+extern std::atomic<int64_t> fp8_gemm_candidates_timed;
 
 // cuBLASLt FP8 GEMM; arguments checked, bias already in the dtype cuBLASLt takes.
 at::Tensor fp8_gemm_cuda(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype,

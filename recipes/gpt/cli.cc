@@ -189,7 +189,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   // -1: "the config's" (the flag itself only takes values in its range).
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
-  bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true;
+  bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true,
+       fp8_gemm_autotune = false;
   bool overlap_param_gather = false;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
   std::string exp_avg_dtype = "fp32", exp_avg_sq_dtype = "fp32";
@@ -325,6 +326,11 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--attention-backend", attention_backend,
                  "the fused attention kernel tried first: auto (PyTorch's own order; on Hopper with a recent "
                  "cuDNN, cuDNN first), cudnn, flash or efficient")->capture_default_str()->transform(lower_case());
+  app.add_option("--fp8-gemm-autotune", fp8_gemm_autotune,
+                 "time up to 8 of cuBLASLt's candidate algorithms for each FP8 GEMM shape at its first call and "
+                 "keep the fastest (the rounding may then differ from run to run; off under --deterministic), "
+                 "instead of the heuristic's first")
+      ->capture_default_str()->transform(boolean());
   app.add_option("--cuda-graph", cuda_graph,
                  "capture each micro-batch's forward and backward pass in a CUDA graph after 3 eager "
                  "steps and replay it: one launch instead of thousands, for models too small to keep "
@@ -392,6 +398,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.bucket_size = bucket_size;
     if (!save_dir.empty()) recipe.save_dir = save_dir;
     recipe.attention_backend = attention_backend;
+    recipe.fp8_gemm_autotune = fp8_gemm_autotune;
     if (auto* gpt = std::get_if<GptConfig>(&recipe.model)) {
       gpt->fused_mlp(fused_mlp);
     } else {

@@ -19,6 +19,7 @@
 #include <optional>
 #include <ostream>
 
+#include "ops/fp8_gemm.h"
 #include "plugin/optim/fused_optimizer.h"
 #include "plugin/training/checkpoint.h"
 #include "plugin/distributed/process_group.h"
@@ -381,6 +382,8 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
 #endif
 
   const AttentionBackendGuard attention_backend(recipe.attention_backend);
+  const Fp8GemmAlgoSelectionGuard gemm_algorithms(recipe.fp8_gemm_autotune ? Fp8GemmAlgoSelection::kFastestMeasured
+                                                                            : Fp8GemmAlgoSelection::kHeuristic);
   const auto vocab = vocab_size(model_config);
   const auto start = std::chrono::steady_clock::now();
   // The host part (the micro-batch's tokens, on the device) and the device part (the loss):
