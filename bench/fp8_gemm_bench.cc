@@ -1,7 +1,7 @@
 // fp8_gemm (cuBLASLt, TN) against at::_scaled_mm on the same FP8 operands, and against a bf16
 // GEMM of the same shape, all in one run; and the blockwise FP8 GEMMs (1×128 × 128×128 and
 // 1×128 × 1×128 tiles) against the same bf16 GEMM; then each algorithm choice against the other
-// (algo_selection_rows). y[M,N] = x[M,K]·W[N,K]ᵀ.
+// (algo_selection_rows; `fp8_gemm_bench algo` runs only those). y[M,N] = x[M,K]·W[N,K]ᵀ.
 
 #include <ATen/ATen.h>
 
@@ -83,6 +83,10 @@ int main(int argc, char** argv) {
   using namespace amp8;
   const std::string cmd = bench::command_line(argc, argv);
   at::manual_seed(0);
+  if (argc > 1 && std::string(argv[1]) == "algo") {  // only the algorithm choices' rows
+    algo_selection_rows(cmd);
+    return 0;
+  }
   const auto cuda = at::TensorOptions().device(at::kCUDA);
   const std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes = {
       {8192, 8192, 8192}, {16384, 4096, 14336}, {16384, 14336, 4096},
