@@ -42,12 +42,13 @@ at::Tensor fp8_gemm(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_d
 enum class Fp8GemmAlgoSelection {
   /// cuBLASLt's first heuristic pick: the same algorithm in every run, so the same rounding.
   kHeuristic,
-  /// The fastest of up to 8 heuristic candidates, each timed on the call's own operands into a
-  /// scratch output (what PyTorch's TunableOp does for cuBLASLt). Costs a few milliseconds and
-  /// one host synchronization per configuration; which algorithm wins, and so the rounding,
-  /// can differ from run to run. Falls back to kHeuristic while
-  /// at::globalContext().deterministicAlgorithms() is set (the Trainer's deterministic mode)
-  /// and during CUDA graph capture.
+  /// The fastest of up to 8 heuristic candidates, each timed on the call's own operands (what
+  /// PyTorch's TunableOp does for cuBLASLt; an accumulating GEMM's candidates write a scratch
+  /// output). Costs a few milliseconds and one host synchronization per configuration; which
+  /// algorithm wins, and so the rounding, can differ from run to run. Not while
+  /// at::globalContext().deterministicAlgorithms() is set (the Trainer's deterministic mode):
+  /// the heuristic's first then. During CUDA graph capture nothing is timed: a configuration
+  /// keeps the algorithm it has, and one first seen there takes the heuristic's.
   kFastestMeasured,
 };
 

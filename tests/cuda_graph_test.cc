@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "ops/fp8_gemm.h"
+#include "ops/quantize.h"
 #include "plugin/training/trainer.h"
 #include "recipes/precision.h"
 #include "tests/test_models.h"
@@ -235,6 +237,45 @@ TEST(CudaGraphTest, Fp8ScaleUpdatesRunInsideTheGraph_CUDA) {
         << "amax history " << i << "\neager:\n" << rows << "\ngraphed:\n" << graphed.buffers[i].narrow(0, 0, rows.size(0));
   }
   EXPECT_EQ(histories, 6);  // forward and backward of three layers
+}
+
+// The FP8 GEMMs' measured algorithm choice times nothing inside a capture (its events and
+// synchronization would break it): a configuration first seen there takes the heuristic's
+// algorithm, and the replays compute the GEMM on new operands.
+TEST(CudaGraphTest, AnFp8GemmFirstSeenInACaptureIsNotTimed_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  torch::manual_seed(3);
+  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  auto operands = [&](int64_t n) {
+    const auto a = quantize_current_scaling(torch::randn({1040, 704}, cuda), Fp8Format::kE4M3);
+    const auto b = quantize_current_scaling(torch::randn({n, 704}, cuda), Fp8Format::kE4M3);
+    return std::vector<torch::Tensor>{a.data, a.scale_inv, b.data, b.scale_inv};
+  };
+  auto expected = [](const std::vector<torch::Tensor>& in) {
+    const auto a = in[0].cpu().to(torch::kDouble) * in[1].cpu().to(torch::kDouble);
+    const auto b = in[2].cpu().to(torch::kDouble) * in[3].cpu().to(torch::kDouble);
+    return torch::matmul(a, b.t());
+  };
+  torch::nn::Linear anchor(1, 1);  // the graph's device
+  anchor->to(torch::kCUDA);
+  CudaGraphedMicroBatch graph(*anchor);
+  torch::Tensor y;
+  const auto gemm = [&](const std::vector<torch::Tensor>& in) {
+    y = fp8_gemm(Fp8Tensor(in[0], in[1], Fp8Format::kE4M3), Fp8Tensor(in[2], in[3], Fp8Format::kE4M3), at::kFloat);
+    return y.sum();
+  };
+  // The graph's stream meets cuBLASLt eagerly first, at another N (another configuration).
+  const auto warm = operands(1024);
+  graph.run_eager(warm, gemm);
+  const auto timed = fp8_gemm_candidates_timed();
+  const auto first = operands(1536);
+  graph.capture_and_run(first, gemm);
+  EXPECT_EQ(fp8_gemm_candidates_timed(), timed);
+  EXPECT_LE(testing::relative_error(y, expected(first)), 2.5e-4);
+  const auto second = operands(1536);
+  graph.replay(second);
+  EXPECT_LE(testing::relative_error(y, expected(second)), 2.5e-4);
 }
 
 TEST(CudaGraphTest, InputsOfAnotherShapeAreAnError_CUDA) {

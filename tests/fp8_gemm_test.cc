@@ -129,45 +129,79 @@ TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmax_CUDA) {
   fp8_output_case(at::kCUDA);
 }
 
-TEST(Fp8GemmOutputTest, Fp8OutputWithScaleAndAmaxUnderTheMeasuredAlgo_CUDA) {
-  AMP8_REQUIRE_CUDA();
-  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
-  fp8_output_case(at::kCUDA);
-}
+// Restores PyTorch's deterministic-algorithms setting when a scope ends.
+class DeterministicAlgorithmsGuard {
+ public:
+  explicit DeterministicAlgorithmsGuard(bool on)
+      : on_(at::globalContext().deterministicAlgorithms()),
+        warn_only_(at::globalContext().deterministicAlgorithmsWarnOnly()) {
+    at::globalContext().setDeterministicAlgorithms(on, false);
+  }
+  ~DeterministicAlgorithmsGuard() { at::globalContext().setDeterministicAlgorithms(on_, warn_only_); }
 
-// At a shape with several candidates the measured choice times them once per configuration
-// (none at the next call), accumulates A·Bᵀ into `out` once, and times nothing under
-// deterministic algorithms (a new configuration takes the heuristic's first).
+ private:
+  bool on_, warn_only_;
+};
+
+// At shapes with several candidates (1040 rows: not a multiple of the tiles) the measured choice
+// times them once per configuration and choice: none under the heuristic, some when measured,
+// none at the next call, none under deterministic algorithms, some again once those are off.
+// Accumulating, the result holds A·Bᵀ once (the timed launches write a scratch output).
 TEST(Fp8GemmAlgoSelectionTest, FastestMeasuredTimesCandidatesOncePerConfiguration_CUDA) {
   AMP8_REQUIRE_CUDA();
   at::manual_seed(17);
-  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
   auto a = operand(1040, 768, Fp8Format::kE4M3, at::kCUDA);
-  auto b = operand(1536, 768, Fp8Format::kE4M3, at::kCUDA);
+  auto b = operand(1536, 768, Fp8Format::kE5M2, at::kCUDA);
   const auto start = at::randn({1040, 1536}).to(at::kCUDA);
+  const auto expected = reference(a, b) + start.cpu().to(at::kDouble);
   Fp8GemmOptions options;
-  options.out = start.clone();
   options.accumulate = true;
+  auto accumulate = [&] {
+    options.out = start.clone();
+    return fp8_gemm(a, b, at::kFloat, options);
+  };
   const auto before = fp8_gemm_candidates_timed();
-  auto y = fp8_gemm(a, b, at::kFloat, options);
+  {
+    const Fp8GemmAlgoSelectionGuard heuristic(Fp8GemmAlgoSelection::kHeuristic);
+    EXPECT_LE(relative_error(accumulate(), expected), tolerance(at::kFloat, at::kCUDA));
+    EXPECT_EQ(fp8_gemm_candidates_timed(), before);
+  }
+  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
+  EXPECT_LE(relative_error(accumulate(), expected), tolerance(at::kFloat, at::kCUDA));
   const auto timed = fp8_gemm_candidates_timed();
-  EXPECT_GT(timed, before + 1) << "cuBLASLt offered one candidate at 1040x768x1536, or none was timed";
-  EXPECT_LE(relative_error(y, reference(a, b) + start.cpu().to(at::kDouble)), tolerance(at::kFloat, at::kCUDA));
-  options.out = start.clone();
-  y = fp8_gemm(a, b, at::kFloat, options);
+  EXPECT_GE(timed, before + 2) << "cuBLASLt offered one candidate at 1040x768x1536, or none was timed";
+  EXPECT_LE(relative_error(accumulate(), expected), tolerance(at::kFloat, at::kCUDA));
   EXPECT_EQ(fp8_gemm_candidates_timed(), timed);
-  EXPECT_LE(relative_error(y, reference(a, b) + start.cpu().to(at::kDouble)), tolerance(at::kFloat, at::kCUDA));
 
-  auto& context = at::globalContext();
-  const bool deterministic = context.deterministicAlgorithms(), warn_only = context.deterministicAlgorithmsWarnOnly();
-  context.setDeterministicAlgorithms(true, false);
   auto c = operand(1040, 896, Fp8Format::kE4M3, at::kCUDA);
   auto d = operand(1536, 896, Fp8Format::kE4M3, at::kCUDA);
-  const auto z = fp8_gemm(c, d, at::kFloat);
-  const auto timed_deterministic = fp8_gemm_candidates_timed();
-  context.setDeterministicAlgorithms(deterministic, warn_only);
-  EXPECT_EQ(timed_deterministic, timed);
-  EXPECT_LE(relative_error(z, reference(c, d)), tolerance(at::kFloat, at::kCUDA));
+  {
+    const DeterministicAlgorithmsGuard deterministic(true);
+    EXPECT_LE(relative_error(fp8_gemm(c, d, at::kFloat), reference(c, d)), tolerance(at::kFloat, at::kCUDA));
+    EXPECT_EQ(fp8_gemm_candidates_timed(), timed);
+  }
+  EXPECT_LE(relative_error(fp8_gemm(c, d, at::kFloat), reference(c, d)), tolerance(at::kFloat, at::kCUDA));
+  EXPECT_GE(fp8_gemm_candidates_timed(), timed + 2);
+}
+
+// An FP8 output under the measured choice: the candidates write `out` and the amax, and the last
+// launch leaves the scaled result and max|A·Bᵀ| there.
+TEST(Fp8GemmAlgoSelectionTest, Fp8OutputAndAmaxUnderTheMeasuredChoice_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  at::manual_seed(19);
+  const Fp8GemmAlgoSelectionGuard measured(Fp8GemmAlgoSelection::kFastestMeasured);
+  auto a = operand(1040, 640, Fp8Format::kE4M3, at::kCUDA);
+  auto b = operand(1536, 640, Fp8Format::kE4M3, at::kCUDA);
+  const auto ref = reference(a, b);
+  const float ref_amax = ref.abs().max().item<float>();
+  Fp8GemmOptions options;
+  options.out_scale = at::full({1}, 448.0f / ref_amax * 0.5f).to(at::kCUDA);
+  options.out_amax = at::zeros({1}).to(at::kCUDA);
+  const auto before = fp8_gemm_candidates_timed();
+  auto y = fp8_gemm(a, b, at::kFloat8_e4m3fn, options);
+  EXPECT_GE(fp8_gemm_candidates_timed(), before + 2);
+  EXPECT_NEAR(item(options.out_amax), ref_amax, ref_amax * tolerance(at::kFloat, at::kCUDA));
+  EXPECT_LE(relative_error(y.to(at::kFloat).cpu() / options.out_scale.cpu(), ref), 1.0 / 16);
 }
 
 TEST(Fp8GemmAlgoSelectionTest, TheChoiceIsKeptUntilChanged) {

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <vector>
 
 #include "ops/detail/cuda_ops.h"
 
@@ -252,24 +253,40 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
                 o.bias.defined() ? " with bias" : "");
     plan.algo = candidates[0].algo;
     if (measure && found > 1) {
-      // Each candidate writes a scratch D (C, when accumulating, is read from `out` and left as
-      // it was; an FP8 D's amax is written with the values the real launch writes). One that
-      // fails to launch is passed over; the heuristic's first is the fallback.
-      auto scratch = at::empty({m, n}, out.options());
-      at::cuda::CUDAEvent start(cudaEventDefault), stop(cudaEventDefault);
+      // Every candidate is launched once to warm up, then kTimedLaunches times between two
+      // events, all queued before one synchronization. They write `out` (at beta = 0 each
+      // writes the result the real launch writes again, an FP8 D's amax too) or, when
+      // accumulating, a scratch D (C is read from `out` and left as it was). A candidate that
+      // fails to launch is passed over (its error cleared); the heuristic's first is the
+      // fallback.
+      at::Tensor scratch = o.accumulate ? at::empty({m, n}, out.options()) : out;
+      struct Timing {
+        at::cuda::CUDAEvent start{cudaEventDefault}, stop{cudaEventDefault};
+        bool launched = false;
+      };
+      std::vector<Timing> timings(found);
+      auto ok = [](cublasStatus_t status) {
+        if (status == CUBLAS_STATUS_SUCCESS) return true;
+        (void)cudaGetLastError();
+        return false;
+      };
+      for (int i = 0; i < found; ++i) {
+        auto& t = timings[i];
+        if (!ok(launch(candidates[i].algo, scratch.mutable_data_ptr()))) continue;
+        t.start.record();
+        t.launched = true;
+        for (int r = 0; r < kTimedLaunches && t.launched; ++r) {
+          t.launched = ok(launch(candidates[i].algo, scratch.mutable_data_ptr()));
+        }
+        t.stop.record();
+      }
       float best_ms = std::numeric_limits<float>::infinity();
       for (int i = 0; i < found; ++i) {
-        if (launch(candidates[i].algo, scratch.mutable_data_ptr()) != CUBLAS_STATUS_SUCCESS) continue;
-        start.record();
-        bool launched = true;
-        for (int r = 0; r < kTimedLaunches && launched; ++r) {
-          launched = launch(candidates[i].algo, scratch.mutable_data_ptr()) == CUBLAS_STATUS_SUCCESS;
-        }
-        stop.record();
-        stop.synchronize();
-        if (!launched) continue;
+        auto& t = timings[i];
+        if (!t.launched) continue;
+        t.stop.synchronize();
         ++fp8_gemm_candidates_timed;
-        const float ms = start.elapsed_time(stop);
+        const float ms = t.start.elapsed_time(t.stop);
         if (ms < best_ms) {
           best_ms = ms;
           plan.algo = candidates[i].algo;

@@ -197,11 +197,15 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   if (!resume.empty() && fs::is_directory(resume, error)) {
     const auto checkpoints = fs::path(resume) / "checkpoints";
     fit_from = fs::is_directory(checkpoints, error) ? checkpoints.string() : resume;
-    std::vector<std::string> skipped;
-    resume = Trainer::latest_checkpoint(fit_from, rank, world, &skipped);
-    TORCH_CHECK(world > 1 || !resume.empty(), "resume: no complete ",
-                Trainer::checkpoint_name(0, rank, world).replace(5, 8, "<N>"), " checkpoint in ", fit_from,
-                skipped.empty() ? std::string() : " (skipped: " + skipped.front() + ")");
+    // The save-dir's own pick inspect_run_folder made (each file it checks is read whole once).
+    const bool own_folder = fs::equivalent(fit_from, fs::path(recipe.save_dir) / "checkpoints", error);
+    resume = own_folder ? existing.newest_checkpoint : Trainer::latest_checkpoint(fit_from, rank, world);
+    if (resume.empty() && world == 1) {
+      std::vector<std::string> skipped;  // read again for the message only
+      Trainer::latest_checkpoint(fit_from, rank, world, &skipped);
+      TORCH_CHECK(false, "resume: no complete ", Trainer::checkpoint_name(0, rank, world).replace(5, 8, "<N>"),
+                  " checkpoint in ", fit_from, skipped.empty() ? std::string() : " (skipped: " + skipped.front() + ")");
+    }
   }
   // A run continues in its own folder: another folder's checkpoint resumed into one that holds
   // a run would splice the two runs' metrics and checkpoints. And from its newest checkpoint:
