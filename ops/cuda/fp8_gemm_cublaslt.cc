@@ -14,6 +14,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -106,8 +107,7 @@ struct GemmPlan {
   MatmulDesc desc;
   MatrixLayout a_layout, b_layout, c_layout, d_layout;
   cublasLtMatmulAlgo_t algo{};
-  bool has_algo = false;
-  Fp8GemmAlgoSelection chosen_by = Fp8GemmAlgoSelection::kHeuristic;
+  std::optional<Fp8GemmAlgoSelection> chosen_by;  // how `algo` was chosen; none yet
 };
 
 // kFastestMeasured: how many of the heuristic's candidates are timed, and how many launches of
@@ -228,7 +228,7 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone) selection = Fp8GemmAlgoSelection::kHeuristic;
-  if (!plan.has_algo || (plan.chosen_by != selection && capture == cudaStreamCaptureStatusNone)) {
+  if (!plan.chosen_by || (plan.chosen_by != selection && capture == cudaStreamCaptureStatusNone)) {
     Preference preference;
     AMP8_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(preference.out()));
     const uint64_t max_workspace = workspace_size;
@@ -293,7 +293,6 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
         }
       }
     }
-    plan.has_algo = true;
     plan.chosen_by = selection;
   }
   AMP8_CUBLAS_CHECK(launch(plan.algo, out.mutable_data_ptr()));

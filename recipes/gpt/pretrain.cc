@@ -192,7 +192,7 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   // What fit resumes from: the file given, or the checkpoints folder, whose newest checkpoint
   // that every rank can load fit picks (the ranks agree on one step; it names what it skips).
   // `resume` is then this rank's own pick, for the checks below; with several ranks fit may go
-  // back further, and a rank with none stops every rank there (here it would stop alone).
+  // back further. Where it is empty (no complete checkpoint), fit stops every rank naming it.
   std::string fit_from = resume;
   if (!resume.empty() && fs::is_directory(resume, error)) {
     const auto checkpoints = fs::path(resume) / "checkpoints";
@@ -200,12 +200,6 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
     // The save-dir's own pick inspect_run_folder made (each file it checks is read whole once).
     const bool own_folder = fs::equivalent(fit_from, fs::path(recipe.save_dir) / "checkpoints", error);
     resume = own_folder ? existing.newest_checkpoint : Trainer::latest_checkpoint(fit_from, rank, world);
-    if (resume.empty() && world == 1) {
-      std::vector<std::string> skipped;  // read again for the message only
-      Trainer::latest_checkpoint(fit_from, rank, world, &skipped);
-      TORCH_CHECK(false, "resume: no complete ", Trainer::checkpoint_name(0, rank, world).replace(5, 8, "<N>"),
-                  " checkpoint in ", fit_from, skipped.empty() ? std::string() : " (skipped: " + skipped.front() + ")");
-    }
   }
   // A run continues in its own folder: another folder's checkpoint resumed into one that holds
   // a run would splice the two runs' metrics and checkpoints. And from its newest checkpoint:
@@ -369,9 +363,10 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
       << " steps of " << trainer_options.accumulate_grad_batches() << " x " << recipe.micro_batch
       << " x " << recipe.seq << " tokens" << (world > 1 ? " on each of " + std::to_string(world) + " data-parallel ranks" : "")
       << (fit_from.empty() ? ""
-          : fit_from != resume && world > 1
-              ? ", resuming from the newest checkpoint in " + fit_from + " that every rank can load"
-              : ", resuming from " + resume);
+          : fit_from == resume || (world == 1 && !resume.empty())
+              ? ", resuming from " + resume
+              : ", resuming from the newest complete checkpoint in " + fit_from +
+                    (world > 1 ? " that every rank can load" : ""));
   if (const auto& r = recompute(model_config); r.method() != RecomputeMethod::kNone) {
     out << ", activations recomputed (" << to_string(r.method()) << ", " << r.num_layers() << " layer"
         << (r.num_layers() == 1 ? "" : "s") << ")";
