@@ -52,7 +52,9 @@ void algo_selection_rows(const std::string& cmd) {
     for (const bool blockwise : {false, true}) {
       auto gemm = [&] {
         if (blockwise) {
-          fp8_blockwise_gemm(xb, wb, out_dtype, options);
+          Fp8GemmOptions block_scaled = options;
+          block_scaled.use_fast_accum = false;  // block-scaled GEMMs accumulate in full
+          fp8_blockwise_gemm(xb, wb, out_dtype, block_scaled);
         } else {
           fp8_gemm(xq, wq, out_dtype, options);
         }
