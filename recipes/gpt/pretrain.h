@@ -75,7 +75,7 @@ struct PretrainRecipe {
   /// The FP8 GEMMs' cuBLASLt algorithms: the fastest of the heuristic's candidates, measured
   /// at each configuration's first call (Fp8GemmAlgoSelection::kFastestMeasured; not under
   /// --deterministic), or the heuristic's first.
-  bool fp8_gemm_autotune = false;
+  bool fp8_gemm_autotune = true;
   /// Record optimizer steps [profile_first_step, profile_first_step + profile_steps) with the
   /// Kineto profiler (StepProfiler) into this folder: trace.json and the device time by
   /// category (step_profile.json / .txt, also printed); under torchrun, rank r > 0 writes
