@@ -3,7 +3,9 @@
 #   run(command="bash bench/results/gemm_autotune/run_rows.sh", carry=[".gpubin24"])
 # .gpubin24 = main at its COMMIT (git-ignored, built on the CPU machine): `fp8_gemm_bench algo`
 # (the first call's aborted after one row: it asked the block-scaled GEMMs for fast
-# accumulation), and gpt_pretrain_test's _CUDA cases (the default now times candidates).
+# accumulation), gpt_pretrain_test's _CUDA cases (the default now times candidates), issue 22's
+# Llama steps (llama3_8b_4layer and llama32_1b, bf16-mixed against FP8, the measured algorithms
+# now the default), and issue 16's layer_norm_bench, on whatever card comes.
 # Writes $OUT/gemm_autotune_rows/.
 set -u
 B=.gpubin24; R=$OUT/gemm_autotune_rows; mkdir -p $R /tmp/g24
@@ -20,3 +22,23 @@ for l in open('$R/fp8_gemm_bench_algo.jsonl'):
     r=json.loads(l); print('   ', r['gemm'], r['recipe'], 'heuristic', round(r['baseline_ms'],3), 'measured', round(r['ours_ms'],3), 'x', round(r['speedup'],3))"
 timeout 180 /tmp/g24/gpt_pretrain_test --gtest_filter='*_CUDA*' --gtest_brief=1 > $R/tests_gpt_pretrain_test.txt 2>&1
 echo "gpt_pretrain_test _CUDA exit $? (${SECONDS} s)"; grep -E "FAILED|Failure|PASSED|SKIPPED" $R/tests_gpt_pretrain_test.txt | head -8
+S=/tmp/step; mkdir -p $S
+find /usr/lib/python3* -name '*.py' 2>/dev/null | sort | xargs cat > $S/stdlib.txt
+for config in llama3_8b_4layer llama32_1b; do
+  timeout 200 python3 bench/gpt_compare_rows.py --case llama_step --binary /tmp/g24/gpt_pretrain -- --config $config \
+    --steps 30 --log-every 10 --compare bf16-mixed,bf16-mixed+fp8 --data $S/stdlib.txt --save-last false \
+    --save-dir $S/$config > $R/llama_step_$config.jsonl 2> $R/llama_step_$config.log
+  echo "$config exit $? (${SECONDS} s)"
+  python3 -c "
+import json
+for l in open('$R/llama_step_$config.jsonl'):
+    r=json.loads(l); print('   ', r['precision'], round(r['tokens_per_s']), 'TFLOP/s', round(r.get('model_tflops') or 0), 'x bf16', round(r.get('tokens_per_s_vs_bf16') or 0, 4))"
+done
+timeout 150 /tmp/g24/layer_norm_bench > $R/layer_norm_bench.jsonl 2> $R/layer_norm_bench.err
+echo "layer_norm_bench exit $? (${SECONDS} s)"
+python3 -c "
+import json
+for l in open('$R/layer_norm_bench.jsonl'):
+    try: r=json.loads(l)
+    except Exception: continue
+    if r.get('case','').startswith('layer_norm_bwd'): print('  ', r['case'], r.get('shape'), r.get('ours_ms'), 'of copy', r.get('fraction_of_copy'))"
