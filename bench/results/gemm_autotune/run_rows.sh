@@ -42,3 +42,26 @@ for l in open('$R/layer_norm_bench.jsonl'):
     try: r=json.loads(l)
     except Exception: continue
     if r.get('case','').startswith('layer_norm_bwd'): print('  ', r['case'], r.get('shape'), r.get('ours_ms'), 'of copy', r.get('fraction_of_copy'))"
+# Issue 19: where blockwise's quantize time goes (its quantize_cast was 31.9 ms a step against
+# delayed's 18.4 in the last profiles): the 1b blockwise and delayed fp8_params steps profiled,
+# every kernel of the trace summed by name (the txt lists only the 20 longest).
+timeout 200 /tmp/g24/gpt_pretrain --config 1b --micro-batch 8 --steps 12 --log-every 4 --data $S/stdlib.txt \
+  --save-last false --save-dir $S/prof --profile $S/prof/profile --profile-first-step 8 --profile-steps 3 \
+  --compare bf16-mixed+fp8+blockwise+fp8-params,bf16-mixed+fp8+delayed+fp8-params > $R/profile_1b.log 2>&1
+echo "1b profile exit $? (${SECONDS} s)"
+for d in $S/prof/profile/*/; do
+  n=$(basename $d); cp $d/step_profile.txt $R/profile_1b_$n.txt
+  python3 - $d/trace.json > $R/profile_1b_${n}_kernels.txt <<'PY'
+import json, sys, collections
+events = json.load(open(sys.argv[1]))
+events = events.get("traceEvents", events) if isinstance(events, dict) else events
+total = collections.Counter(); count = collections.Counter()
+for e in events:
+    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+        total[e["name"]] += e.get("dur", 0); count[e["name"]] += 1
+steps = 3
+for name, us in total.most_common(80):
+    print(f"{us / steps / 1000:8.3f} ms  {count[name] // steps:5d}x  {name[:200]}")
+PY
+  head -4 $R/profile_1b_${n}_kernels.txt
+done
