@@ -267,8 +267,10 @@ TEST(CudaGraphTest, AnFp8GemmFirstSeenInACaptureIsNotTimed_CUDA) {
   };
   // The graph's stream meets cuBLASLt eagerly first, at another N (another configuration).
   const auto warm = operands(1024);
+  const auto before = fp8_gemm_candidates_timed();
   graph.run_eager(warm, gemm);
   const auto timed = fp8_gemm_candidates_timed();
+  EXPECT_GE(timed, before + 2) << "the eager call timed no candidates: the capture's check below proves nothing";
   const auto first = operands(1536);
   graph.capture_and_run(first, gemm);
   EXPECT_EQ(fp8_gemm_candidates_timed(), timed);

@@ -251,15 +251,27 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
     TORCH_CHECK(found > 0, "fp8_gemm: cuBLASLt has no algorithm for M=", m, " N=", n, " K=", k,
                 " a=", a.data.scalar_type(), " b=", b.data.scalar_type(), " out=", out_dtype,
                 o.bias.defined() ? " with bias" : "");
-    plan.algo = candidates[0].algo;
+    // The plan changes only once the choice is made: an exception while measuring leaves it as
+    // it was (chosen_by still names how its algorithm was chosen).
+    cublasLtMatmulAlgo_t chosen = candidates[0].algo;
+    // Accumulating, the candidates write a scratch D; where that does not fit in memory, the
+    // heuristic's first is kept (and the configuration counts as chosen, not measured again).
+    at::Tensor scratch;
     if (measure && found > 1) {
+      try {
+        scratch = o.accumulate ? at::empty({m, n}, out.options()) : out;
+      } catch (const c10::OutOfMemoryError&) {
+        scratch = at::Tensor();
+      }
+    }
+    if (scratch.defined()) {
       // Every candidate is launched once to warm up, then kTimedLaunches times between two
       // events, all queued before one synchronization. They write `out` (at beta = 0 each
       // writes the result the real launch writes again, an FP8 D's amax too) or, when
       // accumulating, a scratch D (C is read from `out` and left as it was). A candidate that
       // fails to launch is passed over (its error cleared); the heuristic's first is the
-      // fallback.
-      at::Tensor scratch = o.accumulate ? at::empty({m, n}, out.options()) : out;
+      // fallback. An error an earlier kernel left is raised first, not cleared with theirs.
+      C10_CUDA_CHECK(cudaGetLastError());
       struct Timing {
         at::cuda::CUDAEvent start{cudaEventDefault}, stop{cudaEventDefault};
         bool launched = false;
@@ -289,10 +301,11 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
         const float ms = t.start.elapsed_time(t.stop);
         if (ms < best_ms) {
           best_ms = ms;
-          plan.algo = candidates[i].algo;
+          chosen = candidates[i].algo;
         }
       }
     }
+    plan.algo = chosen;
     plan.chosen_by = selection;
   }
   AMP8_CUBLAS_CHECK(launch(plan.algo, out.mutable_data_ptr()));
