@@ -44,7 +44,7 @@ enum class Fp8GemmAlgoSelection {
   kHeuristic,
   /// The fastest of up to 8 heuristic candidates, each timed on the call's own operands (what
   /// PyTorch's TunableOp does for cuBLASLt; an accumulating GEMM's candidates write a scratch
-  /// output). Costs a few milliseconds and one host synchronization per configuration; which
+  /// output, and where that does not fit in memory the heuristic's first is kept). Costs a few milliseconds and one host synchronization per configuration; which
   /// algorithm wins, and so the rounding, can differ from run to run. Not while
   /// at::globalContext().deterministicAlgorithms() is set (the Trainer's deterministic mode):
   /// the heuristic's first then. During CUDA graph capture nothing is timed: a configuration
