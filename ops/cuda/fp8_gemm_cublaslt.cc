@@ -254,11 +254,9 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
     // The plan changes only once the choice is made: an exception while measuring leaves it as
     // it was (chosen_by still names how its algorithm was chosen).
     cublasLtMatmulAlgo_t chosen = candidates[0].algo;
-    // Accumulating, the candidates add into a copy of `out` in place, as the real launch adds
-    // into `out` (C = D: timed with C != D, a float32 weight gradient's algorithm won its
-    // timing and then ran 0.8x the heuristic's, bench/results/gemm_autotune/); where the copy
-    // does not fit in memory, the heuristic's first is kept (and the configuration counts as
-    // chosen, not measured again).
+    // Accumulating, the candidates add into a copy of `out` in place (C = D), as the real
+    // launch adds into `out`; where the copy does not fit in memory, the heuristic's first is
+    // kept (and the configuration counts as chosen, not measured again).
     at::Tensor scratch;
     if (measure && found > 1) {
       try {
