@@ -43,8 +43,9 @@ enum class Fp8GemmAlgoSelection {
   /// cuBLASLt's first heuristic pick: the same algorithm in every run, so the same rounding.
   kHeuristic,
   /// The fastest of up to 8 heuristic candidates, each timed on the call's own operands (what
-  /// PyTorch's TunableOp does for cuBLASLt; an accumulating GEMM's candidates write a scratch
-  /// output, and where that does not fit in memory the heuristic's first is kept). Costs a few milliseconds and one host synchronization per configuration; which
+  /// PyTorch's TunableOp does for cuBLASLt; an accumulating GEMM's candidates add into a copy
+  /// of the output, and where that copy does not fit in memory the heuristic's first is kept).
+  /// Costs a few milliseconds and one host synchronization per configuration; which
   /// algorithm wins, and so the rounding, can differ from run to run. Not while
   /// at::globalContext().deterministicAlgorithms() is set (the Trainer's deterministic mode):
   /// the heuristic's first then. During CUDA graph capture nothing is timed: a configuration
