@@ -136,26 +136,26 @@ at::Tensor Fp8BlockwiseTensor::dequantize(at::ScalarType dtype) const {
 
 namespace {
 
+// `name`: what the caller calls x.
 void check_quantize_input(const at::Tensor& x, const BlockwiseQuantizeOptions& options,
-                          const at::Tensor& dbias_out, const char* op) {
-  TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) > 0 && x.size(1) > 0, op,
-              ": x must be a non-empty 2-D tensor, got ",
+                          const at::Tensor& dbias_out, const char* op, const char* name = "x") {
+  TORCH_CHECK(x.defined() && x.dim() == 2 && x.size(0) > 0 && x.size(1) > 0, op, ": ", name,
+              " must be a non-empty 2-D tensor, got ",
               x.defined() ? x.sizes() : at::IntArrayRef{});
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                   x.scalar_type() == at::kHalf,
-              op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+              op, ": ", name, " must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK(options.amax_epsilon >= 0 && std::isfinite(options.amax_epsilon), op,
               ": amax_epsilon must be finite and >= 0, got ", options.amax_epsilon);
   if (dbias_out.defined()) detail::check_dbias_out(dbias_out, x, op);
 }
 
-// The outputs of quantize_blockwise for a contiguous x, allocated (scale grids zeroed: the
-// 128×128 grid's padding columns stay zero).
-Fp8BlockwiseCastTranspose empty_result(const at::Tensor& x,
+// The outputs of quantize_blockwise for an x [rows, cols] on `device`, allocated (scale grids
+// zeroed: the 128×128 grid's padding columns stay zero).
+Fp8BlockwiseCastTranspose empty_result(int64_t rows, int64_t cols, const at::Device& device,
                                        const BlockwiseQuantizeOptions& options, bool transposed) {
-  const int64_t rows = x.size(0), cols = x.size(1);
-  const auto fp8_options = x.options().dtype(fp8_dtype(options.format));
-  const auto float_options = x.options().dtype(at::kFloat);
+  const auto fp8_options = at::TensorOptions(device).dtype(fp8_dtype(options.format));
+  const auto float_options = at::TensorOptions(device).dtype(at::kFloat);
   Fp8BlockwiseCastTranspose result;
   result.data = {at::empty({rows, cols}, fp8_options),
                  at::zeros(blockwise_scale_shape(rows, cols, options.block), float_options),
@@ -178,7 +178,7 @@ Fp8BlockwiseCastTranspose quantize_gelu_values(const at::Tensor& x, const at::Te
   if (gelu_input.defined()) detail::check_gelu_input(in, gelu_input, op);
   if (in.is_cuda()) {
 #ifdef AMP8_WITH_CUDA
-    auto result = empty_result(in, options, transposed);
+    auto result = empty_result(in.size(0), in.size(1), in.device(), options, transposed);
     if (detail::quantize_blockwise_gelu_cuda(in, gelu_input, options, result.data.data,
                                              result.data.scale_inv, result.transposed.data,
                                              result.transposed.scale_inv, dbias_out)) {
@@ -221,7 +221,7 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
   check_quantize_input(x, options, dbias_out, "quantize_blockwise");
   const auto in = x.contiguous();
   const int64_t rows = in.size(0), cols = in.size(1);
-  auto result = empty_result(in, options, transposed);
+  auto result = empty_result(in.size(0), in.size(1), in.device(), options, transposed);
   auto& q = result.data;
   auto& t = result.transposed;
   if (in.is_cuda()) {
@@ -251,6 +251,45 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
     }
   }
   return result;
+}
+
+Fp8BlockwiseCastTranspose quantize_blockwise_columns(const std::vector<at::Tensor>& pieces,
+                                                     const BlockwiseQuantizeOptions& options,
+                                                     bool transposed, const at::Tensor& dbias_out) {
+  constexpr const char* op = "quantize_blockwise_columns";
+  TORCH_CHECK(!pieces.empty(), op, ": pieces must hold at least one tensor");
+  TORCH_CHECK(options.block == Fp8BlockShape::k1x128, op,
+              ": options.block must be 1x128 (pieces are column blocks of row tiles), got ",
+              block_name(options.block));
+  const auto& first = pieces.front();
+  int64_t cols = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto& piece = pieces[i];
+    TORCH_CHECK(piece.defined() && piece.dim() == 2 && piece.size(0) == first.size(0) &&
+                    piece.scalar_type() == first.scalar_type() && piece.device() == first.device(),
+                op, ": pieces[", i, "] must be 2-D with pieces[0]'s rows, dtype and device (",
+                first.sizes(), ", ", first.scalar_type(), ", ", first.device(), "), got ",
+                piece.defined() ? piece.sizes() : at::IntArrayRef{}, ", ",
+                piece.defined() ? piece.scalar_type() : at::ScalarType::Undefined);
+    cols += piece.size(1);
+  }
+  if (pieces.size() == 1) return quantize_blockwise(first, options, transposed, dbias_out);
+  // quantize_blockwise's checks of x on pieces[0] (non-empty, its dtype) and of the options.
+  check_quantize_input(first, options, {}, op, "pieces[0]");
+  if (dbias_out.defined()) detail::check_dbias_out(dbias_out, cols, first.device(), op);
+  if (first.is_cuda() && transposed) {
+#ifdef AMP8_WITH_CUDA
+    auto result = empty_result(first.size(0), cols, first.device(), options, transposed);
+    if (detail::quantize_blockwise_columns_cuda(pieces, options, result.data.data,
+                                                result.data.scale_inv, result.transposed.data,
+                                                result.transposed.scale_inv, dbias_out)) {
+      return result;
+    }
+#else
+    detail::no_cuda(op);
+#endif
+  }
+  return quantize_blockwise(at::cat(pieces, 1), options, transposed, dbias_out);
 }
 
 at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,

@@ -93,6 +93,21 @@ Fp8BlockwiseCastTranspose quantize_blockwise(const at::Tensor& x,
                                              bool transposed = false,
                                              const at::Tensor& dbias_out = {});
 
+/// quantize_blockwise in 1×128 tiles of the column-wise concatenation [x_0 | x_1 | …] of
+/// `pieces` (2-D, one row count, dtype and device; float32, bfloat16 or float16) without writing
+/// the concatenation where it can: the same bytes, scales and dbias_out ([Σ cols_i]) as
+/// quantize_blockwise(at::cat(pieces, 1), options, transposed, dbias_out). A layer's output
+/// gradient that arrives in pieces (attention's dq, dk and dv, for the QKV projection) goes into
+/// the block-scaled GEMMs without a concatenating copy. options.block must be 1×128. CUDA: each
+/// piece's tiles by their own launch of the staged kernel, written in place, where `transposed`
+/// is asked for and every piece takes that kernel (bfloat16 or float16, contiguous, 16-byte
+/// aligned, rows % 16 == 0, cols % 8 == 0) and every piece but the last has cols % 128 == 0, so
+/// that no tile spans two pieces; elsewhere the concatenation, then quantize_blockwise.
+Fp8BlockwiseCastTranspose quantize_blockwise_columns(const std::vector<at::Tensor>& pieces,
+                                                     const BlockwiseQuantizeOptions& options,
+                                                     bool transposed = false,
+                                                     const at::Tensor& dbias_out = {});
+
 /// quantize_blockwise of gelu(x), GELU's tanh approximation (ops/detail/gelu_formula.h) computed
 /// in float32 and rounded to x's dtype: the bytes of writing the activation in x's precision and
 /// then quantizing it, which is how TE quantizes an activation for its blockwise recipe, but from

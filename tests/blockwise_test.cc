@@ -271,6 +271,129 @@ TEST_F(BlockwiseTest, CudaDbiasMatchesCpu_CUDA) {
   }
 }
 
+// ---- a gradient in column pieces (quantize_blockwise_columns) ----
+
+// The pieces' tiles are the concatenation's: bytes, scales, the transpose and dbias, for pieces
+// of whole tiles and for a piece whose tiles would span the next (the concatenation then); one
+// piece is quantize_blockwise itself. Bad pieces are named.
+TEST_F(BlockwiseTest, ColumnPiecesQuantizeAsTheirConcatenation) {
+  const auto options = tiles(Fp8BlockShape::k1x128);
+  for (const auto& widths : std::vector<std::vector<int64_t>>{{256, 128, 72}, {200, 56}, {96}}) {
+    std::vector<at::Tensor> pieces;
+    for (const auto w : widths) pieces.push_back(at::randn({150, w}).to(at::kBFloat16) * (w % 7));
+    const auto whole = at::cat(pieces, 1);
+    auto dbias = at::empty({whole.size(1)}), dbias_whole = at::empty({whole.size(1)});
+    const auto q = quantize_blockwise_columns(pieces, options, true, dbias);
+    const auto expected = quantize_blockwise(whole, options, true, dbias_whole);
+    const auto label = testing::shape_name(150, whole.size(1)) + " in " +
+                       std::to_string(widths.size()) + " pieces";
+    EXPECT_TRUE(BytesEqual(q.data.data, expected.data.data)) << label;
+    EXPECT_TRUE(BytesEqual(q.data.scale_inv, expected.data.scale_inv)) << label;
+    EXPECT_TRUE(BytesEqual(q.transposed.data, expected.transposed.data)) << label;
+    EXPECT_TRUE(BytesEqual(q.transposed.scale_inv, expected.transposed.scale_inv)) << label;
+    EXPECT_TRUE(BytesEqual(dbias, dbias_whole)) << label;
+  }
+  const std::vector<at::Tensor> pieces = {at::randn({8, 128}), at::randn({8, 64})};
+  testing::ExpectErrorContaining([&] { quantize_blockwise_columns({}, options); },
+                                 "quantize_blockwise_columns: pieces must hold at least one tensor");
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise_columns(pieces, tiles(Fp8BlockShape::k128x128)); },
+      "quantize_blockwise_columns: options.block must be 1x128");
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise_columns({pieces[0], at::randn({9, 64})}, options); },
+      "quantize_blockwise_columns: pieces[1] must be 2-D with pieces[0]'s rows, dtype and device");
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise_columns({pieces[0], pieces[1].to(at::kDouble)}, options); },
+      "pieces[1] must be 2-D with pieces[0]'s rows, dtype and device");
+  testing::ExpectErrorContaining(
+      [&] {
+        quantize_blockwise_columns({pieces[0].to(at::kDouble), pieces[1].to(at::kDouble)},
+                                   options);
+      },
+      "quantize_blockwise_columns: pieces[0] must be float32, bfloat16 or float16");
+  testing::ExpectErrorContaining(
+      [&] { quantize_blockwise_columns(pieces, options, true, at::empty({128})); },
+      "quantize_blockwise_columns: dbias_out must be a contiguous float32, bfloat16 or float16 "
+      "[192]");
+}
+
+// On the GPU, pieces of whole tiles are quantized by one launch each into the concatenation's
+// layouts: the CPU reference's bytes and scales (x and xᵀ), and dbias bit for bit the GPU's
+// quantize_blockwise of the concatenation (the same per-tile sums in the same order). Cases for
+// each route: the per-piece launches (bfloat16 and float16, both formats, a last piece of a
+// partial tile, a QKV projection's three equal pieces, NaN and infinity in a piece), and the
+// concatenation where a piece is not whole tiles, float32, not contiguous, or no transpose is
+// asked for. A piece written at the wrong columns, with its rows or scales at the wrong stride,
+// or a missing piece shows in the bytes.
+TEST_F(BlockwiseTest, CudaColumnPiecesMatchCpu_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  struct Case {
+    int64_t rows;
+    std::vector<int64_t> widths;
+    at::ScalarType dtype;
+    Fp8Format format;
+    bool transposed = true;
+    bool strided = false;  // piece 1 is a column slice of a wider tensor
+  };
+  const std::vector<Case> cases = {
+      {272, {256, 384, 136}, at::kBFloat16, Fp8Format::kE5M2},
+      {400, {128, 128, 128}, at::kHalf, Fp8Format::kE4M3},
+      {48, {384, 384, 384}, at::kBFloat16, Fp8Format::kE4M3},
+      {272, {200, 256}, at::kBFloat16, Fp8Format::kE5M2},          // a piece of a partial tile
+      {272, {256, 136}, at::kFloat, Fp8Format::kE5M2},             // float32
+      {272, {256, 128}, at::kBFloat16, Fp8Format::kE5M2, false},   // no transpose
+      {272, {256, 128, 128}, at::kBFloat16, Fp8Format::kE5M2, true, true}};
+  for (const auto& c : cases) {
+    std::string label = std::to_string(c.rows) + " rows, widths";
+    for (const auto w : c.widths) label += " " + std::to_string(w);
+    label += std::string(" ") + c10::toString(c.dtype) + (c.transposed ? "" : " no transpose") +
+             (c.strided ? " strided" : "");
+    std::vector<at::Tensor> cpu_pieces, gpu_pieces;
+    for (size_t i = 0; i < c.widths.size(); ++i) {
+      auto piece = (at::randn({c.rows, c.widths[i]}) * (1.0 + 3.0 * i)).to(c.dtype);
+      if (i == 0) {
+        piece[5][3] = kNaN;
+        piece[7][11] = kInf;
+      }
+      cpu_pieces.push_back(piece);
+      auto gpu = piece.cuda();
+      if (c.strided && i == 1) {
+        gpu = at::zeros({c.rows, c.widths[i] + 64}, gpu.options()).narrow(1, 32, c.widths[i]);
+        gpu.copy_(piece.cuda());
+      }
+      gpu_pieces.push_back(gpu);
+    }
+    auto options = tiles(Fp8BlockShape::k1x128);
+    options.format = c.format;
+    const int64_t cols = at::cat(cpu_pieces, 1).size(1);
+    auto dbias_gpu = at::full({cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(c.dtype));
+    auto dbias_whole = at::full({cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(c.dtype));
+    auto dbias_cpu = at::empty({cols}, c.dtype);
+    const auto gpu = quantize_blockwise_columns(gpu_pieces, options, c.transposed, dbias_gpu);
+    const auto cpu = quantize_blockwise_columns(cpu_pieces, options, c.transposed, dbias_cpu);
+    quantize_blockwise(at::cat(gpu_pieces, 1), options, c.transposed, dbias_whole);
+    EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data)) << label;
+    EXPECT_TRUE(BytesEqual(gpu.data.scale_inv, cpu.data.scale_inv)) << label;
+    if (c.transposed) {
+      EXPECT_TRUE(BytesEqual(gpu.transposed.data, cpu.transposed.data)) << label;
+      EXPECT_TRUE(BytesEqual(gpu.transposed.scale_inv, cpu.transposed.scale_inv)) << label;
+    } else {
+      EXPECT_FALSE(gpu.transposed.defined()) << label;
+    }
+    // Column 3 holds the NaN, 11 the infinity; elsewhere the sums are finite and compared as
+    // bytes (NaN's encoding differs between routes).
+    auto finite = at::ones({cols}, at::kBool);
+    finite[3] = false;
+    finite[11] = false;
+    EXPECT_TRUE(BytesEqual(dbias_gpu.cpu().masked_select(finite),
+                           dbias_whole.cpu().masked_select(finite)))
+        << label;
+    const auto error = (dbias_gpu.cpu().to(at::kFloat) - dbias_cpu.to(at::kFloat)).abs();
+    const auto bound = at::cat(cpu_pieces, 1).to(at::kFloat).abs().sum(0) * 1e-2f + 1e-3f;
+    EXPECT_TRUE((error <= bound).logical_or(finite.logical_not()).all().item<bool>()) << label;
+  }
+}
+
 // ---- GELU and its backward inside the quantization (quantize_blockwise_gelu / _dgelu) ----
 
 // How many bytes of two quantizations with the same tile scales differ, and by how many FP8

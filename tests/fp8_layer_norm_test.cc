@@ -192,14 +192,20 @@ TEST_F(Fp8LayerNormTest, FusedEqualsUnfusedPairInFp8) {
 
 // forward_split's pieces are forward's output split, and their gradients, arriving apart (one
 // piece unused: autograd hands the backward zeros for it) or as views of one buffer, give the
-// bytes the concatenated gradient gives: input, every parameter, FP8 metadata. In each recipe; blockwise runs the
-// modules unfused and concatenates as split_with_sizes does. A piece's gradient at the wrong
+// bytes the concatenated gradient gives: input, every parameter, FP8 metadata. In each recipe;
+// blockwise runs LayerNorm, then Fp8Linear::forward_split, whose backward quantizes the pieces
+// in their 1×128 tiles where they are (quantize_blockwise_columns: on the GPU, pieces of whole
+// tiles take one launch each, other pieces are concatenated). A piece's gradient at the wrong
 // columns, or one piece's gradient standing for all, shows.
-void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t rows) {
+void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t rows,
+                        const std::vector<int64_t>& splits = {40, 16, 40}) {
+  int64_t out = 0;
+  for (const auto size : splits) out += size;
+  ASSERT_EQ(splits.size(), 3u);
   for (const std::string recipe_kind : {"delayed", "tensorwise", "blockwise"}) {
     SCOPED_TRACE(recipe_kind + " " + c10::toString(dtype));
-    auto whole = make_layer_norm_linear(device, 128, 96);
-    auto split = make_layer_norm_linear(device, 128, 96);
+    auto whole = make_layer_norm_linear(device, 128, out);
+    auto split = make_layer_norm_linear(device, 128, out);
     {
       torch::NoGradGuard no_grad;
       for (auto& p : split->named_parameters()) p.value().copy_(whole->named_parameters()[p.key()]);
@@ -207,8 +213,9 @@ void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t r
     const auto recipe = recipe_of(recipe_kind);
     for (int step = 0; step < 3; ++step) {
       auto x = (torch::randn({rows, 128}) * (step + 1)).to(device).to(dtype);
-      std::vector<torch::Tensor> grads = {torch::randn({rows, 40}), torch::randn({rows, 16}) * 9,
-                                          torch::randn({rows, 40})};
+      std::vector<torch::Tensor> grads = {torch::randn({rows, splits[0]}),
+                                          torch::randn({rows, splits[1]}) * 9,
+                                          torch::randn({rows, splits[2]})};
       if (step == 1) grads[1].zero_();  // step 1: piece 1 unused
       for (auto& g : grads) g = g.to(device).to(dtype);
       auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
@@ -217,11 +224,11 @@ void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t r
       {
         Fp8Autocast region(recipe);
         y = whole->forward(x1);
-        pieces = split->forward_split(x2, {40, 16, 40});
+        pieces = split->forward_split(x2, splits);
       }
       ASSERT_EQ(pieces.size(), 3u);
       for (int i = 0; i < 3; ++i) {
-        EXPECT_TRUE(BytesEqual(pieces[i], y.split_with_sizes({40, 16, 40}, -1)[i])) << i;
+        EXPECT_TRUE(BytesEqual(pieces[i], y.split_with_sizes(splits, -1)[i])) << i;
       }
       y.backward(at::cat(grads, -1));
       if (step == 1) {
@@ -229,7 +236,7 @@ void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t r
       } else if (step == 2) {
         // Gradients that are adjacent column blocks of one buffer (an attention backward that
         // fills one dq|dk|dv buffer): cast as that buffer.
-        torch::autograd::backward(pieces, at::cat(grads, -1).split_with_sizes({40, 16, 40}, -1));
+        torch::autograd::backward(pieces, at::cat(grads, -1).split_with_sizes(splits, -1));
       } else {
         torch::autograd::backward(pieces, grads);
       }
@@ -251,10 +258,12 @@ TEST_F(Fp8LayerNormTest, ForwardSplitGradientsAreTheConcatenatedGradients) {
 
 // Pieces at column offsets 0, 40 and 56 (multiples of 8, not all of 16): each piece's cast and
 // bias gradient on the fused kernel, whose column sums do not depend on the matrix's width.
+// Pieces of 128, 256 and 128 columns: blockwise's per-piece launches (a QKV projection's shape).
 TEST_F(Fp8LayerNormTest, ForwardSplitGradientsAreTheConcatenatedGradients_CUDA) {
   AMP8_REQUIRE_CUDA();
   forward_split_case(torch::kCUDA, torch::kBFloat16, 48);
   forward_split_case(torch::kCUDA, torch::kFloat, 45);  // padded to 48 rows
+  forward_split_case(torch::kCUDA, torch::kBFloat16, 48, {128, 256, 128});
 }
 
 TEST_F(Fp8LayerNormTest, ForwardSplitNamesBadSizes) {

@@ -405,6 +405,81 @@ TEST_F(Fp8LinearTest, WithoutBias) {
   EXPECT_TRUE(x.grad().defined());
 }
 
+// forward_split's pieces are forward's output split, and their gradients, arriving apart, give
+// the bytes the concatenated gradient gives (input, weight, bias, FP8 metadata) in each recipe:
+// fp8_linear_backward's column casts, and the blockwise tiles of quantize_blockwise_columns
+// (with pieces of whole 1×128 tiles on the GPU, one launch per piece). A piece's gradient at the
+// wrong columns, or one piece's gradient standing for all, shows.
+void linear_forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t rows,
+                               const std::vector<int64_t>& splits) {
+  int64_t out = 0;
+  for (const auto size : splits) out += size;
+  for (const std::string recipe_kind : {"delayed", "tensorwise", "blockwise"}) {
+    SCOPED_TRACE(recipe_kind + " " + c10::toString(dtype));
+    Fp8Linear whole(Fp8LinearOptions(128, out).fp8_min_gemm_size(0));
+    Fp8Linear split(Fp8LinearOptions(128, out).fp8_min_gemm_size(0));
+    whole->to(device);
+    split->to(device);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : split->named_parameters()) p.value().copy_(whole->named_parameters()[p.key()]);
+    }
+    for (int step = 0; step < 2; ++step) {
+      const auto x = (torch::randn({rows, 128}) * (step + 1)).to(device).to(dtype);
+      std::vector<torch::Tensor> grads;
+      for (size_t i = 0; i < splits.size(); ++i) {
+        grads.push_back((torch::randn({rows, splits[i]}) * (1.0 + 4.0 * i)).to(device).to(dtype));
+      }
+      auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+      torch::Tensor y;
+      std::vector<torch::Tensor> pieces;
+      {
+        Fp8Autocast region(recipe_of(recipe_kind));
+        y = whole->forward(x1);
+        pieces = split->forward_split(x2, splits);
+      }
+      ASSERT_EQ(pieces.size(), splits.size());
+      for (size_t i = 0; i < splits.size(); ++i) {
+        EXPECT_TRUE(BytesEqual(pieces[i], y.split_with_sizes(splits, -1)[i])) << i;
+      }
+      y.backward(at::cat(grads, -1));
+      torch::autograd::backward(pieces, grads);
+      EXPECT_TRUE(BytesEqual(x1.grad(), x2.grad())) << "step " << step;
+      for (auto& p : whole->named_parameters()) {
+        EXPECT_TRUE(BytesEqual(p.value().grad(), split->named_parameters()[p.key()].grad()))
+            << p.key() << " step " << step;
+      }
+      for (auto& b : whole->named_buffers()) {
+        EXPECT_TRUE(BytesEqual(b.value(), split->named_buffers()[b.key()])) << b.key();
+      }
+    }
+  }
+}
+
+TEST_F(Fp8LinearTest, ForwardSplitGradientsAreTheConcatenatedGradients) {
+  linear_forward_split_case(torch::kCPU, torch::kFloat, 45, {40, 16, 40});
+}
+
+TEST_F(Fp8LinearTest, ForwardSplitGradientsAreTheConcatenatedGradients_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  linear_forward_split_case(torch::kCUDA, torch::kBFloat16, 48, {40, 16, 40});
+  linear_forward_split_case(torch::kCUDA, torch::kBFloat16, 272, {256, 128, 128});
+}
+
+TEST_F(Fp8LinearTest, ForwardSplitNamesBadSizes) {
+  Fp8Linear layer(Fp8LinearOptions(64, 48));
+  const auto x = torch::randn({4, 64});
+  testing::ExpectErrorContaining([&] { layer->forward_split(x, {16, 16}); },
+                                 "Fp8Linear::forward_split: split_sizes must sum to "
+                                 "out_features=48, got [16, 16]");
+  testing::ExpectErrorContaining([&] { layer->forward_split(x, {56, -8}); },
+                                 "Fp8Linear::forward_split: split_sizes must be positive");
+  // Outside an FP8 region: torch::nn::Linear's output split.
+  const auto pieces = layer->forward_split(x, {16, 32});
+  ASSERT_EQ(pieces.size(), 2u);
+  EXPECT_TRUE(BytesEqual(pieces[1], layer->forward(x).narrow(1, 16, 32)));
+}
+
 // The backward frees the saved FP8 input transpose before dgrad unless the graph is retained:
 // with retain_graph a second backward still finds it and matches the fp64 gradients, and
 // after the last one a further backward is LibTorch's usual error, not a missing tensor.

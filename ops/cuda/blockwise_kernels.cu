@@ -147,13 +147,14 @@ __device__ __forceinline__ void load_tile_packs(const T* __restrict__ x, int64_t
 }
 
 // A thread's 8 values v of row gr in its 1×128 row tile (blockIdx.x): the tile's amax over the
-// half-warp holding the row (every lane must call it), the tile's scale, the 8 bytes stored, and
-// 1 / scale into scale_inv [col tiles, rows] by the row's first thread.
+// half-warp holding the row (every lane must call it), the tile's scale, the 8 bytes stored in
+// out (rows out_ld bytes apart), and 1 / scale into scale_inv [col tiles, rows] by the row's
+// first thread.
 template <bool kE5M2>
 __device__ __forceinline__ void quantize_row_tile_share(const float (&v)[8], int64_t gr, int64_t gc,
                                                         int64_t rows, int64_t cols, int chunk,
                                                         const BlockwiseScaling& s,
-                                                        uint8_t* __restrict__ out,
+                                                        uint8_t* __restrict__ out, int64_t out_ld,
                                                         float* __restrict__ scale_inv) {
   float amax = 0.0f;  // fmaxf drops a NaN
 #pragma unroll
@@ -165,7 +166,7 @@ __device__ __forceinline__ void quantize_row_tile_share(const float (&v)[8], int
   if (gr < rows) {
     uint32_t unused = 0;
     if (gc < cols)
-      *reinterpret_cast<uint64_t*>(out + gr * cols + gc) =
+      *reinterpret_cast<uint64_t*>(out + gr * out_ld + gc) =
           saturating_cast8<kE5M2, kCastMode>(v, scale, unused);
     if (chunk == 0) scale_inv[static_cast<int64_t>(blockIdx.x) * rows + gr] = __fdiv_rn(1.0f, scale);
   }
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(kTileThreads, 3)
 #pragma unroll
       for (int j = 0; j < 8; ++j) column_amax[j] = fmaxf(column_amax[j], fabsf(v[j]));
     }
-    quantize_row_tile_share<kE5M2>(v, gr, gc, rows, cols, chunk, s, out, scale_inv);
+    quantize_row_tile_share<kE5M2>(v, gr, gc, rows, cols, chunk, s, out, cols, scale_inv);
   }
   if constexpr (kTransposed) {
 #pragma unroll
@@ -281,12 +282,16 @@ __device__ __forceinline__ float half_to_float<__half>(uint32_t word, int half) 
 // activation), from one read, the activation never written. The dGELU variant holds the gate's
 // packs too: three resident blocks instead of four, at 80 registers and a 20-byte spill (two
 // blocks would take 103 registers and no spill).
+// `ld` is the row length of the outputs whose rows x's columns make (out, scale_inv_t,
+// dbias_part): cols for an x of its own, the whole width where x is a column piece of a wider
+// tensor (launch_quantize_1x128_columns; the caller offsets the pointers).
 template <typename T, bool kE5M2, bool kDbias, CastActivation kAct = CastActivation::kNone>
 __global__ void __launch_bounds__(kTileThreads, kAct == CastActivation::kDGelu ? 3 : 4)
     quantize_1x128_staged_kernel(const T* __restrict__ x, const T* __restrict__ gate, int64_t rows,
-                                 int64_t cols, BlockwiseScaling s, uint8_t* __restrict__ out,
-                                 float* __restrict__ scale_inv, uint8_t* __restrict__ out_t,
-                                 float* __restrict__ scale_inv_t, float* __restrict__ dbias_part) {
+                                 int64_t cols, int64_t ld, BlockwiseScaling s,
+                                 uint8_t* __restrict__ out, float* __restrict__ scale_inv,
+                                 uint8_t* __restrict__ out_t, float* __restrict__ scale_inv_t,
+                                 float* __restrict__ dbias_part) {
   static_assert(sizeof(T) == 2, "the column pass reads column pairs as 4-byte words");
   static_assert(kAct == CastActivation::kNone || kAct == CastActivation::kGelu ||
                     kAct == CastActivation::kDGelu,
@@ -317,7 +322,7 @@ __global__ void __launch_bounds__(kTileThreads, kAct == CastActivation::kDGelu ?
     float v[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = to_float(packs[pass].v[j]);
-    quantize_row_tile_share<kE5M2>(v, r0 + r, gc, rows, cols, chunk, s, out, scale_inv);
+    quantize_row_tile_share<kE5M2>(v, r0 + r, gc, rows, cols, chunk, s, out, ld, scale_inv);
     staged[r][chunk ^ pass] = *reinterpret_cast<const uint4*>(&packs[pass]);
   }
   __syncthreads();
@@ -349,7 +354,7 @@ __global__ void __launch_bounds__(kTileThreads, kAct == CastActivation::kDGelu ?
     const float scale0 = tile_scale<kE5M2>(amax0, s), scale1 = tile_scale<kE5M2>(amax1, s);
     const int64_t c = c0 + 2 * pair;  // x's columns c and c + 1: xᵀ's rows
     if (group == 0) {
-      float* scales = scale_inv_t + static_cast<int64_t>(blockIdx.y) * cols;
+      float* scales = scale_inv_t + static_cast<int64_t>(blockIdx.y) * ld;
       if (c < cols) scales[c] = __fdiv_rn(1.0f, scale0);
       if (c + 1 < cols) scales[c + 1] = __fdiv_rn(1.0f, scale1);
     }
@@ -366,7 +371,7 @@ __global__ void __launch_bounds__(kTileThreads, kAct == CastActivation::kDGelu ?
         sum1 += __shfl_xor_sync(0xFFFFFFFFu, sum1, offset);
       }
       if (group == 0) {
-        float* sums = dbias_part + static_cast<int64_t>(blockIdx.y) * cols;
+        float* sums = dbias_part + static_cast<int64_t>(blockIdx.y) * ld;
         if (c < cols) sums[c] = sum0;
         if (c + 1 < cols) sums[c + 1] = sum1;
       }
@@ -640,8 +645,41 @@ int dispatch_format(bool e5m2, F&& f) {
   return e5m2 ? f(std::true_type{}) : f(std::false_type{});
 }
 
-// The staged kernel with xᵀ for a 2-byte x (and gate) of the shape quantize_1x128_sums_columns
-// takes, with the tiles' column sums into dbias_part and then dbias when dbias is non-null.
+// The staged kernel with xᵀ for a 2-byte x (and gate) that quantize_1x128_sums_columns takes
+// (checked by the callers), its outputs' rows `ld` long (the kernel's comment); with the tiles'
+// column sums into dbias_part when it is non-null.
+template <CastActivation kAct>
+int launch_staged_kernel(const void* x, const void* gate, InputType type, int64_t rows,
+                         int64_t cols, int64_t ld, BlockwiseScaling s, void* out, float* scale_inv,
+                         void* out_t, float* scale_inv_t, Stream stream, float* dbias_part) {
+  return dispatch_input(type, [&](auto zero) {
+    using T = decltype(zero);
+    if constexpr (sizeof(T) == 2) {
+      return dispatch_format(s.e5m2, [&](auto e5m2) {
+        constexpr bool kE5M2 = decltype(e5m2)::value;
+        const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
+                        static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
+        const auto launch = [&](auto kernel) {
+          kernel<<<grid, kTileThreads, 0, stream>>>(
+              static_cast<const T*>(x), static_cast<const T*>(gate), rows, cols, ld, s,
+              static_cast<uint8_t*>(out), scale_inv, static_cast<uint8_t*>(out_t), scale_inv_t,
+              dbias_part);
+          return static_cast<int>(cudaGetLastError());
+        };
+        if constexpr (kAct != CastActivation::kGelu) {
+          if (dbias_part != nullptr) {
+            return launch(quantize_1x128_staged_kernel<T, kE5M2, true, kAct>);
+          }
+        }
+        return launch(quantize_1x128_staged_kernel<T, kE5M2, false, kAct>);
+      });
+    } else {
+      return kUnsupportedShape;  // not reached: checked by the callers
+    }
+  });
+}
+
+// The staged kernel for an x of its own, then the column sums into dbias when it is non-null.
 template <CastActivation kAct>
 int launch_staged(const void* x, const void* gate, InputType type, int64_t rows, int64_t cols,
                   BlockwiseScaling s, void* out, float* scale_inv, void* out_t, float* scale_inv_t,
@@ -651,29 +689,9 @@ int launch_staged(const void* x, const void* gate, InputType type, int64_t rows,
       (kAct == CastActivation::kGelu && dbias != nullptr)) {
     return kUnsupportedShape;
   }
-  const int err = dispatch_input(type, [&](auto zero) {
-    using T = decltype(zero);
-    if constexpr (sizeof(T) == 2) {
-      return dispatch_format(s.e5m2, [&](auto e5m2) {
-        constexpr bool kE5M2 = decltype(e5m2)::value;
-        const dim3 grid(static_cast<unsigned>((cols + kBlockLen - 1) / kBlockLen),
-                        static_cast<unsigned>((rows + kBlockLen - 1) / kBlockLen));
-        const auto launch = [&](auto kernel) {
-          kernel<<<grid, kTileThreads, 0, stream>>>(
-              static_cast<const T*>(x), static_cast<const T*>(gate), rows, cols, s,
-              static_cast<uint8_t*>(out), scale_inv, static_cast<uint8_t*>(out_t), scale_inv_t,
-              dbias_part);
-          return static_cast<int>(cudaGetLastError());
-        };
-        if constexpr (kAct != CastActivation::kGelu) {
-          if (dbias != nullptr) return launch(quantize_1x128_staged_kernel<T, kE5M2, true, kAct>);
-        }
-        return launch(quantize_1x128_staged_kernel<T, kE5M2, false, kAct>);
-      });
-    } else {
-      return kUnsupportedShape;  // not reached: checked above
-    }
-  });
+  const int err = launch_staged_kernel<kAct>(x, gate, type, rows, cols, cols, s, out, scale_inv,
+                                             out_t, scale_inv_t, stream,
+                                             dbias != nullptr ? dbias_part : nullptr);
   if (err != 0 || dbias == nullptr) return err;
   return launch_column_sum(dbias_part, static_cast<int>(quantize_1x128_dbias_parts(rows)), cols,
                            dbias, dbias_type, stream);
@@ -716,8 +734,8 @@ int launch_quantize_1x128(const void* x, InputType type, int64_t rows, int64_t c
               nullptr, nullptr);
         } else if constexpr (sizeof(T) == 2) {
           quantize_1x128_staged_kernel<T, kE5M2, false><<<grid, kTileThreads, 0, stream>>>(
-              static_cast<const T*>(x), nullptr, rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
-              static_cast<uint8_t*>(out_t), scale_inv_t, nullptr);
+              static_cast<const T*>(x), nullptr, rows, cols, cols, s, static_cast<uint8_t*>(out),
+              scale_inv, static_cast<uint8_t*>(out_t), scale_inv_t, nullptr);
         } else {
           quantize_1x128_tile_kernel<T, kE5M2, true><<<grid, kTileThreads, 0, stream>>>(
               static_cast<const T*>(x), rows, cols, s, static_cast<uint8_t*>(out), scale_inv,
@@ -759,6 +777,38 @@ int launch_quantize_1x128_activation(const void* x, const void* gate, InputType 
     default:
       return kUnsupportedShape;
   }
+}
+
+int launch_quantize_1x128_columns(const void* const* pieces, const int64_t* piece_cols, int count,
+                                  InputType type, int64_t rows, BlockwiseScaling s, void* out,
+                                  float* scale_inv, void* out_t, float* scale_inv_t, Stream stream,
+                                  float* dbias_part, void* dbias, InputType dbias_type) {
+  if (count < 1) return kUnsupportedShape;
+  int64_t width = 0;
+  for (int i = 0; i < count; ++i) {
+    // Every piece but the last ends on a tile edge, so that no 1×128 row tile spans two pieces;
+    // a piece's part of out_t starts at row `width` of xᵀ, 16-byte aligned as out_t is.
+    const bool whole_tiles = i == count - 1 || piece_cols[i] % kBlockLen == 0;
+    if (!whole_tiles ||
+        !quantize_1x128_sums_columns(type, rows, piece_cols[i], pieces[i],
+                                     static_cast<const uint8_t*>(out_t) + width * rows)) {
+      return kUnsupportedShape;
+    }
+    width += piece_cols[i];
+  }
+  int64_t first = 0;  // the piece's first column in x
+  for (int i = 0; i < count; ++i) {
+    const int err = launch_staged_kernel<CastActivation::kNone>(
+        pieces[i], nullptr, type, rows, piece_cols[i], width, s,
+        static_cast<uint8_t*>(out) + first, scale_inv + (first / kBlockLen) * rows,
+        static_cast<uint8_t*>(out_t) + first * rows, scale_inv_t + first,
+        stream, dbias != nullptr ? dbias_part + first : nullptr);
+    if (err != 0) return err;
+    first += piece_cols[i];
+  }
+  if (dbias == nullptr) return cudaSuccess;
+  return launch_column_sum(dbias_part, static_cast<int>(quantize_1x128_dbias_parts(rows)), width,
+                           dbias, dbias_type, stream);
 }
 
 int launch_quantize_128x128(const void* x, InputType type, int64_t rows, int64_t cols,

@@ -149,6 +149,37 @@ void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions
       transposed ? scale_inv_t.size(1) : 0, current_stream()));
 }
 
+bool quantize_blockwise_columns_cuda(const std::vector<at::Tensor>& pieces,
+                                     const BlockwiseQuantizeOptions& options, const at::Tensor& out,
+                                     const at::Tensor& scale_inv, const at::Tensor& out_t,
+                                     const at::Tensor& scale_inv_t, const at::Tensor& dbias_out) {
+  if (options.block != Fp8BlockShape::k1x128 || !out_t.defined()) return false;
+  std::vector<const void*> data;
+  std::vector<int64_t> cols;
+  for (const auto& piece : pieces) {
+    if (!piece.is_contiguous()) return false;
+    data.push_back(piece.const_data_ptr());
+    cols.push_back(piece.size(1));
+  }
+  const auto& first = pieces.front();
+  const int64_t rows = first.size(0), width = out.size(1);
+  const c10::cuda::CUDAGuard guard(first.device());
+  const auto part = dbias_out.defined()
+                        ? at::empty({cuda::quantize_1x128_dbias_parts(rows), width},
+                                    first.options().dtype(at::kFloat))
+                        : at::Tensor();
+  const int err = cuda::launch_quantize_1x128_columns(
+      data.data(), cols.data(), static_cast<int>(pieces.size()), input_type(first), rows,
+      blockwise_scaling(options), out.mutable_data_ptr(), scale_inv.mutable_data_ptr<float>(),
+      out_t.mutable_data_ptr(), scale_inv_t.mutable_data_ptr<float>(), current_stream(),
+      part.defined() ? part.mutable_data_ptr<float>() : nullptr,
+      dbias_out.defined() ? dbias_out.mutable_data_ptr() : nullptr,
+      dbias_out.defined() ? input_type(dbias_out) : cuda::InputType::kFloat);
+  if (err == cuda::kUnsupportedShape) return false;
+  AMP8_CUDA_CHECK(err);
+  return true;
+}
+
 bool quantize_blockwise_gelu_cuda(const at::Tensor& x, const at::Tensor& gelu_input,
                                   const BlockwiseQuantizeOptions& options, const at::Tensor& out,
                                   const at::Tensor& scale_inv, const at::Tensor& out_t,

@@ -110,9 +110,10 @@ struct GemmPlan {
   std::optional<Fp8GemmAlgoSelection> chosen_by;  // how `algo` was chosen; none yet
 };
 
-// kFastestMeasured: how many of the heuristic's candidates are timed, and how many launches of
-// each (after one to warm up) are timed together.
+// kFastestMeasured: how many of the heuristic's candidates are timed, in how many rounds, and
+// how many launches of each (after one to warm up) a round times together.
 constexpr int kMaxCandidates = 8;
+constexpr int kTimedRounds = 2;
 constexpr int kTimedLaunches = 3;
 
 std::map<PlanKey, std::unique_ptr<GemmPlan>>& plans() {
@@ -266,42 +267,49 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
       }
     }
     if (scratch.defined()) {
-      // Every candidate is launched once to warm up, then kTimedLaunches times between two
-      // events, all queued before one synchronization. They write `out` (at beta = 0 each
-      // writes the result the real launch writes again, an FP8 D's amax too) or, when
-      // accumulating, the copy (`out` is left as it was). A candidate that
-      // fails to launch is passed over (its error cleared); the heuristic's first is the
-      // fallback. An error an earlier kernel left is raised first, not cleared with theirs.
+      // Every candidate is launched once to warm up; then, in each of kTimedRounds rounds,
+      // every candidate in turn kTimedLaunches times between two events, all queued before one
+      // synchronization. A candidate's time is its rounds' sum: interleaved rounds put no
+      // candidate only at the start of the burst, when the clocks and caches are not yet what
+      // the others see. They write `out` (at beta = 0 each writes the result the real launch
+      // writes again, an FP8 D's amax too) or, when accumulating, the copy (`out` is left as it
+      // was). A candidate that fails to launch is passed over (its error cleared); the
+      // heuristic's first is the fallback. An error an earlier kernel left is raised first, not
+      // cleared with theirs.
       C10_CUDA_CHECK(cudaGetLastError());
       struct Timing {
         at::cuda::CUDAEvent start{cudaEventDefault}, stop{cudaEventDefault};
-        bool launched = false;
       };
-      std::vector<Timing> timings(found);
+      std::vector<std::array<Timing, kTimedRounds>> timings(found);
+      std::vector<bool> launched(found, false);
       auto ok = [](cublasStatus_t status) {
         if (status == CUBLAS_STATUS_SUCCESS) return true;
         (void)cudaGetLastError();
         return false;
       };
-      for (int i = 0; i < found; ++i) {
-        auto& t = timings[i];
-        void* d = scratch.mutable_data_ptr();
-        const void* c = o.accumulate ? d : c_ptr;
-        if (!ok(launch(candidates[i].algo, d, c))) continue;
-        t.start.record();
-        t.launched = true;
-        for (int r = 0; r < kTimedLaunches && t.launched; ++r) {
-          t.launched = ok(launch(candidates[i].algo, d, c));
+      void* d = scratch.mutable_data_ptr();
+      const void* c = o.accumulate ? d : c_ptr;
+      for (int i = 0; i < found; ++i) launched[i] = ok(launch(candidates[i].algo, d, c));
+      for (int round = 0; round < kTimedRounds; ++round) {
+        for (int i = 0; i < found; ++i) {
+          if (!launched[i]) continue;
+          auto& t = timings[i][round];
+          t.start.record();
+          for (int r = 0; r < kTimedLaunches && launched[i]; ++r) {
+            launched[i] = ok(launch(candidates[i].algo, d, c));
+          }
+          t.stop.record();
         }
-        t.stop.record();
       }
       float best_ms = std::numeric_limits<float>::infinity();
       for (int i = 0; i < found; ++i) {
-        auto& t = timings[i];
-        if (!t.launched) continue;
-        t.stop.synchronize();
+        if (!launched[i]) continue;
+        float ms = 0.0f;
+        for (auto& t : timings[i]) {
+          t.stop.synchronize();
+          ms += t.start.elapsed_time(t.stop);
+        }
         ++fp8_gemm_candidates_timed;
-        const float ms = t.start.elapsed_time(t.stop);
         if (ms < best_ms) {
           best_ms = ms;
           chosen = candidates[i].algo;

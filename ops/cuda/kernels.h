@@ -296,6 +296,17 @@ int launch_quantize_1x128_activation(const void* x, const void* gate, InputType 
                                      void* out_t, float* scale_inv_t, Stream stream,
                                      float* dbias_part = nullptr, void* dbias = nullptr,
                                      InputType dbias_type = InputType::kFloat);
+// launch_quantize_1x128 with xᵀ (and dbias) for an x [rows, width] that is `count` column
+// pieces, pieces[i] [rows, piece_cols[i]] row-major, side by side: the outputs are x's, each
+// piece's tiles written in place by its own launch, so x is never assembled. Only where every
+// piece takes the fast shape (quantize_1x128_sums_columns) and every piece but the last has
+// piece_cols % 128 == 0 (no tile spans two pieces); otherwise it launches nothing and returns
+// kUnsupportedShape.
+int launch_quantize_1x128_columns(const void* const* pieces, const int64_t* piece_cols, int count,
+                                  InputType type, int64_t rows, BlockwiseScaling scaling,
+                                  void* out, float* scale_inv, void* out_t, float* scale_inv_t,
+                                  Stream stream, float* dbias_part = nullptr, void* dbias = nullptr,
+                                  InputType dbias_type = InputType::kFloat);
 // Rows of launch_quantize_1x128's dbias_part: one per 128-row tile.
 int64_t quantize_1x128_dbias_parts(int64_t rows);
 // Whether launch_quantize_1x128 sums the columns of this x (its dbias shape, above).

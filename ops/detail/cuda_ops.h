@@ -132,6 +132,14 @@ void quantize_blockwise_cuda(const at::Tensor& x, const BlockwiseQuantizeOptions
                              const at::Tensor& out, const at::Tensor& scale_inv,
                              const at::Tensor& out_t, const at::Tensor& scale_inv_t,
                              const at::Tensor& dbias_out = {});
+// quantize_blockwise_columns' per-piece launches into out / scale_inv / out_t / scale_inv_t (x's
+// layouts, x = the pieces side by side; out_t defined) and dbias_out (checked; may be
+// undefined): false, having launched nothing, where a piece does not take them
+// (ops/blockwise.h).
+bool quantize_blockwise_columns_cuda(const std::vector<at::Tensor>& pieces,
+                                     const BlockwiseQuantizeOptions& options, const at::Tensor& out,
+                                     const at::Tensor& scale_inv, const at::Tensor& out_t,
+                                     const at::Tensor& scale_inv_t, const at::Tensor& dbias_out);
 // quantize_blockwise_gelu (gelu_input undefined) or _dgelu in one kernel, outputs and
 // arguments as quantize_blockwise_cuda's: false, having launched nothing, where the kernel does
 // not take the shape (ops/blockwise.h).

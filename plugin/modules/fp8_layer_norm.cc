@@ -553,15 +553,8 @@ torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
 
 std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_split(const torch::Tensor& input,
                                                                  at::IntArrayRef split_sizes) {
-  int64_t total = 0;
-  for (const auto size : split_sizes) {
-    TORCH_CHECK(size > 0, "Fp8LayerNormLinear::forward_split: split_sizes must be positive, got ",
-                split_sizes);
-    total += size;
-  }
-  TORCH_CHECK(!split_sizes.empty() && total == options.out_features(),
-              "Fp8LayerNormLinear::forward_split: split_sizes must sum to out_features=",
-              options.out_features(), ", got ", split_sizes);
+  detail::check_split_sizes(split_sizes, options.out_features(),
+                            "Fp8LayerNormLinear::forward_split");
   return forward_pieces(input, split_sizes);
 }
 
@@ -571,10 +564,12 @@ std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_pieces(const torch::T
               "Fp8LayerNormLinear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
   auto& lin = *linear;
-  // Unfused: the two modules in sequence, split as split_with_sizes splits.
+  // Unfused: the two modules in sequence, the Linear's output pieces (gradients quantized
+  // without a concatenation) as its forward_split makes them.
   auto unfused = [&] {
-    auto y = lin.forward(layer_norm->forward(input));
-    return split_sizes.empty() ? std::vector<torch::Tensor>{y} : y.split_with_sizes(split_sizes, -1);
+    const auto x = layer_norm->forward(input);
+    return split_sizes.empty() ? std::vector<torch::Tensor>{lin.forward(x)}
+                               : lin.forward_split(x, split_sizes);
   };
   if (in_blockwise_region()) return unfused();
   auto call = lin.prepare_fp8_call(input, input.numel() / options.in_features());

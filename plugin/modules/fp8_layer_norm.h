@@ -129,8 +129,10 @@ class Fp8LayerNormLinearImpl : public torch::nn::Cloneable<Fp8LayerNormLinearImp
   /// quantizes where they are instead of concatenating them first (cast_transpose_columns;
   /// TE's _SplitAlongDim does the same with an attention that writes one dqkv buffer): a fused
   /// QKV projection's q, k and v, whose gradients attention returns as three tensors.
-  /// split_sizes: positive, summing to out_features. Outside FP8 (and in the blockwise recipe)
-  /// autograd concatenates the gradients as split_with_sizes' backward does.
+  /// split_sizes: positive, summing to out_features. In the blockwise recipe (LayerNorm, then
+  /// Fp8Linear::forward_split) the pieces are quantized in their 1×128 tiles where they are
+  /// (quantize_blockwise_columns). Outside FP8 autograd concatenates the gradients as
+  /// split_with_sizes' backward does.
   std::vector<torch::Tensor> forward_split(const torch::Tensor& input,
                                            at::IntArrayRef split_sizes);
 

@@ -30,10 +30,17 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
 
   // `grad_anchor` is an empty tensor that requires grad under fp8_params, so that backward
   // runs (and feeds main_grad) even when neither input nor bias needs a gradient.
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
-                               const torch::Tensor& weight, const torch::Tensor& bias,
-                               const torch::Tensor& grad_anchor, bool has_bias,
-                               const Fp8LinearImpl::Fp8Call& call) {
+  // The output, or with split_sizes its column pieces (views of it), whose gradients the
+  // backward quantizes without concatenating them.
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+      const torch::Tensor& weight, const torch::Tensor& bias, const torch::Tensor& grad_anchor,
+      bool has_bias, const Fp8LinearImpl::Fp8Call& call,
+      const std::vector<int64_t>& split_sizes) {
+    auto pieces = [&](const torch::Tensor& y) {
+      return split_sizes.empty() ? torch::autograd::variable_list{y}
+                                 : y.split_with_sizes(split_sizes, -1);
+    };
     const auto& recipe = call.recipe;
     auto x2d = input.reshape({-1, weight.size(1)});
     const int64_t rows = x2d.size(0);
@@ -47,7 +54,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                                                     call.out_dtype);
       const auto& w = detail::dgrad_weight_blocks_of(call.weight_blocks, saved);
       detail::save_tensors(ctx, SavedTensors{w.data, w.scale_inv});
-      return saved.unflatten(y);
+      return pieces(saved.unflatten(y));
     }
 
     auto x_q = detail::quantize_for(x, recipe, *call.meta, Fp8Slot::kInput);
@@ -60,33 +67,37 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto w = detail::dgrad_weight_of(call.weight_q);
     detail::save_tensors(ctx, SavedTensors{w.weight.data, w.weight.scale_inv});
     detail::save_input_transpose(ctx, x_q.transposed);
-    return saved.unflatten(y);
+    return pieces(saved.unflatten(y));
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = detail::Fp8LinearSaved::load(ctx);
     const auto tensors = detail::load_tensors<SavedTensors>(ctx);
-    const auto& grad_output = grad_outputs[0];
+    // One gradient per output: [..., out_features], or one per piece (autograd materializes
+    // the gradient of a piece nobody used as zeros).
+    std::vector<at::Tensor> columns;
+    columns.reserve(grad_outputs.size());
+    for (const auto& grad : grad_outputs) columns.push_back(grad.reshape({-1, grad.size(-1)}));
     if (saved.recipe.blockwise()) {
       auto grads = detail::fp8_linear_backward_blockwise(
-          saved, grad_output.reshape({-1, grad_output.size(-1)}),
+          saved, columns,
           detail::take_input_transpose_blockwise(ctx, saved.recipe.forward_format),
           {tensors.weight, tensors.weight_scale_inv, saved.recipe.forward_format,
            Fp8BlockShape::k128x128},
           saved.dgrad_weight_transposed,
           ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
       if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
-      return {grads.input,     grads.weight,    grads.bias,
+      return {grads.input,     grads.weight,    grads.bias,   torch::Tensor(),
               torch::Tensor(), torch::Tensor(), torch::Tensor()};
     }
     auto grads = detail::fp8_linear_backward(
-        saved, grad_output.reshape({-1, grad_output.size(-1)}),
+        saved, columns,
         detail::take_input_transpose(ctx, saved.recipe.forward_format),
         saved.dgrad_weight(tensors.weight, tensors.weight_scale_inv), ctx->needs_input_grad(0),
         ctx->needs_input_grad(1), ctx->needs_input_grad(2));
     if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
-    return {grads.input,     grads.weight,    grads.bias,
+    return {grads.input,     grads.weight,    grads.bias,   torch::Tensor(),
             torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -208,17 +219,31 @@ bool Fp8LinearImpl::weight_cache_fits(const Fp8Recipe& recipe) const {
 }
 
 torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
+  return forward_pieces(input, {}).front();
+}
+
+std::vector<torch::Tensor> Fp8LinearImpl::forward_split(const torch::Tensor& input,
+                                                        at::IntArrayRef split_sizes) {
+  detail::check_split_sizes(split_sizes, options.out_features(), "Fp8Linear::forward_split");
+  return forward_pieces(input, split_sizes);
+}
+
+std::vector<torch::Tensor> Fp8LinearImpl::forward_pieces(const torch::Tensor& input,
+                                                         at::IntArrayRef split_sizes) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
               "Fp8Linear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
   ++forward_calls_;
   auto call = prepare_fp8_call(input, input.numel() / options.in_features());
-  if (!call) return high_precision_forward(input);
+  if (!call) {
+    auto y = high_precision_forward(input);
+    return split_sizes.empty() ? std::vector<torch::Tensor>{y} : y.split_with_sizes(split_sizes, -1);
+  }
   const auto& anchor = grad_anchor();
   // Custom autograd functions take no undefined tensors: an empty tensor stands in for a
   // missing bias, and for the anchor outside fp8_params.
   return Fp8LinearFunction::apply(input, weight, bias.defined() ? bias : anchor.detach(), anchor,
-                                  options.bias(), *call);
+                                  options.bias(), *call, split_sizes.vec());
 }
 
 bool Fp8LinearImpl::runs_in_fp8(int64_t rows) const {

@@ -138,6 +138,15 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Input [..., in_features] → output [..., out_features].
   torch::Tensor forward(const torch::Tensor& input);
 
+  /// forward(input).split_with_sizes(split_sizes, -1), whose pieces' gradients the FP8 backward
+  /// quantizes where they are instead of concatenating them first (cast_transpose_columns;
+  /// quantize_blockwise_columns in the blockwise recipe): a fused QKV projection's q, k and v,
+  /// whose gradients attention returns as three tensors. split_sizes: positive, summing to
+  /// out_features. Outside FP8 autograd concatenates the gradients as split_with_sizes'
+  /// backward does.
+  std::vector<torch::Tensor> forward_split(const torch::Tensor& input,
+                                           at::IntArrayRef split_sizes);
+
   /// Whether the weight shape allows FP8 GEMMs (both dimensions multiples of 16).
   bool fp8_eligible() const;
   /// How many times forward() has run (lets MixedPrecisionPlugin verify that a module it
@@ -258,6 +267,9 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Whether weight_cache_ holds the copy of this weight (version, storage) for `recipe`.
   bool weight_cache_fits(const Fp8Recipe& recipe) const;
   torch::Tensor high_precision_forward(const torch::Tensor& input);
+  // forward's pieces: split_sizes empty → the whole output as one.
+  std::vector<torch::Tensor> forward_pieces(const torch::Tensor& input,
+                                            at::IntArrayRef split_sizes);
 
   c10::intrusive_ptr<Fp8Meta> meta_;
   torch::Tensor grad_anchor_;

@@ -265,6 +265,16 @@ at::Tensor adjacent_columns_as_one(const std::vector<at::Tensor>& pieces) {
 
 }  // namespace
 
+void check_split_sizes(at::IntArrayRef split_sizes, int64_t out_features, const char* op) {
+  int64_t total = 0;
+  for (const auto size : split_sizes) {
+    TORCH_CHECK(size > 0, op, ": split_sizes must be positive, got ", split_sizes);
+    total += size;
+  }
+  TORCH_CHECK(!split_sizes.empty() && total == out_features, op,
+              ": split_sizes must sum to out_features=", out_features, ", got ", split_sizes);
+}
+
 Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved, const at::Tensor& grad_output2d,
                                    Fp8Tensor x_t, const Fp8DgradWeight& w, bool need_input,
                                    bool need_weight, bool need_bias,
@@ -400,29 +410,54 @@ Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
                                              bool w_transposed, bool need_input, bool need_weight,
                                              bool need_bias,
                                              const QuantizeActivation& activation_backward) {
+  return fp8_linear_backward_blockwise(saved, std::vector<at::Tensor>{grad_output2d},
+                                       std::move(x_t), w, w_transposed, need_input, need_weight,
+                                       need_bias, activation_backward);
+}
+
+Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
+                                             const std::vector<at::Tensor>& grad_output_columns,
+                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w,
+                                             bool w_transposed, bool need_input, bool need_weight,
+                                             bool need_bias,
+                                             const QuantizeActivation& activation_backward) {
   TORCH_INTERNAL_ASSERT(activation_backward.kind == QuantizeActivation::kNone ||
                             activation_backward.kind == QuantizeActivation::kDGelu,
                         "fp8_linear_backward_blockwise: the gradient's activation is dGELU or none");
+  TORCH_INTERNAL_ASSERT(!grad_output_columns.empty() &&
+                            (grad_output_columns.size() == 1 ||
+                             activation_backward.kind == QuantizeActivation::kNone),
+                        "fp8_linear_backward_blockwise: one gradient, or column pieces without "
+                        "activation");
   const auto& recipe = saved.recipe;
   auto& meta = *saved.meta;
   Fp8LinearGrads grads;
-  auto g = pad_rows(grad_output2d, padded_rows(saved.rows));
-  if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16 &&
-      g.scalar_type() != at::kHalf) {
-    g = g.to(at::kFloat);
+  const auto whole = adjacent_columns_as_one(grad_output_columns);
+  std::vector<at::Tensor> g;
+  int64_t columns = 0;
+  for (const auto& piece : whole.defined() ? std::vector<at::Tensor>{whole} : grad_output_columns) {
+    auto padded = pad_rows(piece, padded_rows(saved.rows));
+    if (padded.scalar_type() != at::kFloat && padded.scalar_type() != at::kBFloat16 &&
+        padded.scalar_type() != at::kHalf) {
+      padded = padded.to(at::kFloat);
+    }
+    columns += padded.size(1);
+    g.push_back(std::move(padded));
   }
   // The bias gradient from the read that quantizes the gradient, as fp8_linear_backward's (the
   // kernel sums where it writes the transpose; the padding rows are zero and add nothing).
   const at::Tensor dbias =
-      need_bias && saved.has_bias ? empty_bias_grad(saved, g.size(1), g) : at::Tensor();
+      need_bias && saved.has_bias ? empty_bias_grad(saved, columns, g.front()) : at::Tensor();
   const auto tiles = row_tiles(recipe.backward_format);
   const bool transposed = need_weight || meta.fp8_params();
   auto g_q = activation_backward.kind == QuantizeActivation::kDGelu
                  ? quantize_blockwise_dgelu(
-                       g, pad_rows(activation_backward.input.to(g.scalar_type()), g.size(0)), tiles,
-                       transposed, dbias)
-                 : quantize_blockwise(g, tiles, transposed, dbias);
-  g = at::Tensor();
+                       g.front(),
+                       pad_rows(activation_backward.input.to(g.front().scalar_type()),
+                                g.front().size(0)),
+                       tiles, transposed, dbias)
+                 : quantize_blockwise_columns(g, tiles, transposed, dbias);
+  g.clear();
   if (dbias.defined()) {
     grads.bias = dbias.scalar_type() == saved.bias_dtype ? dbias : dbias.to(saved.bias_dtype);
   }

@@ -131,6 +131,9 @@ Saved load_tensors(torch::autograd::AutogradContext* ctx) {
   return saved;
 }
 
+/// Checks a forward_split's split_sizes: positive, summing to out_features (`op` names the call).
+void check_split_sizes(at::IntArrayRef split_sizes, int64_t out_features, const char* op);
+
 /// The backward GEMMs of an FP8 linear layer: grad_output2d [rows, out_features] is quantized
 /// once (cast_transpose) into the gradient format; wgrad from x_t (which may be undefined when
 /// no weight gradient is needed), then dgrad from `w` (dgrad_weight_of's operand; W is
@@ -187,13 +190,23 @@ const Fp8BlockwiseTensor& dgrad_weight_blocks_of(const Fp8BlockwiseCastTranspose
 /// (and its transpose, for wgrad, in its own tiles) in the recipe's backward format; wgrad
 /// dW = dyᵀ·x from the two transposes (1×128 × 1×128; under fp8_params into main_grad), dgrad
 /// dx = dy·W from Wᵀ's blocks (1×128 × 128×128): `w` is Wᵀ, or W itself (w_transposed false:
-/// a weight stored in blocks, transposed here only when dx is needed); the bias gradient a
-/// float32 column sum of the unquantized gradient. With `activation_backward` kDGelu (its input
+/// a weight stored in blocks, transposed here only when dx is needed); the bias gradient the
+/// column sums of the unquantized gradient, from the read that quantizes it. With `activation_backward` kDGelu (its input
 /// GELU's input, the layer's output as GELU read it, grad_output2d's shape) grad_output2d is
 /// GELU's output gradient and the gradient quantized is its product with gelu'(input), computed
 /// inside the quantization (quantize_blockwise_dgelu: an MLP's first layer).
 Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
                                              const at::Tensor& grad_output2d,
+                                             Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w,
+                                             bool w_transposed, bool need_input, bool need_weight,
+                                             bool need_bias,
+                                             const QuantizeActivation& activation_backward = {});
+/// The same for an output gradient given as column pieces [rows, cols_i] (no
+/// activation_backward with more than one), quantized without concatenating them
+/// (quantize_blockwise_columns) as fp8_linear_backward's pieces are; adjacent column blocks of
+/// one buffer are quantized as that buffer.
+Fp8LinearGrads fp8_linear_backward_blockwise(const Fp8LinearSaved& saved,
+                                             const std::vector<at::Tensor>& grad_output_columns,
                                              Fp8BlockwiseTensor x_t, const Fp8BlockwiseTensor& w,
                                              bool w_transposed, bool need_input, bool need_weight,
                                              bool need_bias,
