@@ -9,7 +9,7 @@
 # fp8_params step, blockwise and delayed, against .gpubin26 (main at 0098ec7) in alternating
 # rounds: with --fp8-gemm-autotune false (only the QKV pieces differ: blockwise's backward
 # without autograd's concatenation of dq, dk, dv) and true (the timing rounds too); then a
-# profile of the new blockwise step. Writes $OUT/qkv_pieces/.
+# profile of the new blockwise step. Writes $OUT/qkv_pieces.tgz.
 set -u
 NEW=${NEW:-.gpubin27}; OLD=${OLD:-.gpubin26}; R=$OUT/qkv_pieces; mkdir -p $R /tmp/new /tmp/old
 for f in $NEW/*.xz; do n=$(basename $f .xz); xz -dc $f > /tmp/new/$n; chmod +x /tmp/new/$n; done
@@ -72,4 +72,6 @@ for name, us in total.most_common(80):
 PY
   head -6 $R/profile_1b_${n}_kernels.txt; grep -i "cat" $R/profile_1b_${n}_kernels.txt | head -3
 done
+# One file back: a call returns at most 8.
+(cd $OUT && tar czf qkv_pieces.tgz qkv_pieces && rm -rf qkv_pieces)
 echo "done (${SECONDS} s)"
