@@ -329,9 +329,21 @@ at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTen
                 "] on ", a.data.device(), ", got ", options.out.scalar_type(), " ",
                 options.out.sizes());
   }
+  if (options.residual.defined()) {
+    TORCH_CHECK(!options.accumulate,
+                "fp8_blockwise_gemm: residual and accumulate are exclusive (both are the GEMM's C)");
+    TORCH_CHECK(options.residual.sizes() == at::IntArrayRef({m, n}) &&
+                    options.residual.scalar_type() == out_dtype &&
+                    options.residual.is_contiguous() &&
+                    options.residual.device() == a.data.device(),
+                "fp8_blockwise_gemm: residual must be a contiguous ", out_dtype, " [", m, ", ", n,
+                "] on ", a.data.device(), ", got ", options.residual.scalar_type(), " ",
+                options.residual.sizes());
+  }
   Fp8GemmOptions gemm;
   gemm.out = options.out;
   gemm.accumulate = options.accumulate;
+  gemm.residual = options.residual;
   if (bias.defined()) {
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n && bias.is_floating_point(),
                 "fp8_blockwise_gemm: bias must be a floating-point [", n, "], got ",
@@ -347,6 +359,8 @@ at::Tensor fp8_blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTen
   }
   // CPU: exact dequantized operands (an FP8 value times a float32 scale) multiplied in float32.
   auto y = at::matmul(a.dequantize(), b.dequantize().t());
+  // cuBLASLt's order: alpha·A·B + beta·C, then the bias epilogue.
+  if (gemm.residual.defined()) y = y + gemm.residual.to(at::kFloat);
   if (gemm.bias.defined()) y = y + gemm.bias.to(at::kFloat);
   if (!gemm.out.defined()) return y.to(out_dtype);
   if (gemm.accumulate) y = y + gemm.out.to(at::kFloat);

@@ -181,8 +181,8 @@ Fp8BlockwiseTensor transpose_blocks(const Fp8BlockwiseTensor& w);
 /// fp8_gemm): a in 1×128 tiles, b in 1×128 or 128×128 tiles (two 128×128 operands are not a
 /// mode of cuBLASLt); E5M2 × E5M2 is not supported. out_dtype float32 or bfloat16. Of
 /// Fp8GemmOptions: `bias` [N] (any float dtype, added in bfloat16 as fp8_gemm adds it), `out`
-/// and `accumulate` (out += a·bᵀ); not use_fast_accum (the block-scaled modes accumulate in
-/// full) nor an FP8 output.
+/// and `accumulate` (out += a·bᵀ), `residual` (as fp8_gemm's); not use_fast_accum (the
+/// block-scaled modes accumulate in full) nor an FP8 output.
 /// CUDA: cuBLASLt's block-scaled modes (sm_90 and cuBLAS ≥ 12.9); K a multiple of 16, M and N
 /// multiples of 8. CPU: the tiles dequantized exactly and multiplied in float32, with the same
 /// shape rules.

@@ -66,6 +66,18 @@ void check_args(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType out_dtype
   if (o.accumulate) {
     TORCH_CHECK(o.out.defined(), kOp, ": accumulate needs `out`");
   }
+  if (o.residual.defined()) {
+    TORCH_CHECK(!o.accumulate, kOp, ": residual and accumulate are exclusive (both are the "
+                "GEMM's C)");
+    TORCH_CHECK(!is_fp8(out_dtype), kOp, ": residual needs a float32, bfloat16 or float16 output, "
+                "got ", out_dtype);
+    TORCH_CHECK(o.residual.sizes() == at::IntArrayRef({m, n}) &&
+                    o.residual.scalar_type() == out_dtype && o.residual.is_contiguous() &&
+                    o.residual.device() == a.device(),
+                kOp, ": residual must be a contiguous [", m, ", ", n, "] ", out_dtype,
+                " tensor on ", a.device(), ", got ", o.residual.sizes(), " ",
+                o.residual.scalar_type(), " on ", o.residual.device());
+  }
   if (o.out.defined()) {
     TORCH_CHECK(o.out.sizes() == at::IntArrayRef({m, n}) && o.out.scalar_type() == out_dtype &&
                     o.out.is_contiguous() && o.out.device() == a.device(),
@@ -80,6 +92,8 @@ at::Tensor fp8_gemm_cpu(const Fp8Tensor& a, const Fp8Tensor& b, at::ScalarType o
   // FP8 products are exact in fp32; sums in fp32; then the two dequantization scales.
   auto acc = at::matmul(a.data.to(at::kFloat), b.data.to(at::kFloat).t());
   acc = acc * (a.scale_inv * b.scale_inv);
+  // cuBLASLt's order: alpha·A·B + beta·C, then the bias epilogue.
+  if (o.residual.defined()) acc = acc + o.residual.to(at::kFloat);
   if (o.bias.defined()) acc = acc + o.bias.to(bias_dtype_for(out_dtype)).to(at::kFloat);
   if (is_fp8(out_dtype)) {
     auto amax = o.out_amax.defined() ? o.out_amax : at::Tensor();

@@ -570,7 +570,18 @@ TEST_F(BlockwiseTest, GemmIsTheProductOfTheTiles) {
     EXPECT_LE(relative_error(sum, expected - bias.to(at::kBFloat16).to(at::kDouble) +
                                       start.to(at::kDouble)),
               1e-6);
+    // A residual added by the GEMM, beside the bias (a block's residual connection).
+    Fp8GemmOptions residual = with_bias;
+    residual.residual = at::randn({48, 80}) * 4;
+    EXPECT_LE(relative_error(fp8_blockwise_gemm(a, b, at::kFloat, residual),
+                             expected + residual.residual.to(at::kDouble)),
+              1e-6);
   }
+  Fp8GemmOptions wrong_residual;
+  wrong_residual.residual = at::zeros({48, 80}, at::kBFloat16);
+  testing::ExpectErrorContaining(
+      [&] { fp8_blockwise_gemm(a, quantize_blockwise(w, tiles(Fp8BlockShape::k1x128)).data, at::kFloat, wrong_residual); },
+      "fp8_blockwise_gemm: residual must be a contiguous Float [48, 80] on cpu, got BFloat16");
 }
 
 TEST_F(BlockwiseTest, BadArgumentsAreNamed) {
@@ -636,6 +647,17 @@ TEST_F(BlockwiseTest, CudaGemmMatchesCpu_CUDA) {
     EXPECT_LE(
         relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, at::kBFloat16, with_bias_gpu), expected),
         4e-3);
+    // A residual added by the GEMM (C at beta = 1), float32 and bfloat16, scaled up so that one
+    // left out or added twice shows.
+    const auto residual = at::randn({272, 400}) * 4;
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+      Fp8GemmOptions with_residual = with_bias_gpu;
+      with_residual.residual = residual.to(dtype).cuda();
+      EXPECT_LE(relative_error(fp8_blockwise_gemm(a_gpu, b_gpu, dtype, with_residual),
+                               expected + residual.to(dtype).to(at::kFloat)),
+                dtype == at::kFloat ? 2.5e-4 : 4e-3)
+          << dtype;
+    }
   }
 }
 

@@ -77,6 +77,16 @@ class Fp8GemmTest : public ::testing::TestWithParam<Case> {
     EXPECT_EQ(z.data_ptr(), acc.out.data_ptr());
     const double acc_err = relative_error(z, reference(a, b, bias) + start.cpu().to(at::kDouble));
     EXPECT_LE(acc_err, tolerance(out_dtype, device)) << "accumulate " << out_dtype;
+
+    // A residual added by the GEMM (C at beta = 1, another tensor than the output): scaled up
+    // so that a residual left out, or added twice, moves the result far past the bound.
+    Fp8GemmOptions with_residual = options;
+    with_residual.residual = (at::randn({48, 96}) * 4).to(out_dtype).to(device);
+    auto r = fp8_gemm(a, b, out_dtype, with_residual);
+    EXPECT_NE(r.data_ptr(), with_residual.residual.data_ptr());
+    const double residual_err = relative_error(
+        r, reference(a, b, bias) + with_residual.residual.cpu().to(at::kDouble));
+    EXPECT_LE(residual_err, tolerance(out_dtype, device)) << "residual " << out_dtype;
   }
 };
 
@@ -344,6 +354,25 @@ TEST(Fp8GemmErrorsTest, BadShapesAndOptionsAreNamed) {
   wrong_out.out = at::zeros({8, 16}, at::kHalf);
   expect_error([&] { fp8_gemm(a, b, at::kFloat, wrong_out); },
                "out must be a contiguous [8, 16] Float tensor");
+  Fp8GemmOptions wrong_residual;
+  wrong_residual.residual = at::zeros({8, 16}, at::kBFloat16);
+  expect_error([&] { fp8_gemm(a, b, at::kFloat, wrong_residual); },
+               "residual must be a contiguous [8, 16] Float tensor on cpu, got [8, 16] BFloat16");
+  wrong_residual.residual = at::zeros({16, 8}).t();
+  expect_error([&] { fp8_gemm(a, b, at::kFloat, wrong_residual); },
+               "residual must be a contiguous [8, 16] Float tensor");
+  Fp8GemmOptions residual_and_accumulate;
+  residual_and_accumulate.residual = at::zeros({8, 16});
+  residual_and_accumulate.out = at::zeros({8, 16});
+  residual_and_accumulate.accumulate = true;
+  expect_error([&] { fp8_gemm(a, b, at::kFloat, residual_and_accumulate); },
+               "residual and accumulate are exclusive");
+  Fp8GemmOptions fp8_residual;
+  fp8_residual.residual = at::zeros({8, 16});
+  fp8_residual.out_scale = at::ones({1});
+  expect_error(
+      [&] { fp8_gemm(operand(16, 32, Fp8Format::kE4M3, at::kCPU), b, at::kFloat8_e4m3fn, fp8_residual); },
+      "residual needs a float32, bfloat16 or float16 output");
 }
 
 }  // namespace

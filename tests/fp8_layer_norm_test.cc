@@ -10,6 +10,7 @@
 #include "ops/fp8_format.h"
 #include "ops/layer_norm.h"
 #include "plugin/fp8/fp8_autocast.h"
+#include "plugin/precision/autocast_guard.h"
 #include "tests/fp8_recipes.h"
 #include "tests/test_util.h"
 
@@ -581,6 +582,74 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPOnGpuMatchesCpu_CUDA) {
   for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
     for (bool fused : {true, false}) mlp_gpu_matches_cpu_case(fused, "delayed", activation);
   }
+}
+
+// forward_with_residual(h, h) is h + forward(h) (a pre-norm block's MLP half) on every path: the
+// fused functions of each recipe (GELU and SwiGLU), the modules in sequence (fused(false)), with
+// the residual added by FC2's GEMM (48 rows of bfloat16 under autocast: within one rounding of
+// the sum, and not its bytes) or after it (46 rows, padded in the GEMM: the same bytes). The
+// gradients (input, which gets the residual's too, and every parameter) are the same bytes: the
+// backward sees the same output gradient.
+void mlp_residual_case(torch::Device device, int64_t rows) {
+  for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
+    for (const bool fused_mlp : {true, false}) {
+      for (const std::string recipe_kind : {"delayed", "tensorwise", "blockwise"}) {
+        SCOPED_TRACE(recipe_kind + " " + activation_name(activation) +
+                     (fused_mlp ? "" : " fused(false)") + " rows " + std::to_string(rows));
+        auto plain = make_mlp(device, 64, 128, activation);
+        auto with_residual = make_mlp(device, 64, 128, activation);
+        with_residual->options.fused(fused_mlp);
+        plain->options.fused(fused_mlp);
+        {
+          torch::NoGradGuard no_grad;
+          for (auto& p : with_residual->named_parameters()) {
+            p.value().copy_(plain->named_parameters()[p.key()]);
+          }
+        }
+        const auto h = (torch::randn({2, rows / 2, 64}) * 2).to(device).to(at::kBFloat16);
+        auto h1 = h.clone().requires_grad_(true), h2 = h.clone().requires_grad_(true);
+        torch::Tensor y1, y2;
+        {
+          AutocastGuard autocast(at::kBFloat16);
+          Fp8Autocast region(recipe_of(recipe_kind));
+          y1 = h1 + plain->forward(h1);
+          y2 = with_residual->forward_with_residual(h2, h2);
+        }
+        ASSERT_EQ(y2.sizes(), y1.sizes());
+        ASSERT_EQ(y2.scalar_type(), y1.scalar_type());
+        if (rows % 16 == 0) {
+          EXPECT_LE((y2 - y1).abs().max().item<double>(), y1.abs().max().item<double>() * 2.0 / 256);
+          EXPECT_FALSE(BytesEqual(y2, y1)) << "the residual was not added by the GEMM";
+        } else {
+          EXPECT_TRUE(BytesEqual(y2, y1));
+        }
+        const auto g = (torch::randn(y1.sizes()) * 3).to(device).to(y1.scalar_type());
+        y1.backward(g);
+        y2.backward(g);
+        EXPECT_TRUE(BytesEqual(h1.grad(), h2.grad()));
+        for (auto& p : plain->named_parameters()) {
+          EXPECT_TRUE(BytesEqual(p.value().grad(), with_residual->named_parameters()[p.key()].grad()))
+              << p.key();
+        }
+      }
+    }
+  }
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormMLPForwardWithResidualIsResidualPlusForward) {
+  mlp_residual_case(torch::kCPU, 48);
+  mlp_residual_case(torch::kCPU, 46);
+  auto mlp = make_mlp(torch::kCPU, 64, 128);
+  ExpectErrorContaining(
+      [&] { mlp->forward_with_residual(torch::randn({4, 64}), torch::randn({4, 32})); },
+      "Fp8LayerNormMLP::forward_with_residual: residual must have the output's shape, the "
+      "input's [4, 64], got [4, 32]");
+}
+
+TEST_F(Fp8LayerNormTest, LayerNormMLPForwardWithResidualIsResidualPlusForward_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  mlp_residual_case(torch::kCUDA, 48);
+  mlp_residual_case(torch::kCUDA, 46);
 }
 
 TEST_F(Fp8LayerNormTest, LayerNormMLPOutsideARegionIsItsModules) {

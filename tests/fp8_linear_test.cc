@@ -16,6 +16,7 @@
 #include "ops/scaling.h"
 #include "plugin/fp8/fp8_autocast.h"
 #include "plugin/fp8/fp8_gemm_choice.h"
+#include "plugin/precision/autocast_guard.h"
 #include "tests/fp8_recipes.h"
 #include "tests/test_util.h"
 
@@ -464,6 +465,75 @@ TEST_F(Fp8LinearTest, ForwardSplitGradientsAreTheConcatenatedGradients_CUDA) {
   AMP8_REQUIRE_CUDA();
   linear_forward_split_case(torch::kCUDA, torch::kBFloat16, 48, {40, 16, 40});
   linear_forward_split_case(torch::kCUDA, torch::kBFloat16, 272, {256, 128, 128});
+}
+
+// forward_with_residual is residual + forward(input): in each recipe, within one rounding of
+// the output where the GEMM adds the residual (rows a multiple of 16, the residual in the
+// output dtype), the same bytes where it is added after (45 rows: the GEMM's rows are padded; a
+// float32 residual under bf16 autocast); the gradients of input, weight and bias the same bytes
+// (the backward sees the same output gradient), and the residual's gradient the output's.
+void linear_residual_case(torch::Device device, int64_t rows, torch::ScalarType residual_dtype) {
+  for (const std::string recipe_kind : {"delayed", "tensorwise", "blockwise"}) {
+    SCOPED_TRACE(recipe_kind + " rows " + std::to_string(rows) + " residual " +
+                 c10::toString(residual_dtype));
+    Fp8Linear plain(Fp8LinearOptions(128, 96).fp8_min_gemm_size(0));
+    Fp8Linear fused(Fp8LinearOptions(128, 96).fp8_min_gemm_size(0));
+    plain->to(device);
+    fused->to(device);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : fused->named_parameters()) p.value().copy_(plain->named_parameters()[p.key()]);
+    }
+    const auto x = torch::randn({2, rows / 2, 128}).to(device);
+    const auto r0 = (torch::randn({2, rows / 2, 96}) * 8).to(device).to(residual_dtype);
+    auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
+    auto r1 = r0.clone().requires_grad_(true), r2 = r0.clone().requires_grad_(true);
+    torch::Tensor y1, y2;
+    {
+      AutocastGuard autocast(at::kBFloat16);
+      Fp8Autocast region(recipe_of(recipe_kind));
+      y1 = r1 + plain->forward(x1);
+      y2 = fused->forward_with_residual(x2, r2);
+    }
+    ASSERT_EQ(y2.sizes(), y1.sizes());
+    ASSERT_EQ(y2.scalar_type(), y1.scalar_type());
+    const bool in_gemm = rows % 16 == 0 && residual_dtype == at::kBFloat16;
+    if (in_gemm) {
+      // One rounding of x·Wᵀ + b + r in bfloat16 against two (of x·Wᵀ + b, then of the sum).
+      EXPECT_LE((y2 - y1).abs().max().item<double>(), y1.abs().max().item<double>() * 2.0 / 256);
+      EXPECT_FALSE(BytesEqual(y2, y1)) << "the residual was not added by the GEMM";
+    } else {
+      EXPECT_TRUE(BytesEqual(y2, y1));
+    }
+    const auto g = (torch::randn(y1.sizes()) * 3).to(device).to(y1.scalar_type());
+    y1.backward(g);
+    y2.backward(g);
+    EXPECT_TRUE(BytesEqual(x1.grad(), x2.grad()));
+    EXPECT_TRUE(BytesEqual(r2.grad(), r1.grad()));
+    for (auto& p : plain->named_parameters()) {
+      EXPECT_TRUE(BytesEqual(p.value().grad(), fused->named_parameters()[p.key()].grad())) << p.key();
+    }
+  }
+}
+
+TEST_F(Fp8LinearTest, ForwardWithResidualIsResidualPlusForward) {
+  linear_residual_case(torch::kCPU, 48, at::kBFloat16);
+  linear_residual_case(torch::kCPU, 46, at::kBFloat16);
+  linear_residual_case(torch::kCPU, 48, at::kFloat);
+  Fp8Linear layer(Fp8LinearOptions(64, 48));
+  testing::ExpectErrorContaining(
+      [&] { layer->forward_with_residual(torch::randn({4, 64}), torch::randn({4, 64})); },
+      "Fp8Linear::forward_with_residual: residual must have the output's shape [4, 48], got [4, 64]");
+  // Outside an FP8 region: residual + torch::nn::Linear's output.
+  const auto x = torch::randn({4, 64}), r = torch::randn({4, 48});
+  EXPECT_TRUE(BytesEqual(layer->forward_with_residual(x, r), r + layer->forward(x)));
+}
+
+TEST_F(Fp8LinearTest, ForwardWithResidualIsResidualPlusForward_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  linear_residual_case(torch::kCUDA, 48, at::kBFloat16);
+  linear_residual_case(torch::kCUDA, 46, at::kBFloat16);
+  linear_residual_case(torch::kCUDA, 48, at::kFloat);
 }
 
 TEST_F(Fp8LinearTest, ForwardSplitNamesBadSizes) {

@@ -139,13 +139,15 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
   check_aligned(a.data.const_data_ptr(), "a");
   check_aligned(b.data.const_data_ptr(), "b");
   check_aligned(out.const_data_ptr(), "out");
+  if (o.residual.defined()) check_aligned(o.residual.const_data_ptr(), "residual");
 
   at::ScalarType bias_dtype = o.bias.defined() ? o.bias.scalar_type() : at::kFloat;
-  // cuBLASLt's A is b, its B is a (see the layouts below); C is `out` unless D is FP8 (then
-  // C has no pointer).
+  // cuBLASLt's A is b, its B is a (see the layouts below); C is the residual, else `out`
+  // unless D is FP8 (then C has no pointer).
+  const void* c_source = o.residual.defined() ? o.residual.const_data_ptr() : out.const_data_ptr();
   const std::array<uint32_t, 4> alignments{
       alignment_of(b.data.const_data_ptr()), alignment_of(a.data.const_data_ptr()),
-      fp8_out ? 256u : alignment_of(out.const_data_ptr()), alignment_of(out.const_data_ptr())};
+      fp8_out ? 256u : alignment_of(c_source), alignment_of(out.const_data_ptr())};
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
@@ -157,7 +159,7 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
                     static_cast<int>(out_dtype),
                     static_cast<int>(o.bias.defined() ? bias_dtype : at::kFloat),
                     static_cast<int>(o.use_fast_accum),
-                    static_cast<int>(o.accumulate),
+                    static_cast<int>(o.accumulate || o.residual.defined()),
                     o.out_amax.defined(),
                     static_cast<int>(a.data.device().index()),
                     a.scale_mode,
@@ -210,10 +212,10 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
   }
   if (o.bias.defined()) set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, o.bias.const_data_ptr());
   const float alpha = 1.0f;
-  const float beta = o.accumulate ? 1.0f : 0.0f;
+  const float beta = o.accumulate || o.residual.defined() ? 1.0f : 0.0f;
   // cuBLASLt rejects C == D with different descriptors, which an FP8 D always has; C is not
   // read at beta = 0, so it gets no pointer then.
-  const void* c_ptr = fp8_out ? nullptr : out.const_data_ptr();
+  const void* c_ptr = fp8_out ? nullptr : c_source;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   auto launch = [&](const cublasLtMatmulAlgo_t& algo, void* d, const void* c) {
     return cublasLtMatmul(handle, desc, &alpha, b.data.const_data_ptr(), plan.a_layout.get(),

@@ -272,7 +272,8 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
                                const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
                                const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
-                               bool fc1_has_bias, bool fc2_has_bias,
+                               const torch::Tensor& residual, bool fc1_has_bias,
+                               bool fc2_has_bias, bool has_residual,
                                const Fp8LinearImpl::Fp8Call& fc1_call,
                                const Fp8LinearImpl::Fp8Call& fc2_call, double eps,
                                Normalization norm, MlpActivation activation) {
@@ -306,6 +307,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     Fp8GemmOptions gemm2;
     gemm2.use_fast_accum = true;
     if (fc2_has_bias) gemm2.bias = fc2_bias;
+    if (has_residual) gemm2.residual = residual;  // detail::gemm_residual's
     auto y = fp8_gemm(h_q.data, fc2_call.weight_q.data, fc2_call.out_dtype, gemm2);
     if (rows_padded != rows) y = y.narrow(0, 0, rows);
 
@@ -360,8 +362,13 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     fc2_grads.input = at::Tensor();
     std::array<torch::Tensor, 3> ln;
     if (need_ln) ln = tensors.grads(ctx, fc1_saved, fc1_grads.input);
+    // A residual's gradient is the output's, as [rows, hidden].
+    const auto residual_grad = ctx->needs_input_grad(9)
+                                   ? grad_output.reshape({-1, grad_output.size(-1)})
+                                   : torch::Tensor();
     return {ln[0],           ln[1],           ln[2],           fc1_grads.weight,
             fc1_grads.bias,  fc2_grads.weight, fc2_grads.bias,  torch::Tensor(),
+            torch::Tensor(), residual_grad,
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
@@ -389,7 +396,8 @@ struct BlockwiseGeluMLPFunction : public torch::autograd::Function<BlockwiseGelu
                                const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
                                const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
                                const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
-                               bool fc1_has_bias, bool fc2_has_bias,
+                               const torch::Tensor& residual, bool fc1_has_bias,
+                               bool fc2_has_bias, bool has_residual,
                                const Fp8LinearImpl::Fp8Call& fc1_call,
                                const Fp8LinearImpl::Fp8Call& fc2_call) {
     const auto x2d = input.reshape({-1, fc1_weight.size(1)});
@@ -406,7 +414,7 @@ struct BlockwiseGeluMLPFunction : public torch::autograd::Function<BlockwiseGelu
     auto y = detail::fp8_linear_forward_blockwise(
         ctx, fc2_saved, detail::pad_rows(fc1_out, rows_padded), fc2_call.weight_blocks,
         fc2_has_bias ? fc2_bias : at::Tensor(), fc2_call.out_dtype, "fc2.x_t",
-        detail::QuantizeActivation::kGelu);
+        detail::QuantizeActivation::kGelu, has_residual ? residual : at::Tensor());
     const auto& w1 = detail::dgrad_weight_blocks_of(fc1_call.weight_blocks, fc1_saved);
     const auto& w2 = detail::dgrad_weight_blocks_of(fc2_call.weight_blocks, fc2_saved);
     detail::save_tensors(ctx, SavedTensors{fc1_out, w1.data, w1.scale_inv, w2.data, w2.scale_inv});
@@ -440,9 +448,13 @@ struct BlockwiseGeluMLPFunction : public torch::autograd::Function<BlockwiseGelu
         ctx->needs_input_grad(2), {detail::QuantizeActivation::kDGelu, tensors.fc1_out});
     fc2_grads.input = at::Tensor();
     if (fc1_grads.input.defined()) fc1_grads.input = fc1_saved.unflatten(fc1_grads.input);
+    // A residual's gradient is the output's, as [rows, hidden].
     return {fc1_grads.input, fc1_grads.weight, fc1_grads.bias,  fc2_grads.weight,
-            fc2_grads.bias,  torch::Tensor(),  torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor(),  torch::Tensor()};
+            fc2_grads.bias,  torch::Tensor(),  torch::Tensor(),
+            ctx->needs_input_grad(7) ? grad_output.reshape({-1, grad_output.size(-1)})
+                                     : torch::Tensor(),
+            torch::Tensor(), torch::Tensor(),  torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -635,6 +647,19 @@ void Fp8LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
+  return forward_adding(input, {});
+}
+
+torch::Tensor Fp8LayerNormMLPImpl::forward_with_residual(const torch::Tensor& input,
+                                                         const torch::Tensor& residual) {
+  TORCH_CHECK(residual.defined() && residual.sizes() == input.sizes(),
+              "Fp8LayerNormMLP::forward_with_residual: residual must have the output's shape, "
+              "the input's ", input.sizes(), ", got ", residual.defined() ? residual.sizes() : at::IntArrayRef{});
+  return forward_adding(input, residual);
+}
+
+torch::Tensor Fp8LayerNormMLPImpl::forward_adding(const torch::Tensor& input,
+                                                  const torch::Tensor& residual) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.hidden_size(),
               "Fp8LayerNormMLP: input must have hidden_size=", options.hidden_size(),
               " as its last dimension, got shape ", input.sizes());
@@ -646,7 +671,8 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
       !out.runs_in_fp8(rows)) {
     // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
     // other, each deciding for itself.
-    return out.forward(mlp_activation(options.activation(), ln_fc1->forward(input)));
+    const auto hidden = mlp_activation(options.activation(), ln_fc1->forward(input));
+    return residual.defined() ? out.forward_with_residual(hidden, residual) : out.forward(hidden);
   }
   if (in_blockwise_region()) {
     const auto normalized = ln_fc1->layer_norm->forward(input);
@@ -656,10 +682,13 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
                           "Fp8LayerNormMLP: runs_in_fp8 and prepare_fp8_call disagree");
     const auto& fc1_anchor = fc1.grad_anchor();
     const auto& fc2_anchor = out.grad_anchor();
-    return BlockwiseGeluMLPFunction::apply(
+    const auto gemm_residual = detail::gemm_residual(residual, rows, fc2_call->out_dtype);
+    auto y = BlockwiseGeluMLPFunction::apply(
         normalized, fc1.weight, fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
         out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
-        fc1.options.bias(), out.options.bias(), *fc1_call, *fc2_call);
+        gemm_residual.defined() ? gemm_residual : fc2_anchor.detach(), fc1.options.bias(),
+        out.options.bias(), gemm_residual.defined(), *fc1_call, *fc2_call);
+    return residual.defined() && !gemm_residual.defined() ? residual + y : y;
   }
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                   input.scalar_type() == at::kHalf,
@@ -672,13 +701,16 @@ torch::Tensor Fp8LayerNormMLPImpl::forward(const torch::Tensor& input) {
   const auto& fc1_anchor = fc1.grad_anchor();
   const auto& fc2_anchor = out.grad_anchor();
   const auto& ln_bias = ln_fc1->layer_norm->bias;
-  return LayerNormMLPFunction::apply(
+  const auto gemm_residual = detail::gemm_residual(residual, rows, fc2_call->out_dtype);
+  auto y = LayerNormMLPFunction::apply(
       input, ln_fc1->layer_norm->weight,
       ln_bias.defined() ? ln_bias : fc1_anchor.detach().new_empty({0}), fc1.weight,
       fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
       out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
-      fc1.options.bias(), out.options.bias(), *fc1_call, *fc2_call, options.eps(),
+      gemm_residual.defined() ? gemm_residual : fc2_anchor.detach(), fc1.options.bias(),
+      out.options.bias(), gemm_residual.defined(), *fc1_call, *fc2_call, options.eps(),
       options.normalization(), options.activation());
+  return residual.defined() && !gemm_residual.defined() ? residual + y : y;
 }
 
 }  // namespace amp8

@@ -229,9 +229,18 @@ class Fp8LayerNormMLPImpl : public torch::nn::Cloneable<Fp8LayerNormMLPImpl> {
   /// Input [..., hidden_size] → output [..., hidden_size].
   torch::Tensor forward(const torch::Tensor& input);
 
+  /// residual + forward(input), residual of the input's shape (a pre-norm block's `h +
+  /// mlp(h)`), added by FC2's GEMM in an FP8 region as Fp8Linear::forward_with_residual adds
+  /// it.
+  torch::Tensor forward_with_residual(const torch::Tensor& input, const torch::Tensor& residual);
+
   Fp8LayerNormMLPOptions options;
   Fp8LayerNormLinear ln_fc1{nullptr};
   Fp8Linear fc2{nullptr};
+
+ private:
+  // forward, plus `residual` when defined.
+  torch::Tensor forward_adding(const torch::Tensor& input, const torch::Tensor& residual);
 };
 
 TORCH_MODULE(Fp8LayerNormMLP);

@@ -31,12 +31,13 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   // `grad_anchor` is an empty tensor that requires grad under fp8_params, so that backward
   // runs (and feeds main_grad) even when neither input nor bias needs a gradient.
   // The output, or with split_sizes its column pieces (views of it), whose gradients the
-  // backward quantizes without concatenating them.
+  // backward quantizes without concatenating them. With has_residual, the GEMM adds `residual`
+  // (detail::gemm_residual's [rows, out_features]) to the output; its gradient is the output's.
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
       const torch::Tensor& weight, const torch::Tensor& bias, const torch::Tensor& grad_anchor,
-      bool has_bias, const Fp8LinearImpl::Fp8Call& call,
-      const std::vector<int64_t>& split_sizes) {
+      const torch::Tensor& residual, bool has_bias, bool has_residual,
+      const Fp8LinearImpl::Fp8Call& call, const std::vector<int64_t>& split_sizes) {
     auto pieces = [&](const torch::Tensor& y) {
       return split_sizes.empty() ? torch::autograd::variable_list{y}
                                  : y.split_with_sizes(split_sizes, -1);
@@ -48,10 +49,11 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, input, weight, bias,
                                                   input.sizes().vec());
     saved.save(ctx);
+    const auto& gemm_residual = has_residual ? residual : at::Tensor();
     if (recipe.blockwise()) {
-      auto y = detail::fp8_linear_forward_blockwise(ctx, saved, x, call.weight_blocks,
-                                                    has_bias ? bias : at::Tensor(),
-                                                    call.out_dtype);
+      auto y = detail::fp8_linear_forward_blockwise(
+          ctx, saved, x, call.weight_blocks, has_bias ? bias : at::Tensor(), call.out_dtype,
+          "x_t", detail::QuantizeActivation::kNone, gemm_residual);
       const auto& w = detail::dgrad_weight_blocks_of(call.weight_blocks, saved);
       detail::save_tensors(ctx, SavedTensors{w.data, w.scale_inv});
       return pieces(saved.unflatten(y));
@@ -61,6 +63,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     Fp8GemmOptions gemm;
     gemm.use_fast_accum = true;
     if (has_bias) gemm.bias = bias;
+    gemm.residual = gemm_residual;
     auto y = fp8_gemm(x_q.data, call.weight_q.data, call.out_dtype, gemm);
     if (y.size(0) != rows) y = y.narrow(0, 0, rows);
 
@@ -79,6 +82,9 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     std::vector<at::Tensor> columns;
     columns.reserve(grad_outputs.size());
     for (const auto& grad : grad_outputs) columns.push_back(grad.reshape({-1, grad.size(-1)}));
+    // A residual's gradient is the output's (one output: residuals are not split), as
+    // [rows, out_features].
+    const auto residual_grad = ctx->needs_input_grad(4) ? columns.front() : torch::Tensor();
     if (saved.recipe.blockwise()) {
       auto grads = detail::fp8_linear_backward_blockwise(
           saved, columns,
@@ -88,8 +94,9 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
           saved.dgrad_weight_transposed,
           ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2));
       if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
-      return {grads.input,     grads.weight,    grads.bias,   torch::Tensor(),
-              torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      return {grads.input,     grads.weight,    grads.bias,      torch::Tensor(),
+              residual_grad,   torch::Tensor(), torch::Tensor(), torch::Tensor(),
+              torch::Tensor()};
     }
     auto grads = detail::fp8_linear_backward(
         saved, columns,
@@ -97,8 +104,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
         saved.dgrad_weight(tensors.weight, tensors.weight_scale_inv), ctx->needs_input_grad(0),
         ctx->needs_input_grad(1), ctx->needs_input_grad(2));
     if (grads.input.defined()) grads.input = saved.unflatten(grads.input);
-    return {grads.input,     grads.weight,    grads.bias,   torch::Tensor(),
-            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {grads.input,   grads.weight,    grads.bias,      torch::Tensor(), residual_grad,
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -219,31 +226,55 @@ bool Fp8LinearImpl::weight_cache_fits(const Fp8Recipe& recipe) const {
 }
 
 torch::Tensor Fp8LinearImpl::forward(const torch::Tensor& input) {
-  return forward_pieces(input, {}).front();
+  return forward_pieces(input, {}, {}).front();
+}
+
+torch::Tensor Fp8LinearImpl::forward_with_residual(const torch::Tensor& input,
+                                                  const torch::Tensor& residual) {
+  check_input(input);
+  auto output_sizes = input.sizes().vec();
+  output_sizes.back() = options.out_features();
+  TORCH_CHECK(residual.defined() && residual.sizes() == at::IntArrayRef(output_sizes),
+              "Fp8Linear::forward_with_residual: residual must have the output's shape ",
+              at::IntArrayRef(output_sizes), ", got ",
+              residual.defined() ? residual.sizes() : at::IntArrayRef{});
+  return forward_pieces(input, {}, residual).front();
 }
 
 std::vector<torch::Tensor> Fp8LinearImpl::forward_split(const torch::Tensor& input,
                                                         at::IntArrayRef split_sizes) {
   detail::check_split_sizes(split_sizes, options.out_features(), "Fp8Linear::forward_split");
-  return forward_pieces(input, split_sizes);
+  return forward_pieces(input, split_sizes, {});
 }
 
-std::vector<torch::Tensor> Fp8LinearImpl::forward_pieces(const torch::Tensor& input,
-                                                         at::IntArrayRef split_sizes) {
+void Fp8LinearImpl::check_input(const torch::Tensor& input) const {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
               "Fp8Linear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
+}
+
+std::vector<torch::Tensor> Fp8LinearImpl::forward_pieces(const torch::Tensor& input,
+                                                         at::IntArrayRef split_sizes,
+                                                         const torch::Tensor& residual) {
+  check_input(input);
   ++forward_calls_;
   auto call = prepare_fp8_call(input, input.numel() / options.in_features());
   if (!call) {
     auto y = high_precision_forward(input);
+    if (residual.defined()) y = residual + y;
     return split_sizes.empty() ? std::vector<torch::Tensor>{y} : y.split_with_sizes(split_sizes, -1);
   }
   const auto& anchor = grad_anchor();
+  const auto gemm_residual = detail::gemm_residual(residual, input.numel() / options.in_features(),
+                                                   call->out_dtype);
   // Custom autograd functions take no undefined tensors: an empty tensor stands in for a
-  // missing bias, and for the anchor outside fp8_params.
-  return Fp8LinearFunction::apply(input, weight, bias.defined() ? bias : anchor.detach(), anchor,
-                                  options.bias(), *call, split_sizes.vec());
+  // missing bias or residual, and for the anchor outside fp8_params.
+  auto outputs = Fp8LinearFunction::apply(
+      input, weight, bias.defined() ? bias : anchor.detach(), anchor,
+      gemm_residual.defined() ? gemm_residual : anchor.detach(), options.bias(),
+      gemm_residual.defined(), *call, split_sizes.vec());
+  if (residual.defined() && !gemm_residual.defined()) outputs.front() = residual + outputs.front();
+  return outputs;
 }
 
 bool Fp8LinearImpl::runs_in_fp8(int64_t rows) const {

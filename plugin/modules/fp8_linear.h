@@ -138,6 +138,13 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Input [..., in_features] → output [..., out_features].
   torch::Tensor forward(const torch::Tensor& input);
 
+  /// residual + forward(input), residual of the output's shape (a transformer block's residual
+  /// connection: x + proj(attention)). In an FP8 region the GEMM adds it (cuBLASLt's C,
+  /// Fp8GemmOptions::residual) where it is in the GEMM's output dtype and the token count needs
+  /// no padding: one rounding of x·Wᵀ + b + residual, and no pass of its own over the
+  /// activations; elsewhere it is added after, as `residual + forward(input)`.
+  torch::Tensor forward_with_residual(const torch::Tensor& input, const torch::Tensor& residual);
+
   /// forward(input).split_with_sizes(split_sizes, -1), whose pieces' gradients the FP8 backward
   /// quantizes where they are instead of concatenating them first (cast_transpose_columns;
   /// quantize_blockwise_columns in the blockwise recipe): a fused QKV projection's q, k and v,
@@ -267,9 +274,11 @@ class Fp8LinearImpl : public torch::nn::Cloneable<Fp8LinearImpl> {
   /// Whether weight_cache_ holds the copy of this weight (version, storage) for `recipe`.
   bool weight_cache_fits(const Fp8Recipe& recipe) const;
   torch::Tensor high_precision_forward(const torch::Tensor& input);
-  // forward's pieces: split_sizes empty → the whole output as one.
+  void check_input(const torch::Tensor& input) const;
+  // forward's pieces: split_sizes empty → the whole output as one; plus `residual` when defined.
   std::vector<torch::Tensor> forward_pieces(const torch::Tensor& input,
-                                            at::IntArrayRef split_sizes);
+                                            at::IntArrayRef split_sizes,
+                                            const torch::Tensor& residual);
 
   c10::intrusive_ptr<Fp8Meta> meta_;
   torch::Tensor grad_anchor_;

@@ -106,7 +106,14 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
                                                heads_first(qkv[2]), {}, dropout,
                                                /*is_causal=*/true);
   namespace F = torch::nn::functional;
-  auto out = x + F::dropout(proj->forward(attn.transpose(1, 2).reshape({b, t, h})),
+  const auto attn2d = attn.transpose(1, 2).reshape({b, t, h});
+  if (dropout == 0.0) {
+    // The residual connections inside the output GEMMs (Fp8Linear's and Fp8LayerNormMLP's
+    // forward_with_residual): no pass of their own over the activations in FP8.
+    const auto out = proj->forward_with_residual(attn2d, x);
+    return mlp->forward_with_residual(out, out);
+  }
+  auto out = x + F::dropout(proj->forward(attn2d),
                             F::DropoutFuncOptions().p(dropout).training(is_training()));
   return out + F::dropout(mlp->forward(out),
                           F::DropoutFuncOptions().p(dropout).training(is_training()));

@@ -137,7 +137,8 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& config) : config_(conf
   o_proj = register_module("o_proj", Fp8Linear(Fp8LinearOptions(config.hidden(), config.hidden()).bias(false)));
 }
 
-torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& rotary) {
+torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& rotary,
+                                         const torch::Tensor& residual) {
   const int64_t b = x.size(0), t = x.size(1), d = config_.head_dim();
   const int64_t heads = config_.heads(), kv_heads = config_.kv_heads();
   // Under FP8 the three gradients are quantized where they arrive, not concatenated first.
@@ -148,7 +149,9 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& 
   const auto attention = at::scaled_dot_product_attention(
       q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), {}, 0.0, /*is_causal=*/true,
       std::nullopt, /*enable_gqa=*/kv_heads != heads);
-  return o_proj->forward(attention.transpose(1, 2).reshape({b, t, heads * d}));
+  const auto heads_last = attention.transpose(1, 2).reshape({b, t, heads * d});
+  return residual.defined() ? o_proj->forward_with_residual(heads_last, residual)
+                            : o_proj->forward(heads_last);
 }
 
 LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& config) {
@@ -162,8 +165,9 @@ LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& config) {
 }
 
 torch::Tensor LlamaBlockImpl::forward(const torch::Tensor& x, const Rotary& rotary) {
-  const auto h = x + attention->forward(x, rotary);
-  return h + mlp->forward(h);
+  // The residual connections inside the output GEMMs (o_proj's, the MLP's down projection).
+  const auto h = attention->forward(x, rotary, /*residual=*/x);
+  return mlp->forward_with_residual(h, h);
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& config) : config_(config) {

@@ -108,8 +108,10 @@ class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const LlamaConfig& config);
   /// x [batch, seq, hidden] (the residual stream, not yet normalized); rotary for positions
-  /// 0..seq-1.
-  torch::Tensor forward(const torch::Tensor& x, const Rotary& rotary);
+  /// 0..seq-1. With `residual` (x's shape): residual + the attention's output, added by
+  /// o_proj's GEMM (Fp8Linear::forward_with_residual).
+  torch::Tensor forward(const torch::Tensor& x, const Rotary& rotary,
+                        const torch::Tensor& residual = {});
   Fp8LayerNormLinear qkv{nullptr};
   Fp8Linear o_proj{nullptr};
 

@@ -35,6 +35,13 @@ at::ScalarType compute_dtype(const at::Tensor& input) {
   return input.scalar_type();
 }
 
+at::Tensor gemm_residual(const at::Tensor& residual, int64_t rows, at::ScalarType out_dtype) {
+  if (!residual.defined() || padded_rows(rows) != rows || residual.scalar_type() != out_dtype) {
+    return {};
+  }
+  return residual.reshape({rows, -1}).contiguous();
+}
+
 namespace {
 
 Fp8Format format_of(const Fp8Recipe& recipe, Fp8Slot slot) {
@@ -361,12 +368,15 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
 
 namespace {
 
-// The block-scaled GEMMs write float32 or bfloat16; a float16 result goes through float32.
+// The block-scaled GEMMs write float32 or bfloat16; a float16 result (and its residual) goes
+// through float32.
 at::Tensor blockwise_gemm(const Fp8BlockwiseTensor& a, const Fp8BlockwiseTensor& b,
                           at::ScalarType out_dtype, const Fp8GemmOptions& options = {}) {
   if (out_dtype == at::kFloat || out_dtype == at::kBFloat16)
     return fp8_blockwise_gemm(a, b, out_dtype, options);
-  return fp8_blockwise_gemm(a, b, at::kFloat, options).to(out_dtype);
+  auto in_float = options;
+  if (in_float.residual.defined()) in_float.residual = in_float.residual.to(at::kFloat);
+  return fp8_blockwise_gemm(a, b, at::kFloat, in_float).to(out_dtype);
 }
 
 BlockwiseQuantizeOptions row_tiles(Fp8Format format) {
@@ -383,7 +393,8 @@ at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
                                         const Fp8BlockwiseCastTranspose& weight_blocks,
                                         const at::Tensor& bias, at::ScalarType out_dtype,
                                         const std::string& key,
-                                        QuantizeActivation::Kind activation) {
+                                        QuantizeActivation::Kind activation,
+                                        const at::Tensor& residual) {
   TORCH_INTERNAL_ASSERT(activation == QuantizeActivation::kNone ||
                             activation == QuantizeActivation::kGelu,
                         "fp8_linear_forward_blockwise: the input's activation is GELU or none");
@@ -393,6 +404,7 @@ at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
                  : quantize_blockwise(x, tiles, /*transposed=*/true);
   Fp8GemmOptions gemm;
   gemm.bias = bias;
+  gemm.residual = residual;
   auto y = blockwise_gemm(x_q.data, weight_blocks.data, out_dtype, gemm);
   save_transpose_pair(ctx, x_q.transposed.data, x_q.transposed.scale_inv, key);
   return y.size(0) == saved.rows ? y : y.narrow(0, 0, saved.rows);

@@ -23,6 +23,13 @@ at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows);
 /// The dtype GEMM outputs take: the autocast dtype where autocast is on, else the input's.
 at::ScalarType compute_dtype(const at::Tensor& input);
 
+/// A layer's residual (undefined: none) as its output GEMM's C (Fp8GemmOptions::residual):
+/// [rows, features], contiguous, where it is in the GEMM's `out_dtype` and the GEMM's rows are
+/// not padded past `rows`; undefined where the GEMM cannot add it (the caller adds it to the
+/// layer's output then, outside its autograd function, so that the gradients are those of
+/// `residual + layer(input)`).
+at::Tensor gemm_residual(const at::Tensor& residual, int64_t rows, at::ScalarType out_dtype);
+
 /// What quantize_for quantizes: x, gelu(x) (an MLP's hidden activation, tanh GELU),
 /// x · gelu'(input) (the gradient of the GEMM output that GELU read), or swiglu_backward(x, input)
 /// (the gradient [rows, 2·cols] of the GEMM output that SwiGLU read, from x [rows, cols]).
@@ -171,13 +178,15 @@ Fp8LinearGrads fp8_linear_backward(const Fp8LinearSaved& saved,
 /// one. The result has saved.rows rows, in `out_dtype` (float16 through a float32 GEMM output:
 /// the block-scaled GEMMs write float32 or bfloat16). With `activation` kGelu, x is GELU's input
 /// and the GEMM reads gelu(x), computed inside the quantization (quantize_blockwise_gelu: an
-/// MLP's second layer); kNone or kGelu only.
+/// MLP's second layer); kNone or kGelu only. `residual`, when defined, is added by the GEMM
+/// (gemm_residual's: [saved.rows, features] in out_dtype).
 at::Tensor fp8_linear_forward_blockwise(torch::autograd::AutogradContext* ctx,
                                         const Fp8LinearSaved& saved, const at::Tensor& x,
                                         const Fp8BlockwiseCastTranspose& weight_blocks,
                                         const at::Tensor& bias, at::ScalarType out_dtype,
                                         const std::string& key = "x_t",
-                                        QuantizeActivation::Kind activation = QuantizeActivation::kNone);
+                                        QuantizeActivation::Kind activation = QuantizeActivation::kNone,
+                                        const at::Tensor& residual = {});
 /// The saved xᵀ of fp8_linear_forward_blockwise, freed from the context unless the graph is
 /// retained (see take_input_transpose).
 Fp8BlockwiseTensor take_input_transpose_blockwise(torch::autograd::AutogradContext* ctx,
