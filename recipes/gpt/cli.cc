@@ -189,8 +189,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   // -1: "the config's" (the flag itself only takes values in its range).
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
-  bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true,
-       fp8_gemm_autotune = true;
+  bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true;
+  bool fp8_gemm_autotune = PretrainRecipe().fp8_gemm_autotune;
   bool overlap_param_gather = false;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
   std::string exp_avg_dtype = "fp32", exp_avg_sq_dtype = "fp32";
