@@ -262,6 +262,8 @@ Fp8BlockwiseCastTranspose quantize_blockwise_columns(const std::vector<at::Tenso
               ": options.block must be 1x128 (pieces are column blocks of row tiles), got ",
               block_name(options.block));
   const auto& first = pieces.front();
+  TORCH_CHECK(first.defined() && first.dim() == 2, op, ": pieces[0] must be a 2-D tensor, got ",
+              first.defined() ? first.sizes() : at::IntArrayRef{});
   int64_t cols = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const auto& piece = pieces[i];

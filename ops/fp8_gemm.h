@@ -16,8 +16,8 @@ struct Fp8GemmOptions {
   bool accumulate = false;
   /// Added to the result: y = A·Bᵀ (+ bias) + residual, rounded once, where the GEMM reads it
   /// (cuBLASLt's C at beta = 1; the residual connection of a transformer block without its own
-  /// pass over the activations). [M, N], contiguous, in the output dtype (not FP8); not with
-  /// accumulate.
+  /// pass over the activations). [M, N], contiguous, 16-byte aligned on the GPU, in the output
+  /// dtype (not FP8); not with accumulate. It may be `out` itself (then out += A·Bᵀ + bias).
   at::Tensor residual;
   /// Hopper's fast FP8 accumulation (fewer promotions to full fp32): TE's choice for the
   /// forward GEMM; dgrad and wgrad use full accumulation. Default: false.

@@ -1,5 +1,11 @@
 #include "ops/blockwise.h"
 
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#define AMP8_HAS_CUDA_ALLOCATOR 1
+#endif
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -280,7 +286,7 @@ TEST_F(BlockwiseTest, ColumnPiecesQuantizeAsTheirConcatenation) {
   const auto options = tiles(Fp8BlockShape::k1x128);
   for (const auto& widths : std::vector<std::vector<int64_t>>{{256, 128, 72}, {200, 56}, {96}}) {
     std::vector<at::Tensor> pieces;
-    for (const auto w : widths) pieces.push_back(at::randn({150, w}).to(at::kBFloat16) * (w % 7));
+    for (const auto w : widths) pieces.push_back(at::randn({150, w}).to(at::kBFloat16) * (1 + w % 7));
     const auto whole = at::cat(pieces, 1);
     auto dbias = at::empty({whole.size(1)}), dbias_whole = at::empty({whole.size(1)});
     const auto q = quantize_blockwise_columns(pieces, options, true, dbias);
@@ -324,7 +330,9 @@ TEST_F(BlockwiseTest, ColumnPiecesQuantizeAsTheirConcatenation) {
 // partial tile, a QKV projection's three equal pieces, NaN and infinity in a piece), and the
 // concatenation where a piece is not whole tiles, float32, not contiguous, or no transpose is
 // asked for. A piece written at the wrong columns, with its rows or scales at the wrong stride,
-// or a missing piece shows in the bytes.
+// or a missing piece shows in the bytes. That the per-piece cases take their route (the other
+// gives the same bytes) shows in memory: the concatenation allocates a copy of the pieces, the
+// per-piece launches only the outputs.
 TEST_F(BlockwiseTest, CudaColumnPiecesMatchCpu_CUDA) {
   AMP8_REQUIRE_CUDA();
   struct Case {
@@ -334,11 +342,12 @@ TEST_F(BlockwiseTest, CudaColumnPiecesMatchCpu_CUDA) {
     Fp8Format format;
     bool transposed = true;
     bool strided = false;  // piece 1 is a column slice of a wider tensor
+    bool per_piece = false;  // the per-piece launches' route, not the concatenation
   };
   const std::vector<Case> cases = {
-      {272, {256, 384, 136}, at::kBFloat16, Fp8Format::kE5M2},
-      {400, {128, 128, 128}, at::kHalf, Fp8Format::kE4M3},
-      {48, {384, 384, 384}, at::kBFloat16, Fp8Format::kE4M3},
+      {272, {256, 384, 136}, at::kBFloat16, Fp8Format::kE5M2, true, false, true},
+      {400, {128, 128, 128}, at::kHalf, Fp8Format::kE4M3, true, false, true},
+      {48, {384, 384, 384}, at::kBFloat16, Fp8Format::kE4M3, true, false, true},
       {272, {200, 256}, at::kBFloat16, Fp8Format::kE5M2},          // a piece of a partial tile
       {272, {256, 136}, at::kFloat, Fp8Format::kE5M2},             // float32
       {272, {256, 128}, at::kBFloat16, Fp8Format::kE5M2, false},   // no transpose
@@ -369,7 +378,26 @@ TEST_F(BlockwiseTest, CudaColumnPiecesMatchCpu_CUDA) {
     auto dbias_gpu = at::full({cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(c.dtype));
     auto dbias_whole = at::full({cols}, kNaN, at::TensorOptions(at::kCUDA).dtype(c.dtype));
     auto dbias_cpu = at::empty({cols}, c.dtype);
+#ifdef AMP8_HAS_CUDA_ALLOCATOR
+    namespace allocator = c10::cuda::CUDACachingAllocator;
+    const auto device = at::cuda::current_device();
+    allocator::resetPeakStats(device);
+    const auto allocated_before = allocator::getDeviceStats(device).allocated_bytes[0].current;
+#endif
     const auto gpu = quantize_blockwise_columns(gpu_pieces, options, c.transposed, dbias_gpu);
+#ifdef AMP8_HAS_CUDA_ALLOCATOR
+    // The outputs (x and xᵀ in FP8, their scales, the column sums' parts) against a
+    // concatenation of the pieces in their own dtype on top of them.
+    const int64_t outputs = 2 * c.rows * cols + 4 * 3 * (c.rows / 128 + 1) * cols +
+                            4 * (cols / 128 + 1) * c.rows;
+    const int64_t concatenation = c.rows * cols * c10::elementSize(c.dtype);
+    const auto peak = allocator::getDeviceStats(device).allocated_bytes[0].peak - allocated_before;
+    if (c.per_piece) {
+      EXPECT_LT(peak, outputs + concatenation / 2) << label << ": the pieces were concatenated";
+    } else {
+      EXPECT_GE(peak, concatenation) << label << ": the fallback did not concatenate";
+    }
+#endif
     const auto cpu = quantize_blockwise_columns(cpu_pieces, options, c.transposed, dbias_cpu);
     quantize_blockwise(at::cat(gpu_pieces, 1), options, c.transposed, dbias_whole);
     EXPECT_TRUE(BytesEqual(gpu.data.data, cpu.data.data)) << label;

@@ -87,6 +87,16 @@ class Fp8GemmTest : public ::testing::TestWithParam<Case> {
     const double residual_err = relative_error(
         r, reference(a, b, bias) + with_residual.residual.cpu().to(at::kDouble));
     EXPECT_LE(residual_err, tolerance(out_dtype, device)) << "residual " << out_dtype;
+    // The residual may be `out` itself (out += A·Bᵀ + bias, C = D); under the measured choice
+    // its candidates must then not write `out` before the real launch reads it.
+    Fp8GemmOptions in_place = options;
+    in_place.out = start.clone();
+    in_place.residual = in_place.out;
+    auto w = fp8_gemm(a, b, out_dtype, in_place);
+    EXPECT_EQ(w.data_ptr(), in_place.out.data_ptr());
+    EXPECT_LE(relative_error(w, reference(a, b, bias) + start.cpu().to(at::kDouble)),
+              tolerance(out_dtype, device))
+        << "residual is out " << out_dtype;
   }
 };
 

@@ -584,7 +584,8 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPOnGpuMatchesCpu_CUDA) {
   }
 }
 
-// forward_with_residual(h, h) is h + forward(h) (a pre-norm block's MLP half) on every path: the
+// forward_with_residual(h, r) is r + forward(h), with r = h (a pre-norm block's MLP half) and r
+// another tensor, on every path: the
 // fused functions of each recipe (GELU and SwiGLU), the modules in sequence (fused(false)), with
 // the residual added by FC2's GEMM (48 rows of bfloat16 under autocast: within one rounding of
 // the sum, and not its bytes) or after it (46 rows, padded in the GEMM: the same bytes). The
@@ -607,13 +608,20 @@ void mlp_residual_case(torch::Device device, int64_t rows) {
           }
         }
         const auto h = (torch::randn({2, rows / 2, 64}) * 2).to(device).to(at::kBFloat16);
+        const auto other = (torch::randn({2, rows / 2, 64}) * 5).to(device).to(at::kBFloat16);
         auto h1 = h.clone().requires_grad_(true), h2 = h.clone().requires_grad_(true);
+        auto o1 = other.clone().requires_grad_(true), o2 = other.clone().requires_grad_(true);
         torch::Tensor y1, y2;
         {
           AutocastGuard autocast(at::kBFloat16);
           Fp8Autocast region(recipe_of(recipe_kind));
+          // (h + mlp(h)) + mlp(other): the first residual is the input, the second another
+          // tensor (each input's gradient sums at most two parts, so the order autograd adds
+          // them in cannot round them apart).
           y1 = h1 + plain->forward(h1);
           y2 = with_residual->forward_with_residual(h2, h2);
+          y1 = y1 + plain->forward(o1);
+          y2 = with_residual->forward_with_residual(o2, y2);
         }
         ASSERT_EQ(y2.sizes(), y1.sizes());
         ASSERT_EQ(y2.scalar_type(), y1.scalar_type());
@@ -627,6 +635,7 @@ void mlp_residual_case(torch::Device device, int64_t rows) {
         y1.backward(g);
         y2.backward(g);
         EXPECT_TRUE(BytesEqual(h1.grad(), h2.grad()));
+        EXPECT_TRUE(BytesEqual(o1.grad(), o2.grad()));
         for (auto& p : plain->named_parameters()) {
           EXPECT_TRUE(BytesEqual(p.value().grad(), with_residual->named_parameters()[p.key()].grad()))
               << p.key();

@@ -189,8 +189,9 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
       set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                static_cast<int32_t>(cuda_dtype(bias_dtype)));
     }
-    // C is read only when accumulating. With an FP8 D it must be a 16-bit type: the bias type,
-    // or fp16 without a bias (LibTorch's _scaled_mm makes the same choice).
+    // C is read only when accumulating (C is `out`) or adding a residual (C is the residual).
+    // With an FP8 D it must be a 16-bit type: the bias type, or fp16 without a bias (LibTorch's
+    // _scaled_mm makes the same choice).
     const at::ScalarType c_dtype =
         fp8_out ? (o.bias.defined() ? bias_dtype : at::kHalf) : out_dtype;
     make_layout(plan->a_layout, cuda_dtype(b.data.scalar_type()), k, n, k);
@@ -258,12 +259,16 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
     // it was (chosen_by still names how its algorithm was chosen).
     cublasLtMatmulAlgo_t chosen = candidates[0].algo;
     // Accumulating, the candidates add into a copy of `out` in place (C = D), as the real
-    // launch adds into `out`; where the copy does not fit in memory, the heuristic's first is
-    // kept (and the configuration counts as chosen, not measured again).
+    // launch adds into `out`; so they do where the residual shares `out`'s storage (which they
+    // must not overwrite before the real launch reads it). Where the copy does not fit in
+    // memory, the heuristic's first is kept (and the configuration counts as chosen, not
+    // measured again).
+    const bool c_shares_out =
+        o.accumulate || (o.residual.defined() && o.residual.is_alias_of(out));
     at::Tensor scratch;
     if (measure && found > 1) {
       try {
-        scratch = o.accumulate ? out.clone() : out;
+        scratch = c_shares_out ? out.clone() : out;
       } catch (const c10::OutOfMemoryError&) {
         scratch = at::Tensor();
       }
@@ -273,9 +278,10 @@ at::Tensor run_gemm(const Operand& a, const Operand& b, at::ScalarType out_dtype
       // every candidate in turn kTimedLaunches times between two events, all queued before one
       // synchronization. A candidate's time is its rounds' sum: interleaved rounds put no
       // candidate only at the start of the burst, when the clocks and caches are not yet what
-      // the others see. They write `out` (at beta = 0 each writes the result the real launch
-      // writes again, an FP8 D's amax too) or, when accumulating, the copy (`out` is left as it
-      // was). A candidate that fails to launch is passed over (its error cleared); the
+      // the others see. They write `out` (each writes the result the real launch writes again,
+      // from C = the residual where there is one, an FP8 D's amax too) or, when C shares
+      // `out`, the copy (`out` is left as it was). A candidate that fails to launch is passed
+      // over (its error cleared); the
       // heuristic's first is the fallback. An error an earlier kernel left is raised first, not
       // cleared with theirs.
       C10_CUDA_CHECK(cudaGetLastError());

@@ -230,8 +230,8 @@ class Fp8LayerNormMLPImpl : public torch::nn::Cloneable<Fp8LayerNormMLPImpl> {
   torch::Tensor forward(const torch::Tensor& input);
 
   /// residual + forward(input), residual of the input's shape (a pre-norm block's `h +
-  /// mlp(h)`), added by FC2's GEMM in an FP8 region as Fp8Linear::forward_with_residual adds
-  /// it.
+  /// mlp(h)`), added by FC2's GEMM in an FP8 region where Fp8Linear::forward_with_residual's
+  /// would add it (the residual in the GEMM's output dtype, no token padding), else after.
   torch::Tensor forward_with_residual(const torch::Tensor& input, const torch::Tensor& residual);
 
   Fp8LayerNormMLPOptions options;

@@ -39,7 +39,9 @@ at::Tensor gemm_residual(const at::Tensor& residual, int64_t rows, at::ScalarTyp
   if (!residual.defined() || padded_rows(rows) != rows || residual.scalar_type() != out_dtype) {
     return {};
   }
-  return residual.reshape({rows, -1}).contiguous();
+  auto c = residual.reshape({rows, -1}).contiguous();
+  // The GEMMs take 16-byte aligned operands (a view at an odd offset is added after instead).
+  return reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 == 0 ? c : at::Tensor();
 }
 
 namespace {

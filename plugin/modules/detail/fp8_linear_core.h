@@ -24,8 +24,8 @@ at::Tensor pad_rows(const at::Tensor& x2d, int64_t rows);
 at::ScalarType compute_dtype(const at::Tensor& input);
 
 /// A layer's residual (undefined: none) as its output GEMM's C (Fp8GemmOptions::residual):
-/// [rows, features], contiguous, where it is in the GEMM's `out_dtype` and the GEMM's rows are
-/// not padded past `rows`; undefined where the GEMM cannot add it (the caller adds it to the
+/// [rows, features], contiguous, where it is in the GEMM's `out_dtype`, 16-byte aligned, and the
+/// GEMM's rows are not padded past `rows`; undefined where the GEMM cannot add it (the caller adds it to the
 /// layer's output then, outside its autograd function, so that the gradients are those of
 /// `residual + layer(input)`).
 at::Tensor gemm_residual(const at::Tensor& residual, int64_t rows, at::ScalarType out_dtype);
