@@ -12,6 +12,7 @@
 #include "plugin/fp8/fp8_autocast.h"
 #include "plugin/precision/autocast_guard.h"
 #include "tests/fp8_recipes.h"
+#include "tests/module_pairs.h"
 #include "tests/test_util.h"
 
 namespace amp8 {
@@ -207,10 +208,7 @@ void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t r
     SCOPED_TRACE(recipe_kind + " " + c10::toString(dtype));
     auto whole = make_layer_norm_linear(device, 128, out);
     auto split = make_layer_norm_linear(device, 128, out);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : split->named_parameters()) p.value().copy_(whole->named_parameters()[p.key()]);
-    }
+    testing::copy_parameters(*whole, *split);
     const auto recipe = recipe_of(recipe_kind);
     for (int step = 0; step < 3; ++step) {
       auto x = (torch::randn({rows, 128}) * (step + 1)).to(device).to(dtype);
@@ -242,13 +240,8 @@ void forward_split_case(torch::Device device, torch::ScalarType dtype, int64_t r
         torch::autograd::backward(pieces, grads);
       }
       EXPECT_TRUE(BytesEqual(x1.grad(), x2.grad())) << "step " << step;
-      for (auto& p : whole->named_parameters()) {
-        EXPECT_TRUE(BytesEqual(p.value().grad(), split->named_parameters()[p.key()].grad()))
-            << p.key() << " step " << step;
-      }
-      for (auto& b : whole->named_buffers()) {
-        EXPECT_TRUE(BytesEqual(b.value(), split->named_buffers()[b.key()])) << b.key();
-      }
+      testing::expect_same_gradients(*split, *whole, "step " + std::to_string(step),
+                                     /*buffers=*/true);
     }
   }
 }
@@ -601,12 +594,7 @@ void mlp_residual_case(torch::Device device, int64_t rows) {
         auto with_residual = make_mlp(device, 64, 128, activation);
         with_residual->options.fused(fused_mlp);
         plain->options.fused(fused_mlp);
-        {
-          torch::NoGradGuard no_grad;
-          for (auto& p : with_residual->named_parameters()) {
-            p.value().copy_(plain->named_parameters()[p.key()]);
-          }
-        }
+        testing::copy_parameters(*plain, *with_residual);
         const auto h = (torch::randn({2, rows / 2, 64}) * 2).to(device).to(at::kBFloat16);
         const auto other = (torch::randn({2, rows / 2, 64}) * 5).to(device).to(at::kBFloat16);
         auto h1 = h.clone().requires_grad_(true), h2 = h.clone().requires_grad_(true);
@@ -623,23 +611,11 @@ void mlp_residual_case(torch::Device device, int64_t rows) {
           y1 = y1 + plain->forward(o1);
           y2 = with_residual->forward_with_residual(o2, y2);
         }
-        ASSERT_EQ(y2.sizes(), y1.sizes());
-        ASSERT_EQ(y2.scalar_type(), y1.scalar_type());
-        if (rows % 16 == 0) {
-          EXPECT_LE((y2 - y1).abs().max().item<double>(), y1.abs().max().item<double>() * 2.0 / 256);
-          EXPECT_FALSE(BytesEqual(y2, y1)) << "the residual was not added by the GEMM";
-        } else {
-          EXPECT_TRUE(BytesEqual(y2, y1));
-        }
-        const auto g = (torch::randn(y1.sizes()) * 3).to(device).to(y1.scalar_type());
-        y1.backward(g);
-        y2.backward(g);
+        testing::expect_residual_added(y2, y1, /*by_gemm=*/rows % 16 == 0);
+        testing::backward_with_one_gradient(y1, y2);
         EXPECT_TRUE(BytesEqual(h1.grad(), h2.grad()));
         EXPECT_TRUE(BytesEqual(o1.grad(), o2.grad()));
-        for (auto& p : plain->named_parameters()) {
-          EXPECT_TRUE(BytesEqual(p.value().grad(), with_residual->named_parameters()[p.key()].grad()))
-              << p.key();
-        }
+        testing::expect_same_gradients(*with_residual, *plain);
       }
     }
   }

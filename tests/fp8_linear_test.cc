@@ -18,6 +18,7 @@
 #include "plugin/fp8/fp8_gemm_choice.h"
 #include "plugin/precision/autocast_guard.h"
 #include "tests/fp8_recipes.h"
+#include "tests/module_pairs.h"
 #include "tests/test_util.h"
 
 namespace amp8 {
@@ -421,10 +422,7 @@ void linear_forward_split_case(torch::Device device, torch::ScalarType dtype, in
     Fp8Linear split(Fp8LinearOptions(128, out).fp8_min_gemm_size(0));
     whole->to(device);
     split->to(device);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : split->named_parameters()) p.value().copy_(whole->named_parameters()[p.key()]);
-    }
+    testing::copy_parameters(*whole, *split);
     for (int step = 0; step < 2; ++step) {
       const auto x = (torch::randn({rows, 128}) * (step + 1)).to(device).to(dtype);
       std::vector<torch::Tensor> grads;
@@ -446,13 +444,8 @@ void linear_forward_split_case(torch::Device device, torch::ScalarType dtype, in
       y.backward(at::cat(grads, -1));
       torch::autograd::backward(pieces, grads);
       EXPECT_TRUE(BytesEqual(x1.grad(), x2.grad())) << "step " << step;
-      for (auto& p : whole->named_parameters()) {
-        EXPECT_TRUE(BytesEqual(p.value().grad(), split->named_parameters()[p.key()].grad()))
-            << p.key() << " step " << step;
-      }
-      for (auto& b : whole->named_buffers()) {
-        EXPECT_TRUE(BytesEqual(b.value(), split->named_buffers()[b.key()])) << b.key();
-      }
+      testing::expect_same_gradients(*split, *whole, "step " + std::to_string(step),
+                                     /*buffers=*/true);
     }
   }
 }
@@ -480,10 +473,7 @@ void linear_residual_case(torch::Device device, int64_t rows, torch::ScalarType 
     Fp8Linear fused(Fp8LinearOptions(128, 96).fp8_min_gemm_size(0));
     plain->to(device);
     fused->to(device);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : fused->named_parameters()) p.value().copy_(plain->named_parameters()[p.key()]);
-    }
+    testing::copy_parameters(*plain, *fused);
     const auto x = torch::randn({2, rows / 2, 128}).to(device);
     const auto r0 = (torch::randn({2, rows / 2, 96}) * 8).to(device).to(residual_dtype);
     auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
@@ -495,24 +485,12 @@ void linear_residual_case(torch::Device device, int64_t rows, torch::ScalarType 
       y1 = r1 + plain->forward(x1);
       y2 = fused->forward_with_residual(x2, r2);
     }
-    ASSERT_EQ(y2.sizes(), y1.sizes());
-    ASSERT_EQ(y2.scalar_type(), y1.scalar_type());
-    const bool in_gemm = rows % 16 == 0 && residual_dtype == at::kBFloat16;
-    if (in_gemm) {
-      // One rounding of x·Wᵀ + b + r in bfloat16 against two (of x·Wᵀ + b, then of the sum).
-      EXPECT_LE((y2 - y1).abs().max().item<double>(), y1.abs().max().item<double>() * 2.0 / 256);
-      EXPECT_FALSE(BytesEqual(y2, y1)) << "the residual was not added by the GEMM";
-    } else {
-      EXPECT_TRUE(BytesEqual(y2, y1));
-    }
-    const auto g = (torch::randn(y1.sizes()) * 3).to(device).to(y1.scalar_type());
-    y1.backward(g);
-    y2.backward(g);
+    testing::expect_residual_added(y2, y1,
+                                   /*by_gemm=*/rows % 16 == 0 && residual_dtype == at::kBFloat16);
+    testing::backward_with_one_gradient(y1, y2);
     EXPECT_TRUE(BytesEqual(x1.grad(), x2.grad()));
     EXPECT_TRUE(BytesEqual(r2.grad(), r1.grad()));
-    for (auto& p : plain->named_parameters()) {
-      EXPECT_TRUE(BytesEqual(p.value().grad(), fused->named_parameters()[p.key()].grad())) << p.key();
-    }
+    testing::expect_same_gradients(*fused, *plain);
   }
 }
 
