@@ -154,9 +154,22 @@ int main(int argc, char** argv) {
       at::native_layer_norm_backward(bdy, bx, {h}, std::get<1>(aten_fwd), std::get<2>(aten_fwd),
                                      bgamma_bf16, bbeta_bf16, {true, true, true});
     });
+    // With a residual's gradient added inside (a pre-norm block's x + f(norm(x)); 8 B per
+    // element) against the backward and autograd's separate add of the two gradients.
+    auto bdres = torch::randn_like(bdy);
+    const double with_residual = bench::median_ms(
+        [&] { layer_norm_backward(bdy, bx, stats, bgamma_bf16, bbeta_bf16, bdres); });
+    const double then_add = bench::median_ms([&] {
+      auto grads = layer_norm_backward(bdy, bx, stats, bgamma_bf16, bbeta_bf16);
+      grads.grad_input.add_(bdres);
+    });
+    bench::Record("layer_norm_bwd_bf16_residual", bshape, cmd)
+        .timing(with_residual, "layer_norm_backward, then dx += dresidual", then_add)
+        .set("fraction_of_copy", fraction(8 * belems, with_residual))
+        .print();
     auto dx = torch::empty_like(bx);
     const int default_parts = cuda::layer_norm_bwd_parts(
-        bdy.const_data_ptr(), bx.const_data_ptr(), dx.const_data_ptr(),
+        bdy.const_data_ptr(), bx.const_data_ptr(), /*dresidual=*/nullptr, dx.const_data_ptr(),
         bgamma.const_data_ptr<float>(), cuda::InputType::kBFloat16, cuda::InputType::kFloat, r, h,
         /*rms_norm=*/false);
     bench::Record("layer_norm_bwd_bf16", bshape, cmd)
@@ -177,7 +190,8 @@ int main(int argc, char** argv) {
         cuda::launch_layer_norm_bwd(
             bdy.const_data_ptr(), bx.const_data_ptr(), cuda::InputType::kBFloat16,
             /*rms_norm=*/false, stats.mean.const_data_ptr<float>(), stats.rstd.const_data_ptr<float>(),
-            bgamma.const_data_ptr<float>(), cuda::InputType::kFloat, r, h, dx.mutable_data_ptr(),
+            bgamma.const_data_ptr<float>(), cuda::InputType::kFloat, r, h,
+            /*dresidual=*/nullptr, dx.mutable_data_ptr(),
             part.mutable_data_ptr<float>(), parts, dgamma.mutable_data_ptr<float>(),
             dbeta.mutable_data_ptr<float>(), at::cuda::getCurrentCUDAStream().stream());
       });

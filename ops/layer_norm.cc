@@ -143,12 +143,13 @@ float layer_norm_fp8_cpu_typed(const at::Tensor& x, const at::Tensor& gamma_f,
 template <typename T>
 void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
                                    const LayerNormStats& stats, Normalization norm,
-                                   const at::Tensor& gamma_f,
+                                   const at::Tensor& gamma_f, const at::Tensor& dresidual,
                                    const at::Tensor& dx, const at::Tensor& dgamma,
                                    const at::Tensor& dbeta) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const T* xin = x.const_data_ptr<T>();
   const T* dyin = dy.const_data_ptr<T>();
+  const T* dres = dresidual.defined() ? dresidual.const_data_ptr<T>() : nullptr;
   T* dxout = dx.mutable_data_ptr<T>();
   const float* g = gamma_f.defined() ? gamma_f.const_data_ptr<float>() : nullptr;
   // RMSNorm: no mean to subtract, and no mean(g) term (y does not depend on x's mean).
@@ -173,7 +174,9 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
       for (int64_t c = 0; c < hidden; ++c) {
         const float xhat = (static_cast<float>(xr[c]) - mean_at(r)) * rstd[r];
         const float wdy = static_cast<float>(dyr[c]) * (g ? g[c] : 1.0f);
-        dxout[r * hidden + c] = static_cast<T>(rstd[r] * (wdy - mean_wdy - xhat * mean_wdy_xhat));
+        const float dx = rstd[r] * (wdy - mean_wdy - xhat * mean_wdy_xhat);
+        dxout[r * hidden + c] =
+            static_cast<T>(dres != nullptr ? dx + static_cast<float>(dres[r * hidden + c]) : dx);
       }
     }
   });
@@ -305,8 +308,8 @@ LayerNormFp8Result normalize_fp8(const at::Tensor& x, const at::Tensor& gamma,
 
 LayerNormGrads normalize_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                   const LayerNormStats& stats, const at::Tensor& gamma,
-                                  const at::Tensor& beta, Normalization norm,
-                                  std::string_view op) {
+                                  const at::Tensor& beta, const at::Tensor& grad_residual,
+                                  Normalization norm, std::string_view op) {
   detail::check_high_precision_input(x, op);
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [rows, hidden], got shape ", x.sizes());
   TORCH_CHECK(grad_out.defined() && grad_out.sizes() == x.sizes(), op,
@@ -325,7 +328,16 @@ LayerNormGrads normalize_backward(const at::Tensor& grad_out, const at::Tensor& 
   };
   if (centered) check_stat(stats.mean, "stats.mean");
   check_stat(stats.rstd, "stats.rstd");
+  if (grad_residual.defined()) {
+    TORCH_CHECK(grad_residual.sizes() == x.sizes() && grad_residual.device() == x.device() &&
+                    detail::is_high_precision(grad_residual.scalar_type()),
+                op, ": grad_residual must be float32, bfloat16 or float16 of x's shape ",
+                x.sizes(), " on ", x.device(), ", got ", grad_residual.scalar_type(), " ",
+                grad_residual.sizes(), " on ", grad_residual.device());
+  }
   const auto dy = grad_out.to(x.scalar_type()).contiguous();
+  const auto dres = grad_residual.defined() ? grad_residual.to(x.scalar_type()).contiguous()
+                                            : at::Tensor();
   auto dx = at::empty_like(x);
   at::Tensor dgamma, dbeta;
   if (x.is_cuda()) {
@@ -334,15 +346,16 @@ LayerNormGrads normalize_backward(const at::Tensor& grad_out, const at::Tensor& 
     const auto affine = kernel_affine(x, gamma, beta);
     if (affine.gamma.defined()) dgamma = at::empty_like(affine.gamma);
     if (affine.beta.defined()) dbeta = at::empty_like(affine.beta);
-    if (!detail::layer_norm_backward_cuda(dy, x, norm, stats.mean, stats.rstd, affine.gamma, dx,
-                                          dgamma, dbeta)) {
+    if (!detail::layer_norm_backward_cuda(dy, x, norm, stats.mean, stats.rstd, affine.gamma,
+                                          dres, dx, dgamma, dbeta)) {
       auto xf = x.to(at::kFloat);
       if (centered) xf = xf - stats.mean.unsqueeze(1);
       auto xhat = xf * stats.rstd.unsqueeze(1);
       auto dyf = dy.to(at::kFloat);
       auto wdy = affine.gamma.defined() ? dyf * affine.gamma : dyf;
       auto centered_wdy = centered ? wdy - wdy.mean(1, true) : wdy;
-      dx.copy_(stats.rstd.unsqueeze(1) * (centered_wdy - xhat * (wdy * xhat).mean(1, true)));
+      auto dxf = stats.rstd.unsqueeze(1) * (centered_wdy - xhat * (wdy * xhat).mean(1, true));
+      dx.copy_(dres.defined() ? dxf + dres.to(at::kFloat) : dxf);
       if (dgamma.defined()) dgamma.copy_((dyf * xhat).sum(0));
       if (dbeta.defined()) dbeta.copy_(dyf.sum(0));
     }
@@ -355,7 +368,7 @@ LayerNormGrads normalize_backward(const at::Tensor& grad_out, const at::Tensor& 
     if (beta.defined()) dbeta = at::empty({x.size(1)}, float_options);
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kBFloat16, at::kHalf, x.scalar_type(), "amp8_layer_norm_bwd", [&] {
-          layer_norm_backward_cpu_typed<scalar_t>(dy, x, stats, norm, as_float(gamma), dx,
+          layer_norm_backward_cpu_typed<scalar_t>(dy, x, stats, norm, as_float(gamma), dres, dx,
                                                   dgamma, dbeta);
         });
   }
@@ -389,9 +402,9 @@ LayerNormFp8Result layer_norm_fp8(const at::Tensor& x, const at::Tensor& gamma,
 
 LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                    const LayerNormStats& stats, const at::Tensor& gamma,
-                                   const at::Tensor& beta) {
-  return normalize_backward(grad_out, x, stats, gamma, beta, Normalization::kLayerNorm,
-                            "layer_norm_backward");
+                                   const at::Tensor& beta, const at::Tensor& grad_residual) {
+  return normalize_backward(grad_out, x, stats, gamma, beta, grad_residual,
+                            Normalization::kLayerNorm, "layer_norm_backward");
 }
 
 LayerNormResult rms_norm(const at::Tensor& x, const at::Tensor& gamma, double eps) {
@@ -407,9 +420,10 @@ LayerNormFp8Result rms_norm_fp8(const at::Tensor& x, const at::Tensor& gamma, do
 }
 
 LayerNormGrads rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                 const LayerNormStats& stats, const at::Tensor& gamma) {
-  return normalize_backward(grad_out, x, stats, gamma, {}, Normalization::kRMSNorm,
-                            "rms_norm_backward");
+                                 const LayerNormStats& stats, const at::Tensor& gamma,
+                                 const at::Tensor& grad_residual) {
+  return normalize_backward(grad_out, x, stats, gamma, {}, grad_residual,
+                            Normalization::kRMSNorm, "rms_norm_backward");
 }
 
 Fp8Tensor fp8_transpose(const Fp8Tensor& t) {

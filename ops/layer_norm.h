@@ -68,12 +68,16 @@ struct LayerNormGrads {
 /// Gradients of layer_norm for grad_out [rows, hidden] (any of the three dtypes), from the
 /// saved x and statistics:
 ///   x̂ = (x - mean) · rstd,  g = grad_out · gamma,
-///   dx = rstd · (g - mean(g) - x̂ · mean(g · x̂)),  dgamma = Σ_rows grad_out · x̂,
+///   dx = rstd · (g - mean(g) - x̂ · mean(g · x̂)) + grad_residual,  dgamma = Σ_rows grad_out · x̂,
 ///   dbeta = Σ_rows grad_out.
 /// Accumulated in float32 in a fixed order: the result is deterministic.
+/// `grad_residual`, when defined, is added to dx before its one rounding to x's dtype: the
+/// gradient of a residual connection around the normalized input (a pre-norm block's
+/// `x + f(norm(x))`), which autograd would otherwise sum with dx in a pass of its own. It has
+/// x's shape, any of the three dtypes, on x's device.
 LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                    const LayerNormStats& stats, const at::Tensor& gamma,
-                                   const at::Tensor& beta);
+                                   const at::Tensor& beta, const at::Tensor& grad_residual = {});
 
 /// RMSNorm: y = x · rstd · gamma in x's dtype; stats.mean is undefined. Rules as layer_norm's
 /// (there is no beta).
@@ -88,9 +92,10 @@ LayerNormFp8Result rms_norm_fp8(const at::Tensor& x, const at::Tensor& gamma, do
 
 /// Gradients of rms_norm (grad_beta undefined), with layer_norm_backward's rules:
 ///   x̂ = x · rstd,  g = grad_out · gamma,
-///   dx = rstd · (g - x̂ · mean(g · x̂)),  dgamma = Σ_rows grad_out · x̂.
+///   dx = rstd · (g - x̂ · mean(g · x̂)) + grad_residual,  dgamma = Σ_rows grad_out · x̂.
 LayerNormGrads rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                 const LayerNormStats& stats, const at::Tensor& gamma);
+                                 const LayerNormStats& stats, const at::Tensor& gamma,
+                                 const at::Tensor& grad_residual = {});
 
 /// The byte transpose of a 2-D FP8 tensor: [rows, cols] → [cols, rows], same scale_inv.
 /// For an activation quantized once (e.g. by layer_norm_fp8) whose transpose a weight-gradient

@@ -115,9 +115,10 @@ LayerNormFp8Result forward_fp8(Normalization norm, const at::Tensor& x, const at
 
 LayerNormGrads backward(Normalization norm, const at::Tensor& grad_out, const at::Tensor& x,
                         const LayerNormStats& stats, const at::Tensor& gamma,
-                        const at::Tensor& beta) {
-  return norm == Normalization::kRMSNorm ? rms_norm_backward(grad_out, x, stats, gamma)
-                                         : layer_norm_backward(grad_out, x, stats, gamma, beta);
+                        const at::Tensor& beta, const at::Tensor& grad_residual = {}) {
+  return norm == Normalization::kRMSNorm
+             ? rms_norm_backward(grad_out, x, stats, gamma, grad_residual)
+             : layer_norm_backward(grad_out, x, stats, gamma, beta, grad_residual);
 }
 
 // beta for `norm`: random for LayerNorm, undefined for RMSNorm.
@@ -167,6 +168,45 @@ TEST_P(LayerNormTest, ForwardAndBackwardMatchFp64) {
 TEST_P(LayerNormTest, ForwardAndBackwardMatchFp64_CUDA) {
   AMP8_REQUIRE_CUDA();
   forward_backward_case(norm(), shape(), at::kCUDA);
+}
+
+// A residual's gradient is added to dx before dx's one rounding: on the CPU the bytes of
+// round(dx computed from the float32 values + grad_residual) (the float32 backward of the same
+// values gives that dx unrounded); on CUDA within the dx bound of forward_backward_case against
+// float64 (its block sums run in another order). dgamma and dbeta do not change.
+void residual_gradient_case(Normalization norm, const Case& c, at::Device device) {
+  const auto [dtype, rows, hidden] = c;
+  auto x = activation(rows, hidden, dtype, device);
+  auto gamma = (at::rand({hidden}) + 0.5).to(device);
+  auto beta = beta_for(norm, hidden, at::kFloat, device);
+  auto grad_out = at::randn({rows, hidden}).to(dtype).to(device);
+  auto grad_residual = (at::randn({rows, hidden}) * 4).to(dtype).to(device);
+  const auto stats = forward(norm, x, gamma, beta, 1e-5).stats;
+  const auto without = backward(norm, grad_out, x, stats, gamma, beta);
+  const auto with = backward(norm, grad_out, x, stats, gamma, beta, grad_residual);
+  EXPECT_EQ(with.grad_input.scalar_type(), dtype);
+  EXPECT_TRUE(BytesEqual(with.grad_gamma, without.grad_gamma)) << "dgamma";
+  if (beta.defined()) EXPECT_TRUE(BytesEqual(with.grad_beta, without.grad_beta)) << "dbeta";
+  if (device.is_cpu()) {
+    const auto unrounded =
+        backward(norm, grad_out.to(at::kFloat), x.to(at::kFloat), stats, gamma, beta).grad_input;
+    EXPECT_TRUE(BytesEqual(with.grad_input, (unrounded + grad_residual.to(at::kFloat)).to(dtype)));
+  } else {
+    const auto ref = fp64_reference(x, gamma, beta, 1e-5, grad_out, norm);
+    const double dx_bound = dtype == at::kFloat ? 1e-5 : 2 * tolerance_for(dtype).rtol;
+    EXPECT_LE(relative_error(with.grad_input,
+                             ref.grad_input + grad_residual.cpu().to(at::kDouble)),
+              dx_bound);
+  }
+}
+
+TEST_P(LayerNormTest, ResidualGradientIsAddedBeforeTheRounding) {
+  residual_gradient_case(norm(), shape(), at::kCPU);
+}
+
+TEST_P(LayerNormTest, ResidualGradientIsAddedBeforeTheRounding_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  residual_gradient_case(norm(), shape(), at::kCUDA);
 }
 
 // The FP8 output is the saturating quantization of the float32 output, byte for byte (float32
@@ -368,6 +408,16 @@ TEST_F(LayerNormOpTest, BadArgumentsAreNamed) {
         layer_norm_backward(at::randn({4, 8}), x, {stats.mean, at::Tensor()}, {}, {});
       },
       "stats.rstd must be float32 [4] on cpu (from layer_norm / layer_norm_fp8)");
+  ExpectErrorContaining(
+      [&] { layer_norm_backward(at::randn({4, 8}), x, stats, {}, {}, at::randn({8, 4})); },
+      "layer_norm_backward: grad_residual must be float32, bfloat16 or float16 of x's shape [4, "
+      "8] on cpu, got Float [8, 4] on cpu");
+  ExpectErrorContaining(
+      [&] {
+        rms_norm_backward(at::randn({4, 8}), x, rms_norm(x, {}, 1e-5).stats, {},
+                          at::ones({4, 8}, at::kInt));
+      },
+      "rms_norm_backward: grad_residual must be float32, bfloat16 or float16");
   ExpectErrorContaining([&] { rms_norm(x, at::ones({7}), 1e-5); }, "rms_norm: gamma must have shape [8]");
   ExpectErrorContaining(
       [&] { rms_norm_backward(at::randn({4, 8}), x, {at::Tensor(), at::Tensor()}, {}); },

@@ -34,20 +34,28 @@ inline void expect_same_gradients(const torch::nn::Module& actual, const torch::
   }
 }
 
-/// forward_with_residual's output against `residual + forward(...)`'s: where the GEMM added the
-/// residual (`by_gemm`), one bfloat16 rounding of the sum against two (within 2^-7 of the largest
-/// value, and not the same bytes: the GEMM did add it); elsewhere the same bytes.
+/// A sum computed by a fused kernel against the same sum of separately rounded parts: where
+/// the kernel added it (`fused`), one bfloat16 rounding of the sum against two (within 2^-7 of
+/// the largest value, and not the same bytes: the kernel did add it); elsewhere the same bytes.
+/// `adder` names the kernel in the message.
+inline void expect_sum_rounded_once(const at::Tensor& fused_sum, const at::Tensor& added_after,
+                                    bool fused, const std::string& adder) {
+  ASSERT_EQ(fused_sum.sizes(), added_after.sizes());
+  ASSERT_EQ(fused_sum.scalar_type(), added_after.scalar_type());
+  if (fused) {
+    EXPECT_LE((fused_sum - added_after).abs().max().item<double>(),
+              added_after.abs().max().item<double>() * 2.0 / 256);
+    EXPECT_FALSE(BytesEqual(fused_sum, added_after)) << "the sum was not added by " << adder;
+  } else {
+    EXPECT_TRUE(BytesEqual(fused_sum, added_after));
+  }
+}
+
+/// forward_with_residual's output against `residual + forward(...)`'s (expect_sum_rounded_once
+/// with the GEMM as the adder).
 inline void expect_residual_added(const at::Tensor& with_residual, const at::Tensor& added_after,
                                   bool by_gemm) {
-  ASSERT_EQ(with_residual.sizes(), added_after.sizes());
-  ASSERT_EQ(with_residual.scalar_type(), added_after.scalar_type());
-  if (by_gemm) {
-    EXPECT_LE((with_residual - added_after).abs().max().item<double>(),
-              added_after.abs().max().item<double>() * 2.0 / 256);
-    EXPECT_FALSE(BytesEqual(with_residual, added_after)) << "the residual was not added by the GEMM";
-  } else {
-    EXPECT_TRUE(BytesEqual(with_residual, added_after));
-  }
+  expect_sum_rounded_once(with_residual, added_after, by_gemm, "the GEMM");
 }
 
 /// Both outputs' backward passes with one output gradient (random, times 3).

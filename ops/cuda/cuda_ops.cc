@@ -445,21 +445,23 @@ bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Ten
 
 bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               Normalization norm, const at::Tensor& mean, const at::Tensor& rstd,
-                              const at::Tensor& gamma, const at::Tensor& grad_input,
-                              const at::Tensor& grad_gamma, const at::Tensor& grad_beta) {
+                              const at::Tensor& gamma, const at::Tensor& grad_residual,
+                              const at::Tensor& grad_input, const at::Tensor& grad_gamma,
+                              const at::Tensor& grad_beta) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), hidden = x.size(1);
   const auto weights = weight_type(gamma.defined() ? gamma : grad_gamma, grad_beta);
-  const int parts = cuda::layer_norm_bwd_parts(grad_out.const_data_ptr(), x.const_data_ptr(),
-                                               grad_input.const_data_ptr(), optional_ptr(gamma),
-                                               input_type(x), weights, rows, hidden,
-                                               norm == Normalization::kRMSNorm);
+  const int parts = cuda::layer_norm_bwd_parts(
+      grad_out.const_data_ptr(), x.const_data_ptr(), optional_ptr(grad_residual),
+      grad_input.const_data_ptr(), optional_ptr(gamma), input_type(x), weights, rows, hidden,
+      norm == Normalization::kRMSNorm);
   if (parts == 0) return false;
   auto workspace = at::empty({2, parts, hidden}, x.options().dtype(at::kFloat));
   const int rc = cuda::launch_layer_norm_bwd(
       grad_out.const_data_ptr(), x.const_data_ptr(), input_type(x),
-      norm == Normalization::kRMSNorm, static_cast<const float*>(optional_ptr(mean)), rstd.const_data_ptr<float>(), optional_ptr(gamma), weights, rows, hidden,
-      grad_input.mutable_data_ptr(), workspace.mutable_data_ptr<float>(), parts,
+      norm == Normalization::kRMSNorm, static_cast<const float*>(optional_ptr(mean)),
+      rstd.const_data_ptr<float>(), optional_ptr(gamma), weights, rows, hidden,
+      optional_ptr(grad_residual), grad_input.mutable_data_ptr(), workspace.mutable_data_ptr<float>(), parts,
       optional_mutable_ptr(grad_gamma), optional_mutable_ptr(grad_beta), current_stream());
   if (rc == cuda::kUnsupportedShape) return false;
   AMP8_CUDA_CHECK(rc);

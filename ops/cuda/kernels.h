@@ -129,20 +129,21 @@ int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, cons
 // 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.
 // The pointers and rms_norm are those launch_layer_norm_bwd will get (their alignment picks the
 // plan; rms_norm the kernel instance, whose registers decide how many blocks are resident).
-int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
-                         InputType type, InputType weight_type, int64_t rows, int64_t hidden,
-                         bool rms_norm);
+int layer_norm_bwd_parts(const void* dy, const void* x, const void* dresidual, const void* dx,
+                         const void* gamma, InputType type, InputType weight_type, int64_t rows,
+                         int64_t hidden, bool rms_norm);
 
 // dx (x's type) from dy (x's type); dgamma/dbeta ([hidden], either may be null). rms_norm:
-// RMSNorm's gradient (mean unread, may be null; dbeta must be null).
+// RMSNorm's gradient (mean unread, may be null; dbeta must be null). dresidual (x's type and
+// shape, or null) is added to dx in float32 before its rounding.
 // `parts` blocks each sum dgamma/dbeta over a grid-strided share of the rows into `part`
 // [2, parts, hidden] (float32), then launch_column_sum adds them up. layer_norm_bwd_parts gives
 // at most one wave of resident blocks of at least 16 rows each; any parts >= 1 is correct (the
 // benchmark sweeps it).
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rms_norm,
                           const float* mean, const float* rstd, const void* gamma,
-                          InputType weight_type,
-                          int64_t rows, int64_t hidden, void* dx, float* part, int parts,
+                          InputType weight_type, int64_t rows, int64_t hidden,
+                          const void* dresidual, void* dx, float* part, int parts,
                           void* dgamma, void* dbeta, Stream stream);
 
 // out [cols, rows] = in [rows, cols]ᵀ, bytes (byte_transpose_kernels.cu).

@@ -203,7 +203,9 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
   if (kFp8 && amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
-// dx per row; dgamma/dbeta partial sums per block (rows strided by gridDim.x), reduced later.
+// dx per row (plus dresidual's row, where given: read only as dx is written, so the
+// registers that hold x and dy are not joined by a third row); dgamma/dbeta partial sums per
+// block (rows strided by gridDim.x), reduced later.
 // RMSNorm is a template parameter here, not a runtime flag as in the forward: as a flag it
 // slowed the LayerNorm backward from 0.61 to 0.50 of the copy rate
 // (bench/results/layer_norm_bwd_rms_template/).
@@ -212,7 +214,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                           const float* __restrict__ mean, const float* __restrict__ rstd,
                           const W* __restrict__ gamma, int64_t rows, int hidden,
-                          T* __restrict__ dx, float* __restrict__ dgamma_part,
+                          const T* __restrict__ dresidual, T* __restrict__ dx,
+                          float* __restrict__ dgamma_part,
                           float* __restrict__ dbeta_part) {
   // Two slot sets, alternating row by row (see block_sum2).
   __shared__ float2 smem[2 * kReduceSlots];
@@ -269,11 +272,23 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (i >= nvec) continue;
       float g[kVec];
       gamma_at(i, g);
+      float r[kVec];
+      if (dresidual != nullptr) {
+        const Vec<T, kVec> rp = reinterpret_cast<const Vec<T, kVec>*>(dresidual + row * hidden)[i];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) r[j] = to_float(rp.v[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) r[j] = -0.0f;  // x + (-0) is x, for x = ±0 too
+      }
       Vec<T, kVec> o;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const float xhat = (xv[it][j] - mu) * rs;
-        o.v[j] = from_float<T>(rs * (dv[it][j] * g[j] - mean_wdy - xhat * mean_wdy_xhat));
+        // __fadd_rn: never contracted into an FMA, so that in float32 the sum is the bytes of
+        // dx + dresidual added apart (autograd's sum of the two gradients).
+        o.v[j] = from_float<T>(
+            __fadd_rn(rs * (dv[it][j] * g[j] - mean_wdy - xhat * mean_wdy_xhat), r[j]));
       }
       reinterpret_cast<Vec<T, kVec>*>(dx + row * hidden)[i] = o;
     }
@@ -455,22 +470,23 @@ int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, cons
 }
 
 namespace {
-RowPlan bwd_plan(const void* dy, const void* x, const void* dx, const void* gamma, int64_t hidden,
-                 int elem_bytes) {
-  const bool aligned =
-      aligned16(dy) && aligned16(x) && aligned16(dx) && (gamma == nullptr || aligned16(gamma));
+RowPlan bwd_plan(const void* dy, const void* x, const void* dresidual, const void* dx,
+                 const void* gamma, int64_t hidden, int elem_bytes) {
+  const bool aligned = aligned16(dy) && aligned16(x) && aligned16(dx) &&
+                       (dresidual == nullptr || aligned16(dresidual)) &&
+                       (gamma == nullptr || aligned16(gamma));
   if (hidden > (int64_t{1} << 30)) return RowPlan{};
   return plan_row(hidden, elem_bytes, aligned, kBwdPreferredThreads, kBwdMaxElems);
 }
 }  // namespace
 
-int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const void* gamma,
-                         InputType type, InputType weight_type, int64_t rows, int64_t hidden,
-                         bool rms_norm) {
+int layer_norm_bwd_parts(const void* dy, const void* x, const void* dresidual, const void* dx,
+                         const void* gamma, InputType type, InputType weight_type, int64_t rows,
+                         int64_t hidden, bool rms_norm) {
   if (weight_type != InputType::kFloat && weight_type != type) return 0;
   return dispatch_input(type, [&](auto tag) {
     using T = decltype(tag);
-    const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
+    const RowPlan plan = bwd_plan(dy, x, dresidual, dx, gamma, hidden, sizeof(T));
     if (!plan.ok()) return 0;
     return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
       return bwd_parts<T, decltype(weight_tag)>(rows, plan, rms_norm);
@@ -480,8 +496,9 @@ int layer_norm_bwd_parts(const void* dy, const void* x, const void* dx, const vo
 
 int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rms_norm,
                           const float* mean, const float* rstd, const void* gamma,
-                          InputType weight_type, int64_t rows, int64_t hidden, void* dx,
-                          float* part, int parts, void* dgamma, void* dbeta, Stream stream) {
+                          InputType weight_type, int64_t rows, int64_t hidden,
+                          const void* dresidual, void* dx, float* part, int parts, void* dgamma,
+                          void* dbeta, Stream stream) {
   if ((rms_norm && dbeta != nullptr) || (!rms_norm && mean == nullptr)) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -490,7 +507,7 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rm
     return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
       using W = decltype(weight_tag);
       constexpr int kWide = 16 / sizeof(T);
-      const RowPlan plan = bwd_plan(dy, x, dx, gamma, hidden, sizeof(T));
+      const RowPlan plan = bwd_plan(dy, x, dresidual, dx, gamma, hidden, sizeof(T));
       if (!plan.ok()) return kUnsupportedShape;
       if (parts < 1) return static_cast<int>(cudaErrorInvalidValue);
       float* dgamma_part = dgamma != nullptr ? part : nullptr;
@@ -504,8 +521,8 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rm
                                        : layer_norm_bwd_kernel<T, W, kVec, kIters, false>;
           kernel<<<parts, plan.threads, 0, stream>>>(
               static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd,
-              static_cast<const W*>(gamma), rows, static_cast<int>(hidden), static_cast<T*>(dx),
-              dgamma_part, dbeta_part);
+              static_cast<const W*>(gamma), rows, static_cast<int>(hidden),
+              static_cast<const T*>(dresidual), static_cast<T*>(dx), dgamma_part, dbeta_part);
           return static_cast<int>(cudaGetLastError());
         }
       });

@@ -89,8 +89,9 @@ bool layer_norm_cuda(const at::Tensor& x, const at::Tensor& gamma, const at::Ten
                      const at::Tensor& scale_inv_out, float* amax, bool accumulate_amax);
 bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
                               Normalization norm, const at::Tensor& mean, const at::Tensor& rstd,
-                              const at::Tensor& gamma, const at::Tensor& grad_input,
-                              const at::Tensor& grad_gamma, const at::Tensor& grad_beta);
+                              const at::Tensor& gamma, const at::Tensor& grad_residual,
+                              const at::Tensor& grad_input, const at::Tensor& grad_gamma,
+                              const at::Tensor& grad_beta);
 void byte_transpose_cuda(const at::Tensor& in, const at::Tensor& out);
 
 // Llama's elementwise ops (swiglu_kernels.cu, rotary_kernels.cu); outputs allocated by the

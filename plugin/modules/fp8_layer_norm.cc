@@ -38,9 +38,19 @@ LayerNormResult normalize(Normalization norm, const at::Tensor& x, const at::Ten
 
 LayerNormGrads normalize_backward(Normalization norm, const at::Tensor& grad_out,
                                   const at::Tensor& x, const LayerNormStats& stats,
-                                  const at::Tensor& gamma, const at::Tensor& beta) {
-  return norm == Normalization::kRMSNorm ? rms_norm_backward(grad_out, x, stats, gamma)
-                                         : layer_norm_backward(grad_out, x, stats, gamma, beta);
+                                  const at::Tensor& gamma, const at::Tensor& beta,
+                                  const at::Tensor& grad_residual) {
+  return norm == Normalization::kRMSNorm
+             ? rms_norm_backward(grad_out, x, stats, gamma, grad_residual)
+             : layer_norm_backward(grad_out, x, stats, gamma, beta, grad_residual);
+}
+
+// The gradient of a function's residual-branch output (WithResidualBranch) as the LayerNorm
+// backward's grad_residual [rows, hidden]; undefined when the function has no such output.
+at::Tensor residual_branch_grad(const torch::autograd::tensor_list& grad_outputs,
+                                bool residual_branch, int64_t hidden) {
+  if (!residual_branch || !grad_outputs.back().defined()) return {};
+  return grad_outputs.back().reshape({-1, hidden});
 }
 
 // The normalization travels to the backward pass in the context's saved data.
@@ -72,27 +82,34 @@ torch::Tensor mlp_activation(MlpActivation activation, const torch::Tensor& fc1_
 }
 
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
-  // weight/bias: [hidden] or empty (no affine; no bias). Returns [rows, hidden].
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x2d,
-                               const torch::Tensor& weight, const torch::Tensor& bias, double eps,
-                               Normalization norm) {
+  // weight/bias: [hidden] or empty (no affine; no bias). Returns [rows, hidden], and with
+  // residual_branch x2d itself (autograd makes it a view whose gradient comes back here).
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const torch::Tensor& x2d,
+                                                const torch::Tensor& weight,
+                                                const torch::Tensor& bias, double eps,
+                                                Normalization norm, bool residual_branch) {
     const auto gamma = defined_or_null(weight), beta = defined_or_null(bias);
     auto result = normalize(norm, x2d, gamma, beta, eps);
     ctx->save_for_backward({x2d, result.stats.mean, result.stats.rstd, weight, bias});
     save_normalization(ctx, norm);
-    return result.out;
+    ctx->saved_data["residual_branch"] = residual_branch;
+    if (residual_branch) return {result.out, x2d};
+    return {result.out};
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const auto gamma = defined_or_null(saved[3]), beta = defined_or_null(saved[4]);
+    const auto grad_residual = residual_branch_grad(
+        grad_outputs, ctx->saved_data.at("residual_branch").toBool(), saved[0].size(1));
     auto grads = normalize_backward(saved_normalization(ctx), grad_outputs[0], saved[0],
-                                    {saved[1], saved[2]}, gamma, beta);
+                                    {saved[1], saved[2]}, gamma, beta, grad_residual);
     if (!ctx->needs_input_grad(1)) grads.grad_gamma = at::Tensor();
     if (!ctx->needs_input_grad(2)) grads.grad_beta = at::Tensor();
     return {grads.grad_input, grads.grad_gamma, grads.grad_beta, torch::Tensor(),
-            torch::Tensor()};
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -159,13 +176,14 @@ struct LayerNormSaved {
                                : fp8_transpose(Fp8Tensor(out_fp8, out_scale_inv, format));
   }
 
-  // The LayerNorm's gradients from its output's (the first GEMM's dgrad), as the function's
-  // first three inputs ask for them.
+  // The LayerNorm's gradients from its output's (the first GEMM's dgrad) and a residual
+  // branch's (or undefined), as the function's first three inputs ask for them.
   std::array<torch::Tensor, 3> grads(torch::autograd::AutogradContext* ctx,
                                      const detail::Fp8LinearSaved& saved,
-                                     const at::Tensor& grad_out2d) const {
+                                     const at::Tensor& grad_out2d,
+                                     const at::Tensor& grad_residual2d) const {
     auto ln = normalize_backward(saved_normalization(ctx), grad_out2d, x2d, {mean, rstd},
-                                 defined_or_null(weight), defined_or_null(bias));
+                                 defined_or_null(weight), defined_or_null(bias), grad_residual2d);
     return {ctx->needs_input_grad(0) ? saved.unflatten(ln.grad_input) : torch::Tensor(),
             ctx->needs_input_grad(1) ? ln.grad_gamma : torch::Tensor(),
             ctx->needs_input_grad(2) ? ln.grad_beta : torch::Tensor()};
@@ -190,13 +208,14 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
   };
 
   // The output, or with split_sizes its column pieces (views of it), whose gradients the
-  // backward quantizes without concatenating them.
+  // backward quantizes without concatenating them; then, with residual_branch, the input
+  // itself (WithResidualBranch).
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
       const torch::Tensor& ln_weight, const torch::Tensor& ln_bias, const torch::Tensor& weight,
       const torch::Tensor& bias, const torch::Tensor& grad_anchor, bool has_bias,
       const Fp8LinearImpl::Fp8Call& call, double eps, Normalization norm,
-      const std::vector<int64_t>& split_sizes) {
+      const std::vector<int64_t>& split_sizes, bool residual_branch) {
     const int64_t hidden = ln_weight.size(0);
     const auto x2d = input.reshape({-1, hidden}).contiguous();
     const int64_t rows = x2d.size(0);
@@ -218,9 +237,12 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     const auto saved = detail::Fp8LinearSaved::of(call, rows, has_bias, x2d, weight, bias,
                                                   input.sizes().vec());
     saved.save(ctx);
+    ctx->saved_data["residual_branch"] = residual_branch;
     y = saved.unflatten(y);
-    if (split_sizes.empty()) return {y};
-    return y.split_with_sizes(split_sizes, -1);
+    auto outputs = split_sizes.empty() ? torch::autograd::variable_list{y}
+                                       : y.split_with_sizes(split_sizes, -1);
+    if (residual_branch) outputs.push_back(input);
+    return outputs;
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -232,26 +254,32 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
     Fp8Tensor x_t;
     if (need_weight) x_t = tensors.output_transpose(saved.recipe.forward_format);
     // One gradient per output: [..., out_features], or one per piece (autograd materializes
-    // the gradient of a piece nobody used as zeros).
+    // the gradient of a piece nobody used as zeros); the residual branch's last.
+    const bool residual_branch = ctx->saved_data.at("residual_branch").toBool();
+    const auto grad_residual =
+        residual_branch_grad(grad_outputs, residual_branch, tensors.x2d.size(1));
     std::vector<at::Tensor> columns;
     columns.reserve(grad_outputs.size());
-    for (const auto& grad : grad_outputs) columns.push_back(grad.reshape({-1, grad.size(-1)}));
+    for (size_t i = 0; i + (residual_branch ? 1 : 0) < grad_outputs.size(); ++i) {
+      columns.push_back(grad_outputs[i].reshape({-1, grad_outputs[i].size(-1)}));
+    }
     auto grads = detail::fp8_linear_backward(
         saved, columns, std::move(x_t),
         saved.dgrad_weight(tensors.weight_fp8, tensors.weight_scale_inv), need_ln,
         ctx->needs_input_grad(3), ctx->needs_input_grad(4));
     std::array<torch::Tensor, 3> ln;
-    if (need_ln) ln = tensors.grads(ctx, saved, grads.input);
+    if (need_ln) ln = tensors.grads(ctx, saved, grads.input, grad_residual);
     return {ln[0],           ln[1],           ln[2],           grads.weight,
             grads.bias,      torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 // LayerNorm → FP8 → FC1 → GELU or SwiGLU fused into FC2's input cast → FC2, in one function
 // (see Fp8LayerNormMLPImpl). Backward: FC2's GEMMs, then GELU's or SwiGLU's backward fused into
 // the cast of FC1's output gradient (GELU's with FC1's bias gradient), FC1's GEMMs, the
-// LayerNorm's backward.
+// LayerNorm's backward. With residual_is_input (`residual` a view of `input`: h + mlp(h)) the
+// output gradient, the residual's, is added by the LayerNorm's backward into the input's.
 struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunction> {
   struct SavedTensors : LayerNormSaved {
     at::Tensor fc1_out;  ///< FC1's output (the activation's input), padded rows zeroed
@@ -273,7 +301,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
                                const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
                                const torch::Tensor& residual, bool fc1_has_bias,
-                               bool fc2_has_bias, bool has_residual,
+                               bool fc2_has_bias, bool has_residual, bool residual_is_input,
                                const Fp8LinearImpl::Fp8Call& fc1_call,
                                const Fp8LinearImpl::Fp8Call& fc2_call, double eps,
                                Normalization norm, MlpActivation activation) {
@@ -285,6 +313,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                  eps, norm);
     save_normalization(ctx, norm);
     ctx->saved_data["activation"] = static_cast<int64_t>(activation);
+    ctx->saved_data["residual_is_input"] = has_residual && residual_is_input;
     const bool swiglu = activation == MlpActivation::kSwiGlu;
 
     Fp8GemmOptions gemm1;
@@ -360,17 +389,23 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
         fc1_saved.dgrad_weight(tensors.fc1_weight_fp8, tensors.fc1_weight_scale_inv), need_ln,
         ctx->needs_input_grad(3), ctx->needs_input_grad(4), activation_backward);
     fc2_grads.input = at::Tensor();
+    // A residual's gradient is the output's, as [rows, hidden]: the input's too when the
+    // residual is the input.
+    const auto output_grad2d = grad_output.reshape({-1, grad_output.size(-1)});
+    const bool residual_is_input = ctx->saved_data.at("residual_is_input").toBool();
     std::array<torch::Tensor, 3> ln;
-    if (need_ln) ln = tensors.grads(ctx, fc1_saved, fc1_grads.input);
-    // A residual's gradient is the output's, as [rows, hidden].
-    const auto residual_grad = ctx->needs_input_grad(9)
-                                   ? grad_output.reshape({-1, grad_output.size(-1)})
-                                   : torch::Tensor();
+    if (need_ln) {
+      ln = tensors.grads(ctx, fc1_saved, fc1_grads.input,
+                         residual_is_input ? output_grad2d : torch::Tensor());
+    }
+    const auto residual_grad =
+        ctx->needs_input_grad(9) && !residual_is_input ? output_grad2d : torch::Tensor();
     return {ln[0],           ln[1],           ln[2],           fc1_grads.weight,
             fc1_grads.bias,  fc2_grads.weight, fc2_grads.bias,  torch::Tensor(),
             torch::Tensor(), residual_grad,
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+            torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -512,21 +547,31 @@ void Fp8LayerNormImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor Fp8LayerNormImpl::forward(const torch::Tensor& input) {
+  return normalize_input(input, /*residual_branch=*/false).outputs.front();
+}
+
+WithResidualBranch Fp8LayerNormImpl::forward_with_residual_branch(const torch::Tensor& input) {
+  return normalize_input(input, /*residual_branch=*/true);
+}
+
+WithResidualBranch Fp8LayerNormImpl::normalize_input(const torch::Tensor& input,
+                                                     bool residual_branch) {
   ++forward_calls_;
   const auto& shape = options.normalized_shape();
   const auto n = static_cast<int64_t>(shape.size());
   TORCH_CHECK(input.dim() >= n && input.sizes().slice(input.dim() - n).equals(shape),
               "Fp8LayerNorm: input must end with normalized_shape ", at::IntArrayRef(shape),
               ", got shape ", input.sizes());
-  if (input.numel() == 0) return at::empty_like(input);
+  if (input.numel() == 0) return {{at::empty_like(input)}, residual_branch ? input : at::Tensor()};
   const int64_t hidden = hidden_size();
   const auto placeholder = input.options().dtype(at::kFloat);
   auto y = LayerNormFunction::apply(
       input.reshape({-1, hidden}).contiguous(),
       or_empty(weight.defined() ? weight.reshape({hidden}) : weight, placeholder),
       or_empty(bias.defined() ? bias.reshape({hidden}) : bias, placeholder), options.eps(),
-      options.normalization());
-  return y.reshape(input.sizes());
+      options.normalization(), residual_branch);
+  return {{y[0].reshape(input.sizes())},
+          residual_branch ? y[1].reshape(input.sizes()) : at::Tensor()};
 }
 
 // ---- Fp8LayerNormLinear ----
@@ -560,18 +605,28 @@ void Fp8LayerNormLinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor Fp8LayerNormLinearImpl::forward(const torch::Tensor& input) {
-  return forward_pieces(input, {}).front();
+  return forward_pieces(input, {}, /*residual_branch=*/false).outputs.front();
 }
 
 std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_split(const torch::Tensor& input,
                                                                  at::IntArrayRef split_sizes) {
   detail::check_split_sizes(split_sizes, options.out_features(),
                             "Fp8LayerNormLinear::forward_split");
-  return forward_pieces(input, split_sizes);
+  return forward_pieces(input, split_sizes, /*residual_branch=*/false).outputs;
 }
 
-std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_pieces(const torch::Tensor& input,
-                                                                  at::IntArrayRef split_sizes) {
+WithResidualBranch Fp8LayerNormLinearImpl::forward_split_with_residual_branch(
+    const torch::Tensor& input, at::IntArrayRef split_sizes) {
+  if (!split_sizes.empty()) {
+    detail::check_split_sizes(split_sizes, options.out_features(),
+                              "Fp8LayerNormLinear::forward_split_with_residual_branch");
+  }
+  return forward_pieces(input, split_sizes, /*residual_branch=*/true);
+}
+
+WithResidualBranch Fp8LayerNormLinearImpl::forward_pieces(const torch::Tensor& input,
+                                                          at::IntArrayRef split_sizes,
+                                                          bool residual_branch) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
               "Fp8LayerNormLinear: input must have in_features=", options.in_features(),
               " as its last dimension, got shape ", input.sizes());
@@ -579,9 +634,12 @@ std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_pieces(const torch::T
   // Unfused: the two modules in sequence, the Linear's output pieces (gradients quantized
   // without a concatenation) as its forward_split makes them.
   auto unfused = [&] {
-    const auto x = layer_norm->forward(input);
-    return split_sizes.empty() ? std::vector<torch::Tensor>{lin.forward(x)}
-                               : lin.forward_split(x, split_sizes);
+    auto normalized = residual_branch ? layer_norm->forward_with_residual_branch(input)
+                                      : WithResidualBranch{{layer_norm->forward(input)}, {}};
+    const auto& x = normalized.outputs.front();
+    return WithResidualBranch{split_sizes.empty() ? std::vector<torch::Tensor>{lin.forward(x)}
+                                                  : lin.forward_split(x, split_sizes),
+                              normalized.residual};
   };
   if (in_blockwise_region()) return unfused();
   auto call = lin.prepare_fp8_call(input, input.numel() / options.in_features());
@@ -592,10 +650,14 @@ std::vector<torch::Tensor> Fp8LayerNormLinearImpl::forward_pieces(const torch::T
               input.scalar_type());
   const auto& anchor = lin.grad_anchor();
   const auto& ln_bias = layer_norm->bias;
-  return LayerNormLinearFunction::apply(
+  auto outputs = LayerNormLinearFunction::apply(
       input, layer_norm->weight, ln_bias.defined() ? ln_bias : anchor.detach().new_empty({0}),
       lin.weight, lin.bias.defined() ? lin.bias : anchor.detach(), anchor, lin.options.bias(),
-      *call, options.eps(), options.normalization(), split_sizes.vec());
+      *call, options.eps(), options.normalization(), split_sizes.vec(), residual_branch);
+  if (!residual_branch) return {std::move(outputs), {}};
+  auto residual = outputs.back();
+  outputs.pop_back();
+  return {std::move(outputs), std::move(residual)};
 }
 
 }  // namespace amp8
@@ -667,28 +729,38 @@ torch::Tensor Fp8LayerNormMLPImpl::forward_adding(const torch::Tensor& input,
   auto& out = *fc2;
   const int64_t rows = input.numel() / options.hidden_size();
   const bool swiglu = options.activation() == MlpActivation::kSwiGlu;
+  // h + mlp(h): the residual's gradient added by the LayerNorm's backward (WithResidualBranch).
+  const bool residual_is_input = residual.defined() && residual.is_same(input);
   if (!options.fused() || (in_blockwise_region() && swiglu) || !fc1.runs_in_fp8(rows) ||
       !out.runs_in_fp8(rows)) {
     // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
     // other, each deciding for itself.
-    const auto hidden = mlp_activation(options.activation(), ln_fc1->forward(input));
-    return residual.defined() ? out.forward_with_residual(hidden, residual) : out.forward(hidden);
+    if (!residual.defined()) {
+      return out.forward(mlp_activation(options.activation(), ln_fc1->forward(input)));
+    }
+    auto fc1_out = residual_is_input ? ln_fc1->forward_split_with_residual_branch(input, {})
+                                     : WithResidualBranch{{ln_fc1->forward(input)}, residual};
+    return out.forward_with_residual(
+        mlp_activation(options.activation(), fc1_out.outputs.front()), fc1_out.residual);
   }
   if (in_blockwise_region()) {
-    const auto normalized = ln_fc1->layer_norm->forward(input);
-    auto fc1_call = fc1.prepare_fp8_call(normalized, rows);
-    auto fc2_call = out.prepare_fp8_call(normalized, rows);
+    const auto normalized =
+        residual_is_input ? ln_fc1->layer_norm->forward_with_residual_branch(input)
+                          : WithResidualBranch{{ln_fc1->layer_norm->forward(input)}, residual};
+    const auto& fc1_in = normalized.outputs.front();
+    auto fc1_call = fc1.prepare_fp8_call(fc1_in, rows);
+    auto fc2_call = out.prepare_fp8_call(fc1_in, rows);
     TORCH_INTERNAL_ASSERT(fc1_call && fc2_call,
                           "Fp8LayerNormMLP: runs_in_fp8 and prepare_fp8_call disagree");
     const auto& fc1_anchor = fc1.grad_anchor();
     const auto& fc2_anchor = out.grad_anchor();
-    const auto gemm_residual = detail::gemm_residual(residual, rows, fc2_call->out_dtype);
+    const auto gemm_residual = detail::gemm_residual(normalized.residual, rows, fc2_call->out_dtype);
     auto y = BlockwiseGeluMLPFunction::apply(
-        normalized, fc1.weight, fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
+        fc1_in, fc1.weight, fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
         out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
         gemm_residual.defined() ? gemm_residual : fc2_anchor.detach(), fc1.options.bias(),
         out.options.bias(), gemm_residual.defined(), *fc1_call, *fc2_call);
-    return residual.defined() && !gemm_residual.defined() ? residual + y : y;
+    return normalized.residual.defined() && !gemm_residual.defined() ? normalized.residual + y : y;
   }
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                   input.scalar_type() == at::kHalf,
@@ -708,8 +780,8 @@ torch::Tensor Fp8LayerNormMLPImpl::forward_adding(const torch::Tensor& input,
       fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
       out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
       gemm_residual.defined() ? gemm_residual : fc2_anchor.detach(), fc1.options.bias(),
-      out.options.bias(), gemm_residual.defined(), *fc1_call, *fc2_call, options.eps(),
-      options.normalization(), options.activation());
+      out.options.bias(), gemm_residual.defined(), residual_is_input, *fc1_call, *fc2_call,
+      options.eps(), options.normalization(), options.activation());
   return residual.defined() && !gemm_residual.defined() ? residual + y : y;
 }
 

@@ -36,6 +36,16 @@ struct Fp8LayerNormOptions {
   TORCH_ARG(std::optional<bool>, bias) = std::nullopt;
 };
 
+/// A normalizing module's outputs together with its input as the residual branch of a pre-norm
+/// block (`x + f(norm(x))`). `residual` has the input's values and shape (a view of it); its
+/// gradient is added by the normalization's backward kernel into the input's, before that
+/// gradient's one rounding, where autograd would otherwise sum the two in a pass of its own
+/// over the activations. Use `residual` in place of the input for the residual connection.
+struct WithResidualBranch {
+  std::vector<torch::Tensor> outputs;
+  torch::Tensor residual;
+};
+
 /// A drop-in replacement for torch::nn::LayerNorm (same parameters `weight`/`bias`, same
 /// initialisation, same biased variance) computed by amp8's LayerNorm op: statistics in
 /// float32 in the forward and the backward pass, fused CUDA kernels (ops/layer_norm.h), the
@@ -59,6 +69,8 @@ class Fp8LayerNormImpl : public torch::nn::Cloneable<Fp8LayerNormImpl> {
 
   /// Input [..., *normalized_shape] → output of the same shape and dtype.
   torch::Tensor forward(const torch::Tensor& input);
+  /// forward(input) as outputs[0], and the input as the block's residual branch.
+  WithResidualBranch forward_with_residual_branch(const torch::Tensor& input);
   /// How many times forward() has run (see Fp8LinearImpl::forward_calls).
   int64_t forward_calls() const { return forward_calls_; }
 
@@ -67,6 +79,8 @@ class Fp8LayerNormImpl : public torch::nn::Cloneable<Fp8LayerNormImpl> {
   torch::Tensor bias;    ///< [*normalized_shape], or undefined
 
  private:
+  // forward's output, and the residual branch when asked for.
+  WithResidualBranch normalize_input(const torch::Tensor& input, bool residual_branch);
   int64_t hidden_size() const;
   bool has_bias() const;
   int64_t forward_calls_ = 0;
@@ -136,14 +150,20 @@ class Fp8LayerNormLinearImpl : public torch::nn::Cloneable<Fp8LayerNormLinearImp
   std::vector<torch::Tensor> forward_split(const torch::Tensor& input,
                                            at::IntArrayRef split_sizes);
 
+  /// forward_split's pieces (split_sizes empty: forward's output) as outputs, and the input as
+  /// the block's residual branch, on every path (fused in FP8, the two modules in sequence).
+  WithResidualBranch forward_split_with_residual_branch(const torch::Tensor& input,
+                                                        at::IntArrayRef split_sizes);
+
   Fp8LayerNormLinearOptions options;
   Fp8LayerNorm layer_norm{nullptr};
   Fp8Linear linear{nullptr};
 
  private:
-  // forward's pieces: split_sizes empty → the whole output as one.
-  std::vector<torch::Tensor> forward_pieces(const torch::Tensor& input,
-                                            at::IntArrayRef split_sizes);
+  // forward's pieces (split_sizes empty → the whole output as one), and the residual branch
+  // when asked for.
+  WithResidualBranch forward_pieces(const torch::Tensor& input, at::IntArrayRef split_sizes,
+                                    bool residual_branch);
 };
 
 TORCH_MODULE(Fp8LayerNormLinear);
@@ -232,6 +252,9 @@ class Fp8LayerNormMLPImpl : public torch::nn::Cloneable<Fp8LayerNormMLPImpl> {
   /// residual + forward(input), residual of the input's shape (a pre-norm block's `h +
   /// mlp(h)`), added by FC2's GEMM in an FP8 region where Fp8Linear::forward_with_residual's
   /// would add it (the residual in the GEMM's output dtype, no token padding), else after.
+  /// When `residual` is `input` itself (the same tensor, as in `h + mlp(h)`), its gradient is
+  /// added by the LayerNorm's backward kernel into the input's (see WithResidualBranch) on
+  /// every path but one: the fused function whose GEMM cannot add the residual.
   torch::Tensor forward_with_residual(const torch::Tensor& input, const torch::Tensor& residual);
 
   Fp8LayerNormMLPOptions options;

@@ -97,8 +97,11 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   const int64_t b = x.size(0), t = x.size(1), h = config_.hidden(), heads = config_.heads();
   const double dropout = is_training() ? config_.dropout() : 0.0;
   // q, k and v as views of the projection's output; under FP8 their three gradients are
-  // quantized where attention leaves them, not concatenated first.
-  auto qkv = ln_qkv->forward_split(x, {h, h, h});
+  // quantized where attention leaves them, not concatenated first. The residual branch is x,
+  // whose gradient the LayerNorm's backward adds into its own (WithResidualBranch).
+  const auto ln_qkv_out = ln_qkv->forward_split_with_residual_branch(x, {h, h, h});
+  const auto& qkv = ln_qkv_out.outputs;
+  const auto& residual = ln_qkv_out.residual;
   auto heads_first = [&](const torch::Tensor& part) {
     return part.view({b, t, heads, h / heads}).transpose(1, 2);
   };
@@ -109,11 +112,12 @@ torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   const auto attn2d = attn.transpose(1, 2).reshape({b, t, h});
   if (dropout == 0.0) {
     // The residual connections inside the output GEMMs (Fp8Linear's and Fp8LayerNormMLP's
-    // forward_with_residual): no pass of their own over the activations in FP8.
-    const auto out = proj->forward_with_residual(attn2d, x);
+    // forward_with_residual): no pass of their own over the activations in FP8; the MLP's
+    // residual is its input, whose gradient its LayerNorm's backward adds.
+    const auto out = proj->forward_with_residual(attn2d, residual);
     return mlp->forward_with_residual(out, out);
   }
-  auto out = x + F::dropout(proj->forward(attn2d),
+  auto out = residual + F::dropout(proj->forward(attn2d),
                             F::DropoutFuncOptions().p(dropout).training(is_training()));
   return out + F::dropout(mlp->forward(out),
                           F::DropoutFuncOptions().p(dropout).training(is_training()));

@@ -142,7 +142,12 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& 
   const int64_t b = x.size(0), t = x.size(1), d = config_.head_dim();
   const int64_t heads = config_.heads(), kv_heads = config_.kv_heads();
   // Under FP8 the three gradients are quantized where they arrive, not concatenated first.
-  auto parts = qkv->forward_split(x, {heads * d, kv_heads * d, kv_heads * d});
+  // A residual that is x itself becomes the RMSNorm's residual branch (WithResidualBranch).
+  const std::vector<int64_t> split_sizes{heads * d, kv_heads * d, kv_heads * d};
+  const auto normalized = residual.is_same(x)
+                              ? qkv->forward_split_with_residual_branch(x, split_sizes)
+                              : WithResidualBranch{qkv->forward_split(x, split_sizes), residual};
+  const auto& parts = normalized.outputs;
   const auto q = apply_rotary(parts[0].view({b, t, heads, d}), rotary);
   const auto k = apply_rotary(parts[1].view({b, t, kv_heads, d}), rotary);
   const auto v = parts[2].view({b, t, kv_heads, d});
@@ -150,7 +155,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& x, const Rotary& 
       q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), {}, 0.0, /*is_causal=*/true,
       std::nullopt, /*enable_gqa=*/kv_heads != heads);
   const auto heads_last = attention.transpose(1, 2).reshape({b, t, heads * d});
-  return residual.defined() ? o_proj->forward_with_residual(heads_last, residual)
+  return residual.defined() ? o_proj->forward_with_residual(heads_last, normalized.residual)
                             : o_proj->forward(heads_last);
 }
 

@@ -109,7 +109,8 @@ class LlamaAttentionImpl : public torch::nn::Module {
   explicit LlamaAttentionImpl(const LlamaConfig& config);
   /// x [batch, seq, hidden] (the residual stream, not yet normalized); rotary for positions
   /// 0..seq-1. With `residual` (x's shape): residual + the attention's output, added by
-  /// o_proj's GEMM (Fp8Linear::forward_with_residual).
+  /// o_proj's GEMM (Fp8Linear::forward_with_residual); a residual that is x itself gets its
+  /// gradient from the RMSNorm's backward (WithResidualBranch).
   torch::Tensor forward(const torch::Tensor& x, const Rotary& rotary,
                         const torch::Tensor& residual = {});
   Fp8LayerNormLinear qkv{nullptr};
