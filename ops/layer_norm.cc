@@ -174,9 +174,9 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
       for (int64_t c = 0; c < hidden; ++c) {
         const float xhat = (static_cast<float>(xr[c]) - mean_at(r)) * rstd[r];
         const float wdy = static_cast<float>(dyr[c]) * (g ? g[c] : 1.0f);
-        const float dx = rstd[r] * (wdy - mean_wdy - xhat * mean_wdy_xhat);
+        const float g = rstd[r] * (wdy - mean_wdy - xhat * mean_wdy_xhat);
         dxout[r * hidden + c] =
-            static_cast<T>(dres != nullptr ? dx + static_cast<float>(dres[r * hidden + c]) : dx);
+            static_cast<T>(dres != nullptr ? g + static_cast<float>(dres[r * hidden + c]) : g);
       }
     }
   });
@@ -330,14 +330,13 @@ LayerNormGrads normalize_backward(const at::Tensor& grad_out, const at::Tensor& 
   check_stat(stats.rstd, "stats.rstd");
   if (grad_residual.defined()) {
     TORCH_CHECK(grad_residual.sizes() == x.sizes() && grad_residual.device() == x.device() &&
-                    detail::is_high_precision(grad_residual.scalar_type()),
-                op, ": grad_residual must be float32, bfloat16 or float16 of x's shape ",
-                x.sizes(), " on ", x.device(), ", got ", grad_residual.scalar_type(), " ",
+                    grad_residual.scalar_type() == x.scalar_type(),
+                op, ": grad_residual must have x's shape ", x.sizes(), " and dtype ",
+                x.scalar_type(), " on ", x.device(), ", got ", grad_residual.scalar_type(), " ",
                 grad_residual.sizes(), " on ", grad_residual.device());
   }
   const auto dy = grad_out.to(x.scalar_type()).contiguous();
-  const auto dres = grad_residual.defined() ? grad_residual.to(x.scalar_type()).contiguous()
-                                            : at::Tensor();
+  const auto dres = grad_residual.defined() ? grad_residual.contiguous() : at::Tensor();
   auto dx = at::empty_like(x);
   at::Tensor dgamma, dbeta;
   if (x.is_cuda()) {

@@ -74,7 +74,7 @@ struct LayerNormGrads {
 /// `grad_residual`, when defined, is added to dx before its one rounding to x's dtype: the
 /// gradient of a residual connection around the normalized input (a pre-norm block's
 /// `x + f(norm(x))`), which autograd would otherwise sum with dx in a pass of its own. It has
-/// x's shape, any of the three dtypes, on x's device.
+/// x's shape and dtype, on x's device.
 LayerNormGrads layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& x,
                                    const LayerNormStats& stats, const at::Tensor& gamma,
                                    const at::Tensor& beta, const at::Tensor& grad_residual = {});

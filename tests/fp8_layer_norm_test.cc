@@ -267,7 +267,7 @@ TEST_F(Fp8LayerNormTest, ForwardSplitGradientsAreTheConcatenatedGradients_CUDA) 
 // rounding against autograd's two (and not its bytes). Every parameter's gradient and buffer
 // is the same bytes. Outside a region (the two modules in sequence) and in each recipe (the
 // fused function for delayed and tensorwise, LayerNorm then Fp8Linear for blockwise); 45 rows
-// are padded in the GEMMs.
+// are padded in the GEMMs. bfloat16 under autocast.
 void residual_branch_case(torch::Device device, torch::ScalarType dtype, int64_t rows) {
   const std::vector<int64_t> splits{48, 16, 32};
   for (const std::string recipe_kind : {"none", "delayed", "tensorwise", "blockwise"}) {
@@ -280,6 +280,8 @@ void residual_branch_case(torch::Device device, torch::ScalarType dtype, int64_t
     std::vector<torch::Tensor> pieces;
     WithResidualBranch with_branch;
     {
+      std::optional<AutocastGuard> autocast;  // bfloat16 activations, float32 weights
+      if (dtype != torch::kFloat) autocast.emplace(at::kBFloat16);
       std::optional<Fp8Autocast> region;
       if (recipe_kind != "none") region.emplace(recipe_of(recipe_kind));
       pieces = plain->forward_split(x1, splits);

@@ -186,7 +186,9 @@ void residual_gradient_case(Normalization norm, const Case& c, at::Device device
   const auto with = backward(norm, grad_out, x, stats, gamma, beta, grad_residual);
   EXPECT_EQ(with.grad_input.scalar_type(), dtype);
   EXPECT_TRUE(BytesEqual(with.grad_gamma, without.grad_gamma)) << "dgamma";
-  if (beta.defined()) EXPECT_TRUE(BytesEqual(with.grad_beta, without.grad_beta)) << "dbeta";
+  if (beta.defined()) {
+    EXPECT_TRUE(BytesEqual(with.grad_beta, without.grad_beta)) << "dbeta";
+  }
   if (device.is_cpu()) {
     const auto unrounded =
         backward(norm, grad_out.to(at::kFloat), x.to(at::kFloat), stats, gamma, beta).grad_input;
@@ -410,14 +412,15 @@ TEST_F(LayerNormOpTest, BadArgumentsAreNamed) {
       "stats.rstd must be float32 [4] on cpu (from layer_norm / layer_norm_fp8)");
   ExpectErrorContaining(
       [&] { layer_norm_backward(at::randn({4, 8}), x, stats, {}, {}, at::randn({8, 4})); },
-      "layer_norm_backward: grad_residual must be float32, bfloat16 or float16 of x's shape [4, "
-      "8] on cpu, got Float [8, 4] on cpu");
+      "layer_norm_backward: grad_residual must have x's shape [4, 8] and dtype Float on cpu, "
+      "got Float [8, 4] on cpu");
   ExpectErrorContaining(
       [&] {
         rms_norm_backward(at::randn({4, 8}), x, rms_norm(x, {}, 1e-5).stats, {},
-                          at::ones({4, 8}, at::kInt));
+                          at::ones({4, 8}, at::kBFloat16));
       },
-      "rms_norm_backward: grad_residual must be float32, bfloat16 or float16");
+      "rms_norm_backward: grad_residual must have x's shape [4, 8] and dtype Float on cpu, got "
+      "BFloat16 [4, 8] on cpu");
   ExpectErrorContaining([&] { rms_norm(x, at::ones({7}), 1e-5); }, "rms_norm: gamma must have shape [8]");
   ExpectErrorContaining(
       [&] { rms_norm_backward(at::randn({4, 8}), x, {at::Tensor(), at::Tensor()}, {}); },

@@ -37,10 +37,12 @@ struct Fp8LayerNormOptions {
 };
 
 /// A normalizing module's outputs together with its input as the residual branch of a pre-norm
-/// block (`x + f(norm(x))`). `residual` has the input's values and shape (a view of it); its
+/// block (`x + f(norm(x))`). `residual` has the input's values and shape (a view of the input,
+/// or, where the module normalizes a non-contiguous input's contiguous copy, of that copy); its
 /// gradient is added by the normalization's backward kernel into the input's, before that
 /// gradient's one rounding, where autograd would otherwise sum the two in a pass of its own
-/// over the activations. Use `residual` in place of the input for the residual connection.
+/// over the activations. Use `residual` in place of the input for the residual connection, out
+/// of place: as one output of several of an autograd function, it cannot be modified in place.
 struct WithResidualBranch {
   std::vector<torch::Tensor> outputs;
   torch::Tensor residual;
