@@ -203,13 +203,14 @@ __global__ void __launch_bounds__(kMaxThreads, (kFwdMinBlocks<T, kVec, kIters>))
   if (kFp8 && amax != nullptr) block_amax_to_global(max_bits, amax);
 }
 
-// dx per row (plus dresidual's row, where given: read only as dx is written, so the
+// dx per row (plus dresidual's row with kResidual: read only as dx is written, so the
 // registers that hold x and dy are not joined by a third row); dgamma/dbeta partial sums per
 // block (rows strided by gridDim.x), reduced later.
 // RMSNorm is a template parameter here, not a runtime flag as in the forward: as a flag it
 // slowed the LayerNorm backward from 0.61 to 0.50 of the copy rate
-// (bench/results/layer_norm_bwd_rms_template/).
-template <typename T, typename W, int kVec, int kIters, bool kRmsNorm>
+// (bench/results/layer_norm_bwd_rms_template/). So is the residual: as a null-pointer test it
+// cost the backward without one 6–7% on an H100 (bench/results/residual_backward/).
+template <typename T, typename W, int kVec, int kIters, bool kRmsNorm, bool kResidual>
 __global__ void __launch_bounds__(kMaxThreads)
     layer_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                           const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -272,23 +273,16 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (i >= nvec) continue;
       float g[kVec];
       gamma_at(i, g);
-      float r[kVec];
-      if (dresidual != nullptr) {
-        const Vec<T, kVec> rp = reinterpret_cast<const Vec<T, kVec>*>(dresidual + row * hidden)[i];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) r[j] = to_float(rp.v[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) r[j] = -0.0f;  // x + (-0) is x, for x = ±0 too
-      }
+      Vec<T, kVec> r;
+      if constexpr (kResidual) r = reinterpret_cast<const Vec<T, kVec>*>(dresidual + row * hidden)[i];
       Vec<T, kVec> o;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const float xhat = (xv[it][j] - mu) * rs;
+        const float d = rs * (dv[it][j] * g[j] - mean_wdy - xhat * mean_wdy_xhat);
         // __fadd_rn: never contracted into an FMA, so that in float32 the sum is the bytes of
         // dx + dresidual added apart (autograd's sum of the two gradients).
-        o.v[j] = from_float<T>(
-            __fadd_rn(rs * (dv[it][j] * g[j] - mean_wdy - xhat * mean_wdy_xhat), r[j]));
+        o.v[j] = from_float<T>(kResidual ? __fadd_rn(d, to_float(r.v[j])) : d);
       }
       reinterpret_cast<Vec<T, kVec>*>(dx + row * hidden)[i] = o;
     }
@@ -366,24 +360,32 @@ int dispatch_weight(InputType weight_type, InputType type, F&& f) {
   return static_cast<int>(cudaErrorInvalidValue);
 }
 
+// The backward kernel instance for a normalization and a residual (or none).
+template <typename T, typename W, int kVec, int kIters>
+auto bwd_kernel(bool rms_norm, bool residual) {
+  return rms_norm ? (residual ? layer_norm_bwd_kernel<T, W, kVec, kIters, true, true>
+                              : layer_norm_bwd_kernel<T, W, kVec, kIters, true, false>)
+                  : (residual ? layer_norm_bwd_kernel<T, W, kVec, kIters, false, true>
+                              : layer_norm_bwd_kernel<T, W, kVec, kIters, false, false>);
+}
+
 // Blocks of the backward kernel for `plan` resident on one SM at once. The occupancy API, not
 // 2048 / threads: the kernel's registers decide it (61 per thread for bf16 rows of 8-element
 // vectors: two blocks of 512 threads, not four). Cached per instance: this runs on every call.
 template <typename T, typename W>
-int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm) {
+int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm, bool residual) {
   constexpr int kWide = 16 / sizeof(T);
-  // [rms_norm][vec is 1 or kWide][log2 iters][threads / 32 - 1]; 0 = not asked yet.
-  static std::atomic<int> cache[2][2][4][kMaxThreads / 32];
+  // [rms_norm][residual][vec is 1 or kWide][log2 iters][threads / 32 - 1]; 0 = not asked yet.
+  static std::atomic<int> cache[2][2][2][4][kMaxThreads / 32];
   const int iters_log2 = plan.iters == 1 ? 0 : plan.iters == 2 ? 1 : plan.iters == 4 ? 2 : 3;
-  std::atomic<int>& slot =
-      cache[rms_norm ? 1 : 0][plan.vec == 1 ? 0 : 1][iters_log2][plan.threads / 32 - 1];
+  std::atomic<int>& slot = cache[rms_norm ? 1 : 0][residual ? 1 : 0][plan.vec == 1 ? 0 : 1]
+                                [iters_log2][plan.threads / 32 - 1];
   if (const int known = slot.load(std::memory_order_relaxed)) return known;
   int blocks = 0;
   dispatch_plan<kWide>(plan, [&](auto vec, auto iters) {
     constexpr int kVec = decltype(vec)::value, kIters = decltype(iters)::value;
     if constexpr (kVec * kIters <= kBwdMaxElems) {
-      const auto kernel = rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true>
-                                   : layer_norm_bwd_kernel<T, W, kVec, kIters, false>;
+      const auto kernel = bwd_kernel<T, W, kVec, kIters>(rms_norm, residual);
       if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads, 0) !=
           cudaSuccess) {
         blocks = 0;
@@ -406,9 +408,9 @@ int bwd_blocks_per_sm(const RowPlan& plan, bool rms_norm) {
 constexpr int64_t kMinRowsPerPart = 16;
 
 template <typename T, typename W>
-int bwd_parts(int64_t rows, const RowPlan& plan, bool rms_norm) {
+int bwd_parts(int64_t rows, const RowPlan& plan, bool rms_norm, bool residual) {
   const int64_t resident =
-      static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan, rms_norm);
+      static_cast<int64_t>(num_sms()) * bwd_blocks_per_sm<T, W>(plan, rms_norm, residual);
   return static_cast<int>(std::max<int64_t>(1, std::min(rows / kMinRowsPerPart, resident)));
 }
 
@@ -489,7 +491,7 @@ int layer_norm_bwd_parts(const void* dy, const void* x, const void* dresidual, c
     const RowPlan plan = bwd_plan(dy, x, dresidual, dx, gamma, hidden, sizeof(T));
     if (!plan.ok()) return 0;
     return dispatch_weight<T>(weight_type, type, [&](auto weight_tag) {
-      return bwd_parts<T, decltype(weight_tag)>(rows, plan, rms_norm);
+      return bwd_parts<T, decltype(weight_tag)>(rows, plan, rms_norm, dresidual != nullptr);
     });
   });
 }
@@ -517,8 +519,7 @@ int launch_layer_norm_bwd(const void* dy, const void* x, InputType type, bool rm
         if constexpr (kVec * kIters > kBwdMaxElems) {
           return kUnsupportedShape;  // never planned
         } else {
-          const auto kernel = rms_norm ? layer_norm_bwd_kernel<T, W, kVec, kIters, true>
-                                       : layer_norm_bwd_kernel<T, W, kVec, kIters, false>;
+          const auto kernel = bwd_kernel<T, W, kVec, kIters>(rms_norm, dresidual != nullptr);
           kernel<<<parts, plan.threads, 0, stream>>>(
               static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd,
               static_cast<const W*>(gamma), rows, static_cast<int>(hidden),
