@@ -268,12 +268,14 @@ TEST_F(Fp8LayerNormTest, ForwardSplitGradientsAreTheConcatenatedGradients_CUDA) 
 // is the same bytes. Outside a region (the two modules in sequence) and in each recipe (the
 // fused function for delayed and tensorwise, LayerNorm then Fp8Linear for blockwise); 45 rows
 // are padded in the GEMMs. bfloat16 under autocast.
-void residual_branch_case(torch::Device device, torch::ScalarType dtype, int64_t rows) {
+void residual_branch_case(torch::Device device, torch::ScalarType dtype, int64_t rows,
+                          Normalization norm = Normalization::kLayerNorm) {
   const std::vector<int64_t> splits{48, 16, 32};
   for (const std::string recipe_kind : {"none", "delayed", "tensorwise", "blockwise"}) {
-    SCOPED_TRACE(recipe_kind + " " + c10::toString(dtype) + " rows " + std::to_string(rows));
-    auto plain = make_layer_norm_linear(device, 128, 96);
-    auto branch = make_layer_norm_linear(device, 128, 96);
+    SCOPED_TRACE(recipe_kind + " " + c10::toString(dtype) + " rows " + std::to_string(rows) +
+                 " " + normalization_name(norm));
+    auto plain = make_layer_norm_linear(device, 128, 96, norm);
+    auto branch = make_layer_norm_linear(device, 128, 96, norm);
     testing::copy_parameters(*plain, *branch);
     auto x = (torch::randn({rows, 128}) * 2).to(device).to(dtype);
     auto x1 = x.clone().requires_grad_(true), x2 = x.clone().requires_grad_(true);
@@ -309,12 +311,7 @@ TEST_F(Fp8LayerNormTest, ResidualBranchGradientIsSummedByTheLayerNorm) {
   residual_branch_case(torch::kCPU, torch::kFloat, 48);
   residual_branch_case(torch::kCPU, torch::kBFloat16, 48);
   residual_branch_case(torch::kCPU, torch::kBFloat16, 45);
-  auto norm = Fp8LayerNorm(std::vector<int64_t>{64});
-  auto x = torch::randn({3, 5, 64}, torch::kBFloat16).requires_grad_(true);
-  auto normalized = norm->forward_with_residual_branch(x);
-  EXPECT_TRUE(BytesEqual(normalized.outputs.front(), norm->forward(x)));
-  EXPECT_EQ(normalized.residual.sizes(), x.sizes());
-  EXPECT_EQ(normalized.residual.data_ptr(), x.data_ptr());
+  residual_branch_case(torch::kCPU, torch::kBFloat16, 48, Normalization::kRMSNorm);
   ExpectErrorContaining(
       [&] { make_layer_norm_linear(torch::kCPU, 64, 48)->forward_split_with_residual_branch(torch::randn({4, 64}), {16, 16}); },
       "Fp8LayerNormLinear::forward_split_with_residual_branch: split_sizes must sum to "
@@ -326,6 +323,45 @@ TEST_F(Fp8LayerNormTest, ResidualBranchGradientIsSummedByTheLayerNorm_CUDA) {
   residual_branch_case(torch::kCUDA, torch::kFloat, 48);
   residual_branch_case(torch::kCUDA, torch::kBFloat16, 48);
   residual_branch_case(torch::kCUDA, torch::kBFloat16, 45);
+  residual_branch_case(torch::kCUDA, torch::kBFloat16, 48, Normalization::kRMSNorm);
+}
+
+// Fp8LayerNorm::forward_with_residual_branch: its output is forward's; its residual the input
+// (a view of it; of its contiguous copy for a non-contiguous input), whose gradient the
+// backward adds into the input's (float32: autograd's bytes); with an input that needs no
+// gradient, the weights' gradients are those of x + f(norm(x)). The residual cannot be
+// modified in place (one output of several of an autograd function).
+TEST_F(Fp8LayerNormTest, LayerNormResidualBranch) {
+  for (const bool contiguous : {true, false}) {
+    for (const bool input_grad : {true, false}) {
+      SCOPED_TRACE(std::string(contiguous ? "contiguous" : "transposed") +
+                   (input_grad ? "" : ", input needs no gradient"));
+      auto plain = Fp8LayerNorm(std::vector<int64_t>{64});
+      auto branch = Fp8LayerNorm(std::vector<int64_t>{64});
+      {
+        torch::NoGradGuard no_grad;
+        plain->weight.copy_(torch::rand({64}) + 0.5);
+        plain->bias.copy_(torch::randn({64}));
+      }
+      testing::copy_parameters(*plain, *branch);
+      auto base = contiguous ? torch::randn({6, 64}) : torch::randn({64, 6}).t();
+      auto x1 = base.clone(at::MemoryFormat::Preserve).requires_grad_(input_grad);
+      auto x2 = base.clone(at::MemoryFormat::Preserve).requires_grad_(input_grad);
+      ASSERT_EQ(x2.is_contiguous(), contiguous);
+      auto normalized = branch->forward_with_residual_branch(x2);
+      EXPECT_TRUE(BytesEqual(normalized.outputs.front(), plain->forward(x1)));
+      EXPECT_TRUE(BytesEqual(normalized.residual, x2));
+      if (contiguous) EXPECT_EQ(normalized.residual.data_ptr(), x2.data_ptr());
+      const auto g = torch::randn({6, 64});
+      ((x1 + plain->forward(x1).square()) * g).sum().backward();
+      ((normalized.residual + normalized.outputs.front().square()) * g).sum().backward();
+      if (input_grad) EXPECT_TRUE(BytesEqual(x2.grad(), x1.grad()));
+      testing::expect_same_gradients(*branch, *plain);
+      if (input_grad) {
+        ExpectErrorContaining([&] { normalized.residual.add_(1.0); }, "inplace");
+      }
+    }
+  }
 }
 
 TEST_F(Fp8LayerNormTest, ForwardSplitNamesBadSizes) {
