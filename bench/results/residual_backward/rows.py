@@ -24,5 +24,5 @@ with open("rows.jsonl", "w") as out:
         out.write(json.dumps(r) + "\n")
 for r in rows:
     print(r["stage"], r["case"], r["commit"], "round", r["round"], r["precision"],
-          round(r["step_ms"], 2), "ms", round(r["model_tflops"]), "TFLOP/s",
+          round(r.get("tokens_per_s")), "tokens/s", round(r.get("model_tflops") or 0), "TFLOP/s",
           "speedup %.4f" % r["speedup"] if "speedup" in r else "")
