@@ -6,8 +6,11 @@
 # layer_norm_bench of 528bdb8 (the LayerNorm kernels are unchanged since), built on the CPU machine.
 # On an H200 (the issues' GPU): issue 16's 1b step (bf16-mixed and FP8 delayed with fp8_params,
 # targets 560 and 800 model TFLOP/s) and LayerNorm backward (0.75 of the copy rate), issue 22's
-# Llama 8B proxy (FP8 against bf16-mixed, target 1.4x). On an H100: issue 16's 350m target (FP8
-# >= 1.15x bf16-mixed), eager and with --cuda-graph. Writes $OUT/steps_by_device.tgz.
+# Llama 8B proxy (FP8 against bf16-mixed, target 1.4x). On an H100: issue 19's 1b blockwise
+# against delayed (fp8_params, two rounds); with H100_BRANCH=350m issue 16's 350m target (FP8
+# >= 1.15x bf16-mixed), eager and with --cuda-graph. BIN names another binary folder (session
+# 44: BIN=.gpubin31, main with the residual gradients summed by the LayerNorm backward).
+# Writes $OUT/steps_by_device.tgz.
 set -u
 B=${BIN:-.gpubin28o}; R=$OUT/steps_by_device; mkdir -p $R /tmp/b
 for f in $B/*.xz; do n=$(basename $f .xz); xz -dc $f > /tmp/b/$n; chmod +x /tmp/b/$n; done
@@ -39,9 +42,14 @@ for l in open('$R/layer_norm_bench.jsonl'):
     try: r=json.loads(l)
     except Exception: continue
     if 'bwd' in r.get('case',''): print('  ', r['case'], r.get('shape'), r.get('ours_ms'), 'of copy', r.get('fraction_of_copy'))"
-else
+elif [ "${H100_BRANCH:-blockwise}" = 350m ]; then
   step 350m_eager gpt_step -- --config 350m --steps 80 --log-every 40 --fp8-min-gemm-size 0 --compare bf16-mixed,bf16-mixed+fp8
   step 350m_graph gpt_step -- --config 350m --steps 80 --log-every 40 --fp8-min-gemm-size 0 --cuda-graph true --compare bf16-mixed,bf16-mixed+fp8
+else
+  # Issue 19's ratio (blockwise against delayed, fp8_params, 1b), two rounds.
+  for round in 1 2; do
+    step 1b_recipes_round$round gpt_step -- --config 1b --micro-batch 8 --steps 40 --log-every 20 --compare bf16-mixed+fp8+delayed+fp8-params,bf16-mixed+fp8+blockwise+fp8-params
+  done
 fi
 (cd $OUT && tar czf steps_by_device.tgz steps_by_device && rm -rf steps_by_device)
 echo "done (${SECONDS} s)"
