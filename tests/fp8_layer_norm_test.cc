@@ -351,11 +351,15 @@ TEST_F(Fp8LayerNormTest, LayerNormResidualBranch) {
       auto normalized = branch->forward_with_residual_branch(x2);
       EXPECT_TRUE(BytesEqual(normalized.outputs.front(), plain->forward(x1)));
       EXPECT_TRUE(BytesEqual(normalized.residual, x2));
-      if (contiguous) EXPECT_EQ(normalized.residual.data_ptr(), x2.data_ptr());
+      if (contiguous) {
+        EXPECT_EQ(normalized.residual.data_ptr(), x2.data_ptr());
+      }
       const auto g = torch::randn({6, 64});
       ((x1 + plain->forward(x1).square()) * g).sum().backward();
       ((normalized.residual + normalized.outputs.front().square()) * g).sum().backward();
-      if (input_grad) EXPECT_TRUE(BytesEqual(x2.grad(), x1.grad()));
+      if (input_grad) {
+        EXPECT_TRUE(BytesEqual(x2.grad(), x1.grad()));
+      }
       testing::expect_same_gradients(*branch, *plain);
       if (input_grad) {
         ExpectErrorContaining([&] { normalized.residual.add_(1.0); }, "inplace");
