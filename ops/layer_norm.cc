@@ -174,9 +174,9 @@ void layer_norm_backward_cpu_typed(const at::Tensor& dy, const at::Tensor& x,
       for (int64_t c = 0; c < hidden; ++c) {
         const float xhat = (static_cast<float>(xr[c]) - mean_at(r)) * rstd[r];
         const float wdy = static_cast<float>(dyr[c]) * (g ? g[c] : 1.0f);
-        const float g = rstd[r] * (wdy - mean_wdy - xhat * mean_wdy_xhat);
+        const float d = rstd[r] * (wdy - mean_wdy - xhat * mean_wdy_xhat);
         dxout[r * hidden + c] =
-            static_cast<T>(dres != nullptr ? g + static_cast<float>(dres[r * hidden + c]) : g);
+            static_cast<T>(dres != nullptr ? d + static_cast<float>(dres[r * hidden + c]) : d);
       }
     }
   });

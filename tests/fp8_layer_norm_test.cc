@@ -313,7 +313,10 @@ TEST_F(Fp8LayerNormTest, ResidualBranchGradientIsSummedByTheLayerNorm) {
   residual_branch_case(torch::kCPU, torch::kBFloat16, 45);
   residual_branch_case(torch::kCPU, torch::kBFloat16, 48, Normalization::kRMSNorm);
   ExpectErrorContaining(
-      [&] { make_layer_norm_linear(torch::kCPU, 64, 48)->forward_split_with_residual_branch(torch::randn({4, 64}), {16, 16}); },
+      [&] {
+        make_layer_norm_linear(torch::kCPU, 64, 48)
+            ->forward_split_with_residual_branch(torch::randn({4, 64}), {16, 16});
+      },
       "Fp8LayerNormLinear::forward_split_with_residual_branch: split_sizes must sum to "
       "out_features=48, got [16, 16]");
 }

@@ -461,8 +461,9 @@ bool layer_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& x,
       grad_out.const_data_ptr(), x.const_data_ptr(), input_type(x),
       norm == Normalization::kRMSNorm, static_cast<const float*>(optional_ptr(mean)),
       rstd.const_data_ptr<float>(), optional_ptr(gamma), weights, rows, hidden,
-      optional_ptr(grad_residual), grad_input.mutable_data_ptr(), workspace.mutable_data_ptr<float>(), parts,
-      optional_mutable_ptr(grad_gamma), optional_mutable_ptr(grad_beta), current_stream());
+      optional_ptr(grad_residual), grad_input.mutable_data_ptr(),
+      workspace.mutable_data_ptr<float>(), parts, optional_mutable_ptr(grad_gamma),
+      optional_mutable_ptr(grad_beta), current_stream());
   if (rc == cuda::kUnsupportedShape) return false;
   AMP8_CUDA_CHECK(rc);
   return true;

@@ -128,7 +128,8 @@ int launch_layer_norm_fwd(const void* x, InputType type, const void* gamma, cons
 // Rows of the float32 partial-sum workspace launch_layer_norm_bwd needs (its `part` holds
 // 2 × parts × hidden floats); 0 when the fused kernel does not take this shape.
 // The pointers and rms_norm are those launch_layer_norm_bwd will get (their alignment picks the
-// plan; rms_norm the kernel instance, whose registers decide how many blocks are resident).
+// plan; rms_norm and whether dresidual is null the kernel instance, whose registers decide how
+// many blocks are resident).
 int layer_norm_bwd_parts(const void* dy, const void* x, const void* dresidual, const void* dx,
                          const void* gamma, InputType type, InputType weight_type, int64_t rows,
                          int64_t hidden, bool rms_norm);

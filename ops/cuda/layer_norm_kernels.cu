@@ -274,7 +274,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       float g[kVec];
       gamma_at(i, g);
       Vec<T, kVec> r;
-      if constexpr (kResidual) r = reinterpret_cast<const Vec<T, kVec>*>(dresidual + row * hidden)[i];
+      if constexpr (kResidual) {
+        r = reinterpret_cast<const Vec<T, kVec>*>(dresidual + row * hidden)[i];
+      }
       Vec<T, kVec> o;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {

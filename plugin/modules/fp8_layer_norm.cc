@@ -562,7 +562,9 @@ WithResidualBranch Fp8LayerNormImpl::normalize_input(const torch::Tensor& input,
   TORCH_CHECK(input.dim() >= n && input.sizes().slice(input.dim() - n).equals(shape),
               "Fp8LayerNorm: input must end with normalized_shape ", at::IntArrayRef(shape),
               ", got shape ", input.sizes());
-  if (input.numel() == 0) return {{at::empty_like(input)}, residual_branch ? input : at::Tensor()};
+  if (input.numel() == 0) {
+    return {{at::empty_like(input)}, residual_branch ? input : at::Tensor()};
+  }
   const int64_t hidden = hidden_size();
   const auto placeholder = input.options().dtype(at::kFloat);
   auto y = LayerNormFunction::apply(
@@ -735,13 +737,12 @@ torch::Tensor Fp8LayerNormMLPImpl::forward_adding(const torch::Tensor& input,
       !out.runs_in_fp8(rows)) {
     // Not fused, or one of the two GEMMs stays in high precision: the modules one after the
     // other, each deciding for itself.
-    if (!residual.defined()) {
-      return out.forward(mlp_activation(options.activation(), ln_fc1->forward(input)));
-    }
-    auto fc1_out = residual_is_input ? ln_fc1->forward_split_with_residual_branch(input, {})
-                                     : WithResidualBranch{{ln_fc1->forward(input)}, residual};
-    return out.forward_with_residual(
-        mlp_activation(options.activation(), fc1_out.outputs.front()), fc1_out.residual);
+    const auto fc1_out = residual_is_input
+                             ? ln_fc1->forward_split_with_residual_branch(input, {})
+                             : WithResidualBranch{{ln_fc1->forward(input)}, residual};
+    const auto hidden = mlp_activation(options.activation(), fc1_out.outputs.front());
+    return residual.defined() ? out.forward_with_residual(hidden, fc1_out.residual)
+                              : out.forward(hidden);
   }
   if (in_blockwise_region()) {
     const auto normalized =
@@ -754,13 +755,14 @@ torch::Tensor Fp8LayerNormMLPImpl::forward_adding(const torch::Tensor& input,
                           "Fp8LayerNormMLP: runs_in_fp8 and prepare_fp8_call disagree");
     const auto& fc1_anchor = fc1.grad_anchor();
     const auto& fc2_anchor = out.grad_anchor();
-    const auto gemm_residual = detail::gemm_residual(normalized.residual, rows, fc2_call->out_dtype);
+    const auto& residual_in = normalized.residual;  // the branch of the input, or `residual`
+    const auto gemm_residual = detail::gemm_residual(residual_in, rows, fc2_call->out_dtype);
     auto y = BlockwiseGeluMLPFunction::apply(
         fc1_in, fc1.weight, fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
         out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
         gemm_residual.defined() ? gemm_residual : fc2_anchor.detach(), fc1.options.bias(),
         out.options.bias(), gemm_residual.defined(), *fc1_call, *fc2_call);
-    return normalized.residual.defined() && !gemm_residual.defined() ? normalized.residual + y : y;
+    return residual_in.defined() && !gemm_residual.defined() ? residual_in + y : y;
   }
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kBFloat16 ||
                   input.scalar_type() == at::kHalf,
