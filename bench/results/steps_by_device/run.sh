@@ -10,7 +10,7 @@
 # against delayed (fp8_params, two rounds); with H100_BRANCH=350m issue 16's 350m target (FP8
 # >= 1.15x bf16-mixed), eager and with --cuda-graph. BIN names another binary folder (session
 # 44: BIN=.gpubin31, main with the residual gradients summed by the LayerNorm backward).
-# Writes $OUT/steps_by_device.tgz.
+# Issue 22's proxy runs profiled on either card (step_profiles.tgz). Writes $OUT/steps_by_device.tgz.
 set -u
 B=${BIN:-.gpubin28o}; R=$OUT/steps_by_device; mkdir -p $R /tmp/b
 for f in $B/*.xz; do n=$(basename $f .xz); xz -dc $f > /tmp/b/$n; chmod +x /tmp/b/$n; done
@@ -33,7 +33,7 @@ for l in open('$R/$name.jsonl'):
 }
 if grep -q H200 $R/device.txt; then
   step 1b gpt_step -- --config 1b --micro-batch 8 --steps 40 --log-every 20 --compare bf16-mixed,bf16-mixed+fp8+fp8-params
-  step llama3_8b_4layer llama_step -- --config llama3_8b_4layer --steps 30 --log-every 10 --fp8-min-gemm-size 0 --compare bf16-mixed,bf16-mixed+fp8
+  step llama3_8b_4layer llama_step -- --config llama3_8b_4layer --steps 30 --log-every 10 --fp8-min-gemm-size 0 --compare bf16-mixed,bf16-mixed+fp8 --profile $S/profile_llama3_8b_4layer
   (cd /tmp/b && timeout 150 ./layer_norm_bench > $R/layer_norm_bench.jsonl 2> /tmp/layer_norm_bench.err)
   echo "layer_norm_bench exit $? (${SECONDS} s)"
   python3 -c "
@@ -50,6 +50,10 @@ else
   for round in 1 2; do
     step 1b_recipes_round$round gpt_step -- --config 1b --micro-batch 8 --steps 40 --log-every 20 --compare bf16-mixed+fp8+delayed+fp8-params,bf16-mixed+fp8+blockwise+fp8-params
   done
+  # Issue 22's proxy profiled (device time by category, steps 10-12), for where its FP8 step goes.
+  step llama3_8b_4layer llama_step -- --config llama3_8b_4layer --steps 30 --log-every 10 --fp8-min-gemm-size 0 --compare bf16-mixed,bf16-mixed+fp8 --profile $S/profile_llama3_8b_4layer
 fi
+# The step profiles' tables (step_profile.txt / .json per run), not the traces.
+(cd $S && find . -path './profile_*' -name 'step_profile.*' -print0 | tar czf $R/step_profiles.tgz --null -T -)
 (cd $OUT && tar czf steps_by_device.tgz steps_by_device && rm -rf steps_by_device)
 echo "done (${SECONDS} s)"
