@@ -694,8 +694,8 @@ TEST_F(Fp8LayerNormTest, LayerNormMLPOnGpuMatchesCpu_CUDA) {
 // the residual added by FC2's GEMM (48 rows of bfloat16 under autocast: within one rounding of
 // the sum, and not its bytes) or after it (46 rows, padded in the GEMM: the same bytes). Every
 // parameter's gradient is the same bytes (the backward sees the same output gradient), and
-// the other residual's; h's is its two parts summed by the LayerNorm's backward kernel where
-// it can (one rounding against autograd's two).
+// the other residual's; h's is its two parts summed by the LayerNorm's backward kernel (one
+// rounding against autograd's two).
 void mlp_residual_case(torch::Device device, int64_t rows) {
   for (const auto activation : {MlpActivation::kGelu, MlpActivation::kSwiGlu}) {
     for (const bool fused_mlp : {true, false}) {
@@ -726,10 +726,9 @@ void mlp_residual_case(torch::Device device, int64_t rows) {
         testing::expect_residual_added(y2, y1, /*by_gemm=*/rows % 16 == 0);
         testing::backward_with_one_gradient(y1, y2);
         // h's two gradients (the LayerNorm's and the residual's) are summed by the LayerNorm's
-        // backward, before one rounding, on every path but the fused function of delayed and
-        // tensorwise scaling whose GEMM could not add the residual (46 rows).
-        const bool summed_by_layer_norm = !fused_mlp || recipe_kind == "blockwise" || rows % 16 == 0;
-        testing::expect_sum_rounded_once(h2.grad(), h1.grad(), summed_by_layer_norm,
+        // backward, before one rounding, on every path (where FC2's GEMM could not add the
+        // residual, 46 rows, through the fused function's residual branch).
+        testing::expect_sum_rounded_once(h2.grad(), h1.grad(), /*fused=*/true,
                                          "the LayerNorm's backward");
         EXPECT_TRUE(BytesEqual(o1.grad(), o2.grad()));
         testing::expect_same_gradients(*with_residual, *plain);

@@ -280,6 +280,9 @@ struct LayerNormLinearFunction : public torch::autograd::Function<LayerNormLinea
 // the cast of FC1's output gradient (GELU's with FC1's bias gradient), FC1's GEMMs, the
 // LayerNorm's backward. With residual_is_input (`residual` a view of `input`: h + mlp(h)) the
 // output gradient, the residual's, is added by the LayerNorm's backward into the input's.
+// Where FC2's GEMM cannot add `input` as the residual, residual_branch returns `input` itself as
+// a second output (WithResidualBranch) for the caller's add, whose gradient the LayerNorm's
+// backward adds the same way.
 struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunction> {
   struct SavedTensors : LayerNormSaved {
     at::Tensor fc1_out;  ///< FC1's output (the activation's input), padded rows zeroed
@@ -295,14 +298,14 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     }
   };
 
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
-                               const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
-                               const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
-                               const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
-                               const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
-                               const torch::Tensor& residual, bool fc1_has_bias,
-                               bool fc2_has_bias, bool has_residual, bool residual_is_input,
-                               const Fp8LinearImpl::Fp8Call& fc1_call,
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const torch::Tensor& input,
+      const torch::Tensor& ln_weight, const torch::Tensor& ln_bias,
+      const torch::Tensor& fc1_weight, const torch::Tensor& fc1_bias,
+      const torch::Tensor& fc2_weight, const torch::Tensor& fc2_bias,
+      const torch::Tensor& fc1_anchor, const torch::Tensor& fc2_anchor,
+      const torch::Tensor& residual, bool fc1_has_bias, bool fc2_has_bias, bool has_residual,
+      bool residual_is_input, bool residual_branch, const Fp8LinearImpl::Fp8Call& fc1_call,
                                const Fp8LinearImpl::Fp8Call& fc2_call, double eps,
                                Normalization norm, MlpActivation activation) {
     const int64_t hidden = ln_weight.size(0);
@@ -314,6 +317,9 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
     save_normalization(ctx, norm);
     ctx->saved_data["activation"] = static_cast<int64_t>(activation);
     ctx->saved_data["residual_is_input"] = has_residual && residual_is_input;
+    TORCH_INTERNAL_ASSERT(!(residual_branch && has_residual),
+                          "LayerNormMLPFunction: the residual added by the GEMM or returned, not both");
+    ctx->saved_data["residual_branch"] = residual_branch;
     const bool swiglu = activation == MlpActivation::kSwiGlu;
 
     Fp8GemmOptions gemm1;
@@ -358,7 +364,8 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
                                                       {rows, fc2_weight.size(1)});
     fc1_saved.save(ctx, "fc1");
     fc2_saved.save(ctx, "fc2");
-    return fc1_saved.unflatten(y);
+    if (residual_branch) return {fc1_saved.unflatten(y), input};
+    return {fc1_saved.unflatten(y)};
   }
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
@@ -390,14 +397,16 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
         ctx->needs_input_grad(3), ctx->needs_input_grad(4), activation_backward);
     fc2_grads.input = at::Tensor();
     // A residual's gradient is the output's, as [rows, hidden]: the input's too when the
-    // residual is the input.
+    // residual is the input; the residual branch's (the caller's add) when it was returned.
     const auto output_grad2d = grad_output.reshape({-1, grad_output.size(-1)});
     const bool residual_is_input = ctx->saved_data.at("residual_is_input").toBool();
+    const auto grad_residual =
+        residual_is_input ? output_grad2d
+                          : residual_branch_grad(grad_outputs,
+                                                 ctx->saved_data.at("residual_branch").toBool(),
+                                                 tensors.x2d.size(1));
     std::array<torch::Tensor, 3> ln;
-    if (need_ln) {
-      ln = tensors.grads(ctx, fc1_saved, fc1_grads.input,
-                         residual_is_input ? output_grad2d : torch::Tensor());
-    }
+    if (need_ln) ln = tensors.grads(ctx, fc1_saved, fc1_grads.input, grad_residual);
     const auto residual_grad =
         ctx->needs_input_grad(9) && !residual_is_input ? output_grad2d : torch::Tensor();
     return {ln[0],           ln[1],           ln[2],           fc1_grads.weight,
@@ -405,7 +414,7 @@ struct LayerNormMLPFunction : public torch::autograd::Function<LayerNormMLPFunct
             torch::Tensor(), residual_grad,
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
             torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
-            torch::Tensor()};
+            torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -776,14 +785,18 @@ torch::Tensor Fp8LayerNormMLPImpl::forward_adding(const torch::Tensor& input,
   const auto& fc2_anchor = out.grad_anchor();
   const auto& ln_bias = ln_fc1->layer_norm->bias;
   const auto gemm_residual = detail::gemm_residual(residual, rows, fc2_call->out_dtype);
-  auto y = LayerNormMLPFunction::apply(
+  // h + mlp(h) that the GEMM cannot add: added after, through the function's residual branch.
+  const bool residual_branch = residual_is_input && !gemm_residual.defined();
+  auto outputs = LayerNormMLPFunction::apply(
       input, ln_fc1->layer_norm->weight,
       ln_bias.defined() ? ln_bias : fc1_anchor.detach().new_empty({0}), fc1.weight,
       fc1.bias.defined() ? fc1.bias : fc1_anchor.detach(), out.weight,
       out.bias.defined() ? out.bias : fc2_anchor.detach(), fc1_anchor, fc2_anchor,
       gemm_residual.defined() ? gemm_residual : fc2_anchor.detach(), fc1.options.bias(),
-      out.options.bias(), gemm_residual.defined(), residual_is_input, *fc1_call, *fc2_call,
-      options.eps(), options.normalization(), options.activation());
+      out.options.bias(), gemm_residual.defined(), residual_is_input, residual_branch,
+      *fc1_call, *fc2_call, options.eps(), options.normalization(), options.activation());
+  const auto& y = outputs.front();
+  if (residual_branch) return outputs.back() + y;
   return residual.defined() && !gemm_residual.defined() ? residual + y : y;
 }
 

@@ -256,7 +256,7 @@ class Fp8LayerNormMLPImpl : public torch::nn::Cloneable<Fp8LayerNormMLPImpl> {
   /// would add it (the residual in the GEMM's output dtype, no token padding), else after.
   /// When `residual` is `input` itself (the same tensor, as in `h + mlp(h)`), its gradient is
   /// added by the LayerNorm's backward kernel into the input's (see WithResidualBranch) on
-  /// every path but one: the fused function whose GEMM cannot add the residual.
+  /// every path, the fused function's whose GEMM cannot add the residual too.
   torch::Tensor forward_with_residual(const torch::Tensor& input, const torch::Tensor& residual);
 
   Fp8LayerNormMLPOptions options;
