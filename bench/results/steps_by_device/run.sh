@@ -53,7 +53,21 @@ else
   # Issue 22's proxy profiled (device time by category, steps 10-12), for where its FP8 step goes.
   step llama3_8b_4layer llama_step -- --config llama3_8b_4layer --steps 30 --log-every 10 --fp8-min-gemm-size 0 --compare bf16-mixed,bf16-mixed+fp8 --profile $S/profile_llama3_8b_4layer
 fi
-# The step profiles' tables (step_profile.txt / .json per run), not the traces.
-(cd $S && find . -path './profile_*' -name 'step_profile.*' -print0 | tar czf $R/step_profiles.tgz --null -T -)
+# The step profiles' tables (step_profile.txt / .json per run), and from each trace every
+# kernel's device time per step (the 3 profiled steps), by name: kernels.txt beside them.
+for t in $(find $S -path '*/profile_*' -name 'trace.json'); do
+  python3 - "$t" > $(dirname $t)/kernels.txt <<'PY'
+import collections, json, sys
+events = json.load(open(sys.argv[1])).get("traceEvents", [])
+ms = collections.Counter(); n = collections.Counter()
+for e in events:
+    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+        ms[e["name"]] += e["dur"] / 1000 / 3; n[e["name"]] += 1
+print(f"{sum(ms.values()):9.2f} ms per step in {sum(n.values()) // 3} kernels and copies")
+for name, t in ms.most_common(80):
+    print(f"{t:9.3f} {n[name] // 3:5d}x  {name[:150]}")
+PY
+done
+(cd $S && find . -path './profile_*' \( -name 'step_profile.*' -o -name 'kernels.txt' \) -print0 | tar czf $R/step_profiles.tgz --null -T -)
 (cd $OUT && tar czf steps_by_device.tgz steps_by_device && rm -rf steps_by_device)
 echo "done (${SECONDS} s)"
