@@ -286,7 +286,16 @@ TEST(GptPretrainTest, BadInputFailsClearlyAndOverwritesNothing) {
       {{"--compare", "bf16-mixed+fp8-params"}, "need +fp8"},
       {{"--profile", (dir / "p").string(), "--profile-first-step", "2"}, "profile-first-step must be in [0, steps) = [0, 2), got 2"},
       {{"--profile", (dir / "p").string(), "--profile-steps", "0"}, "--profile-steps"},
-      {{"--attention-backend", "fa9"}, "attention-backend must be \"auto\", \"cudnn\", \"flash\" or \"efficient\", got \"fa9\""},
+      {{"--attention-backend", "fa9"}, "--attention-backend: fa9 not in {auto,cudnn,flash,efficient}"},
+      // Flags that would do nothing here: a GPU kernel's choice on the CPU; an FP8 setting
+      // without FP8; an FP8 recipe on a --compare run without +fp8; two ways to resume.
+      {{"--attention-backend", "cudnn"}, "--attention-backend cudnn chooses a GPU kernel; the run is on --device cpu"},
+      {{"--precision", "bf16-mixed", "--fp8", "hybrid", "--fp8-gemm-autotune", "true"},
+       "--fp8-gemm-autotune true times GPU kernels; the run is on --device cpu"},
+      {{"--fp8-gemm-autotune", "false"}, "--fp8-gemm-autotune is an FP8 setting, but no run uses FP8"},
+      {{"--precision", "bf16-mixed", "--fused-mlp", "false"}, "--fused-mlp is an FP8 setting, but no run uses FP8"},
+      {{"--compare", "32,bf16-mixed+tensorwise"}, "--compare: \"bf16-mixed+tensorwise\": +tensorwise (an FP8 recipe) needs +fp8"},
+      {{"--resume", (dir / "out").string(), "--resume-if-exists", "true"}, "--resume and --resume-if-exists cannot be combined"},
       {{"--cuda-graph", "true"}, "--cuda-graph needs a CUDA GPU; the run is on --device cpu"},
       {{"--cuda-graph", "maybe"}, "--cuda-graph"},
       {{"--recompute-method", "full"}, "--recompute-method must be none, uniform or block, got \"full\""},
@@ -656,10 +665,45 @@ TEST(GptPretrainTest, ATorchrunLaunchOnTheCpuIsAClearError) {
   const auto run = gpt_pretrain(with(kTiny, {"--steps", "2", "--device", "cpu", "--save-dir", dir.string()}));
   for (const char* name : {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
   EXPECT_NE(run.code, 0);
-  EXPECT_NE(run.err.find("a torchrun launch (WORLD_SIZE 2) trains data-parallel over NCCL and needs --device auto or cuda"),
+  EXPECT_NE(run.err.find("a torchrun launch (WORLD_SIZE 2) trains data-parallel over NCCL, each rank on "
+                          "cuda:LOCAL_RANK, and needs --device auto or cuda, got \"cpu\""),
             std::string::npos)
       << run.err;
   EXPECT_FALSE(fs::exists(dir)) << "a rejected run writes nothing";
+}
+
+// Each rank trains on cuda:LOCAL_RANK: a device with an index is refused (it was replaced), before
+// the device is looked for (so the CPU machine sees this error, not "no CUDA GPU").
+TEST(GptPretrainTest, ATorchrunLaunchWithADeviceIndexIsAClearError) {
+  const auto dir = scratch("torchrun_device_index");
+  ::setenv("WORLD_SIZE", "2", 1), ::setenv("RANK", "0", 1), ::setenv("LOCAL_RANK", "0", 1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1), ::setenv("MASTER_PORT", "29512", 1);
+  const auto run = gpt_pretrain(with(kTiny, {"--steps", "2", "--device", "cuda:1", "--save-dir", dir.string()}));
+  for (const char* name : {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
+  EXPECT_NE(run.code, 0);
+  EXPECT_NE(run.err.find("each rank on cuda:LOCAL_RANK, and needs --device auto or cuda, got \"cuda:1\""),
+            std::string::npos)
+      << run.err;
+  EXPECT_FALSE(fs::exists(dir)) << "a rejected run writes nothing";
+}
+
+// --fp8-recipe names the recipe of the --compare runs with +fp8; the runs without FP8 train as
+// they would alone (the whole command was once refused: their precision was given the recipe).
+TEST(GptPretrainTest, CompareTakesTheFp8RecipeForItsFp8RunsOnly) {
+  const auto dir = scratch("compare_fp8_recipe");
+  const auto run = gpt_pretrain(with(kTiny, {"--steps", "2", "--log-every", "0", "--fp8-min-gemm-size", "0",
+                                             "--save-dir", dir.string(), "--fp8-recipe", "tensorwise", "--num-layers-at-start-in-bf16", "0",
+                                             "--num-layers-at-end-in-bf16", "0",
+                                             "--compare", "32,bf16-mixed+fp8"}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  std::ifstream file(dir / "compare.jsonl");
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(file, line);) rows.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0]["run"], "32");
+  EXPECT_EQ(rows[0]["fp8_recipe"], "none");
+  EXPECT_EQ(rows[1]["run"], "bf16-mixed+fp8");
+  EXPECT_EQ(rows[1]["fp8_recipe"], "tensorwise");
 }
 
 TEST(GptPretrainTest, TrainsOnTheGpuInEveryPrecision_CUDA) {

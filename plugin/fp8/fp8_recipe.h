@@ -48,7 +48,9 @@ struct Fp8RecipeOptions {
   /// "e4m3": E4M3 everywhere. Default: "hybrid".
   TORCH_ARG(std::string, fp8) = "hybrid";
   /// scale = (fp8_max / amax) / 2^fp8_margin; a margin leaves headroom. In [0, kMaxFp8Margin]:
-  /// a larger one scales every value below E4M3's smallest subnormal. Default: 0.
+  /// a larger one scales every value below E4M3's smallest subnormal. Default: 0. It applies to
+  /// the scales the modules compute; FP8 weights stored under fp8_params are written after each
+  /// step from their masters' exact amax, without a margin.
   TORCH_ARG(int, fp8_margin) = 0;
   /// Steps of amax history per tensor. Default: 1024.
   TORCH_ARG(int64_t, fp8_amax_history_len) = 1024;

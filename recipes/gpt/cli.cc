@@ -230,7 +230,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                                      "with FP8: transformer layers at the end kept in bf16 (default: the recipe's; tensorwise: 1)")
                           ->check(whole_number(0, kMaxBatch)));
   auto* margin_flag = app.add_option("--fp8-margin", fp8_margin,
-                                     "with delayed or tensorwise FP8: scale = (fp8_max / amax) / 2^margin")
+                                     "with delayed or tensorwise FP8: scale = (fp8_max / amax) / 2^margin for activations, gradients "
+                                     "and weights quantized in the forward pass (--fp8-params true writes FP8 weights "
+                                     "from their masters' exact amax, without a margin)")
                           ->capture_default_str()->check(whole_number(0, 126));  // validate() explains > kMaxFp8Margin
   fp8_flags.push_back(margin_flag);
   auto* history_flag = app.add_option("--fp8-amax-history-len", history, "with delayed FP8: steps of amax history per FP8 tensor")
@@ -302,7 +304,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   auto* grad_reduce_flag = app.add_option(
       "--grad-reduce-in-fp32", grad_reduce_in_fp32,
       "sum gradients in float32: across ranks under torchrun and across --grad-accum micro-batches (false: in "
-      "the params dtype); default: the precision's (NeMo: "
+      "the params dtype; on one GPU FP8 weights' gradients are float32 either way); default: the precision's (NeMo: "
       "true for bf16-mixed, false for 16-mixed)")->transform(boolean());
   app.add_option("--exp-avg-dtype", exp_avg_dtype,
                  "Adam's first moment: fp32, or bf16 for half its bytes, the update still computed in "
@@ -311,9 +313,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   app.add_option("--exp-avg-sq-dtype", exp_avg_sq_dtype, "Adam's second moment: fp32 or bf16 (see --exp-avg-dtype)")
       ->capture_default_str()->transform(lower_case())->check(CLI::IsMember({"fp32", "bf16"}));
   auto* fused_mlp_flag = app.add_option("--fused-mlp", fused_mlp,
-                 "each block's MLP as one Fp8LayerNormMLP call: in FP8, GELU inside the FP8 casts "
-                 "(TE's LayerNormMLP); false: its modules one after the other")
+                 "with FP8: each block's MLP as one Fp8LayerNormMLP call, GELU inside the FP8 casts "
+                 "(TE's LayerNormMLP); false: its modules one after the other (outside FP8 they always are)")
       ->capture_default_str()->transform(boolean());
+  fp8_flags.push_back(fused_mlp_flag);
   app.add_option("--recompute-method", recompute_method,
                  "activation recomputation (Megatron's full recompute granularity): none; uniform, the "
                  "blocks in chunks of --recompute-num-layers, each keeping only its input and run again "
@@ -324,13 +327,15 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                  "with --recompute-method: the chunk length (uniform) or how many blocks from the first "
                  "(block)")->capture_default_str()->check(whole_number(1, kMaxCount));
   app.add_option("--attention-backend", attention_backend,
-                 "the fused attention kernel tried first: auto (PyTorch's own order; on Hopper with a recent "
-                 "cuDNN, cuDNN first), cudnn, flash or efficient")->capture_default_str()->transform(lower_case());
-  app.add_option("--fp8-gemm-autotune", fp8_gemm_autotune,
-                 "time up to 8 of cuBLASLt's candidate algorithms for each FP8 GEMM shape at its first call and "
-                 "keep the fastest (the rounding may then differ from run to run; off under --deterministic), "
-                 "instead of the heuristic's first")
+                 "on a GPU, the fused attention kernel tried first: auto (PyTorch's own order; on Hopper with a "
+                 "recent cuDNN, cuDNN first), cudnn, flash or efficient")->capture_default_str()->transform(lower_case())
+      ->check(CLI::IsMember({"auto", "cudnn", "flash", "efficient"}));
+  auto* autotune_flag = app.add_option("--fp8-gemm-autotune", fp8_gemm_autotune,
+                 "with FP8 on a GPU: time up to 8 of cuBLASLt's candidate algorithms for each FP8 GEMM shape at "
+                 "its first call and keep the fastest (the rounding may then differ from run to run; off under "
+                 "--deterministic), instead of the heuristic's first")
       ->capture_default_str()->transform(boolean());
+  fp8_flags.push_back(autotune_flag);
   app.add_option("--cuda-graph", cuda_graph,
                  "capture each micro-batch's forward and backward pass in a CUDA graph after 3 eager "
                  "steps and replay it: one launch instead of thousands, for models too small to keep "
@@ -386,6 +391,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                 "--eval-iters applies when the run validates (--eval-every > 0)");
     TORCH_CHECK(!resume.empty() || resume_if_exists || allow_changes_flag->count() == 0,
                 "--allow-changes applies to a resumed run (--resume or --resume-if-exists)");
+    TORCH_CHECK(resume.empty() || !resume_if_exists, "--resume and --resume-if-exists cannot be combined: "
+                "--resume names what to continue from, --resume-if-exists looks in --save-dir");
     recipe.split = data_split;
     recipe.vocab_size = vocab_size;
     recipe.device = device;
@@ -433,6 +440,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     TORCH_CHECK(!cuda_graph || on_cuda, "--cuda-graph needs a CUDA GPU; the run is on ",
                 device == "auto" ? "the CPU (no GPU found)" : "--device " + device);
     const torch::Device precision_device = on_cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
+    // PyTorch's CPU attention and amp8's CPU GEMMs have no kernels to choose between.
+    const std::string on_the_cpu = device == "auto" ? "the CPU (no GPU found)" : "--device " + device;
+    TORCH_CHECK(on_cuda || attention_backend == "auto", "--attention-backend ", attention_backend,
+                " chooses a GPU kernel; the run is on ", on_the_cpu);
+    TORCH_CHECK(on_cuda || autotune_flag->count() == 0 || !fp8_gemm_autotune,
+                "--fp8-gemm-autotune true times GPU kernels; the run is on ", on_the_cpu);
 
     auto precision_for = [&](const std::string& name, const std::string& fp8_format, const std::string& recipe_name) {
       auto options = precision_from_flags(name, fp8_format, precision_device, recipe_name);
@@ -507,6 +520,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       std::stringstream parts(item);
       std::string name, part, format = "none", recipe_name = fp8_recipe;
       std::optional<bool> params;
+      bool recipe_named = false;
       std::getline(parts, name, '+');
       while (std::getline(parts, part, '+')) {
         if (part == "fp8" || part == "fp8=hybrid" || part == "fp8=e4m3") {
@@ -515,6 +529,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
           params = part == "fp8-params";
         } else if (part == "delayed" || part == "tensorwise" || part == "blockwise") {
           recipe_name = part;
+          recipe_named = true;
         } else {
           TORCH_CHECK(false, "--compare: \"", item, "\": unknown part \"", part,
                       "\"; expected <precision>[+fp8[=hybrid|=e4m3]][+delayed|+tensorwise|+blockwise]"
@@ -523,6 +538,8 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
       }
       TORCH_CHECK(!params || format != "none", "--compare: \"", item,
                   "\": +fp8-params/+bf16-params need +fp8");
+      TORCH_CHECK(!recipe_named || format != "none", "--compare: \"", item, "\": +", recipe_name,
+                  " (an FP8 recipe) needs +fp8");
       auto options = precision_for(name, format, recipe_name);
       if (params) options.fp8_params(*params);
       runs.emplace_back(item, options);

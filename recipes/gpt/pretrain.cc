@@ -102,8 +102,9 @@ MixedPrecisionOptions precision_from_flags(const std::string& precision, const s
     }
   }
   // Any other recipe name is named by validate() ("mxfp8": which GPUs it needs); "32" with FP8
-  // is rejected there too.
-  return options.fp8(fp8).fp8_recipe(fp8_recipe);
+  // is rejected there too. Without FP8 the recipe has nothing to scale: left at its default (a
+  // --compare run without +fp8 beside --fp8-recipe for the runs with it).
+  return with_fp8 ? options.fp8(fp8).fp8_recipe(fp8_recipe) : options.fp8(fp8);
 }
 
 PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) {
@@ -111,10 +112,15 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   // Under torchrun: data-parallel over ProcessGroupNCCL, this rank on cuda:LOCAL_RANK.
   const auto dist = DistributedEnvironment::from_env();
   const bool data_parallel = dist.has_value() && dist->world_size > 1;
+  // Each rank's GPU is cuda:LOCAL_RANK: a device with an index would be replaced, so it is
+  // refused with the CPU.
+  TORCH_CHECK(!data_parallel || recipe.device == "auto" || recipe.device == "cuda", "device: a torchrun launch "
+              "(WORLD_SIZE ", dist->world_size, ") trains data-parallel over NCCL, each rank on cuda:LOCAL_RANK, "
+              "and needs --device auto or cuda, got \"", recipe.device, "\"");
   auto device = resolve_device(recipe.device);
   if (data_parallel) {
     TORCH_CHECK(device.is_cuda(), "device: a torchrun launch (WORLD_SIZE ", dist->world_size,
-                ") trains data-parallel over NCCL and needs --device auto or cuda, got \"", recipe.device, "\"");
+                ") trains data-parallel over NCCL and needs a CUDA GPU; none is available");
     device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(dist->local_rank));
   }
   // Megatron-Core data brings its own vocabulary (padded as Megatron pads it).
