@@ -37,6 +37,14 @@ std::string read(const fs::path& path) {
 const std::vector<std::string> kTiny = {"--config", "tiny", "--device", "cpu", "--seq", "64",
                                         "--micro-batch", "8", "--log-every", "10"};
 
+// The rows of a --compare's summary, one per run.
+std::vector<nlohmann::json> compare_rows(const fs::path& dir) {
+  std::ifstream file(dir / "compare.jsonl");
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(file, line);) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
+
 std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
   args.insert(args.end(), more.begin(), more.end());
   return args;
@@ -560,12 +568,7 @@ TEST(GptPretrainTest, CompareWithSomeRunsFinishedKeepsThem) {
     return with(kTiny, {"--steps", "3", "--log-every", "0", "--save-dir", dir.string(), "--compare", runs,
                         "--resume-if-exists", "true"});
   };
-  const auto rows = [&] {
-    std::ifstream file(dir / "compare.jsonl");
-    std::vector<nlohmann::json> out;
-    for (std::string line; std::getline(file, line);) out.push_back(nlohmann::json::parse(line));
-    return out;
-  };
+  const auto rows = [&] { return compare_rows(dir); };
   ASSERT_EQ(gpt_pretrain(args("32")).code, 0);
   const auto first = rows();
   ASSERT_EQ(first.size(), 1u);
@@ -633,9 +636,7 @@ TEST(GptPretrainTest, CompareSetsFp8ParamsPerRunAndSummarisesEveryRun) {
   const auto run = gpt_pretrain(with(kTiny, {"--steps", "4", "--log-every", "0", "--save-dir", dir.string(),
                                              "--compare", "32,bf16-mixed+fp8+bf16-params,bf16-mixed+fp8=e4m3+fp8-params"}));
   ASSERT_EQ(run.code, 0) << run.err;
-  std::ifstream file(dir / "compare.jsonl");
-  std::vector<nlohmann::json> rows;
-  for (std::string line; std::getline(file, line);) rows.push_back(nlohmann::json::parse(line));
+  const auto rows = compare_rows(dir);
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows[0]["run"], "32");
   EXPECT_EQ(rows[0]["fp8"], "none");
@@ -696,9 +697,7 @@ TEST(GptPretrainTest, CompareTakesTheFp8RecipeForItsFp8RunsOnly) {
                                              "--num-layers-at-end-in-bf16", "0",
                                              "--compare", "32,bf16-mixed+fp8"}));
   ASSERT_EQ(run.code, 0) << run.err;
-  std::ifstream file(dir / "compare.jsonl");
-  std::vector<nlohmann::json> rows;
-  for (std::string line; std::getline(file, line);) rows.push_back(nlohmann::json::parse(line));
+  const auto rows = compare_rows(dir);
   ASSERT_EQ(rows.size(), 2u);
   EXPECT_EQ(rows[0]["run"], "32");
   EXPECT_EQ(rows[0]["fp8_recipe"], "none");
