@@ -20,8 +20,13 @@ import shlex
 import subprocess
 import sys
 
-CONFIGS = {  # layers, hidden, sequence length: recipes/gpt/gpt_model.cc's named configs
-    "125m": (12, 768, 1024), "128m": (18, 768, 1024), "350m": (24, 1024, 1024), "1b": (18, 2048, 2048),
+CONFIGS = {  # layers, hidden, sequence length, micro-batch: the named configs' recipes
+    # recipes/gpt/gpt_model.cc (8 sequences per micro-batch, recipes/gpt/pretrain.cc)
+    "125m": (12, 768, 1024, 8), "128m": (18, 768, 1024, 8), "350m": (24, 1024, 1024, 8),
+    "1b": (18, 2048, 2048, 8),
+    # recipes/llama/llama_model.cc (one 8192-token sequence per micro-batch)
+    "llama32_1b": (16, 2048, 8192, 1), "llama32_3b": (28, 3072, 8192, 1), "llama3_8b": (32, 4096, 8192, 1),
+    "llama3_8b_4layer": (4, 4096, 8192, 1),
 }
 
 
@@ -63,11 +68,11 @@ def main():
             "cuda_graph": flag(args, "--cuda-graph", "false").lower() in ("true", "1", "on", "yes"),
         }
         if config in CONFIGS and r.get("parameters"):
-            layers, hidden, seq = CONFIGS[config]
+            layers, hidden, seq, micro_batch = CONFIGS[config]
+            seq = int(flag(args, "--seq", seq))
             flops_per_token = 6 * r["parameters"] + 12 * layers * hidden * seq
             row["model_tflops"] = r["steady_tokens_per_s"] * flops_per_token / 1e12
-            # The named configs' recipe default is 8 sequences per micro-batch (recipes/gpt/pretrain.cc).
-            tokens_per_step = int(flag(args, "--micro-batch", 8)) * seq * int(flag(args, "--grad-accum", 1))
+            tokens_per_step = int(flag(args, "--micro-batch", micro_batch)) * seq * int(flag(args, "--grad-accum", 1))
             row["step_ms"] = 1000 * tokens_per_step / r["steady_tokens_per_s"]
         if baseline and "final_loss" in r:
             row["rel_diff_vs_bf16"] = (r["final_loss"] - baseline["final_loss"]) / baseline["final_loss"]
