@@ -414,7 +414,9 @@ TEST(RunRobustnessTest, SigtermFinishesTheStepSavesAndResumesExactly) {
   ASSERT_GE(lines.size(), 3u);
   ASSERT_LT(lines.size(), 40u) << "the run stopped early";
   const int last = lines.back()["step"].get<int>();
-  EXPECT_NE(stopped.err.find("stopped by SIGTERM after step " + std::to_string(last) + " of 40"), std::string::npos)
+  EXPECT_NE(stopped.err.find("stopped by SIGTERM after step " + std::to_string(last) + " of 40; saved " +
+                             (dir / "checkpoints" / ckpt(last)).string() + "; continue with --resume " + dir.string()),
+            std::string::npos)
       << stopped.err;
   EXPECT_TRUE(fs::exists(dir / "checkpoints" / ckpt(last)));
   const auto resumed = gpt_pretrain(tiny(dir, {"--steps", "40", "--resume", dir.string()}));
@@ -439,6 +441,23 @@ TEST(RunRobustnessTest, SigtermPastThePeriodicSaveSaysWhichStepsRunAgain) {
   EXPECT_NE(stopped.err.find(expected), std::string::npos) << stopped.err;
   const std::string again = "(steps " + std::to_string(saved + 1) + ".." + std::to_string(last) + " run again)";
   EXPECT_EQ(stopped.err.find(again) != std::string::npos, saved < last) << stopped.err;
+}
+
+// A run started with --resume-if-exists is continued by the same command (adding --resume to it
+// would be refused: the two cannot be combined).
+TEST(RunRobustnessTest, SigtermUnderResumeIfExistsSaysTheSameCommandContinues) {
+  const auto dir = scratch("term_auto_resume");
+  const std::vector<std::string> args = {"--steps", "40", "--resume-if-exists", "true"};
+  const auto stopped = run_until_sigterm(dir, args);
+  ASSERT_EQ(stopped.code, 128 + SIGTERM) << stopped.out << stopped.err;
+  const int last = metrics(dir).back()["step"].get<int>();
+  EXPECT_NE(stopped.err.find("of 40; saved " + (dir / "checkpoints" / ckpt(last)).string() +
+                             "; continue with the same command"),
+            std::string::npos)
+      << stopped.err;
+  const auto resumed = gpt_pretrain(tiny(dir, args));
+  ASSERT_EQ(resumed.code, 0) << resumed.err;
+  EXPECT_EQ(metrics(dir).size(), 40u);
 }
 
 // With --save-last false a SIGTERM saves nothing, and the message says so instead of naming a

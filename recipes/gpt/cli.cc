@@ -502,8 +502,13 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         return 0;
       }
       if (result.stopped) {
-        err << "gpt_pretrain: " << stop_report(result, recipe.trainer.max_steps(), "--resume " + recipe.save_dir)
-            << std::endl;
+        // What continues the run: the command as it was where it already resumes from save-dir.
+        const std::string go_on = recipe.resume_if_exists || recipe.resume == recipe.save_dir
+                                      ? "the same command"
+                                      : recipe.resume.empty() ? "--resume " + recipe.save_dir
+                                                              : "--resume " + recipe.save_dir + " in place of --resume " +
+                                                                    recipe.resume;
+        err << "gpt_pretrain: " << stop_report(result, recipe.trainer.max_steps(), go_on) << std::endl;
         return stop_exit_code(result);
       }
       out << "gpt_pretrain: final loss " << result.final_loss << ", " << result.tokens_per_s
