@@ -659,12 +659,18 @@ TEST(GptPretrainTest, CompareSetsFp8ParamsPerRunAndSummarisesEveryRun) {
   EXPECT_TRUE(fs::is_regular_file(dir / "bf16-mixed_fp8_e4m3_fp8-params" / "metrics.jsonl"));
 }
 
-TEST(GptPretrainTest, ATorchrunLaunchOnTheCpuIsAClearError) {
-  const auto dir = scratch("torchrun_cpu");
+// gpt_pretrain as rank 0 of a torchrun launch of two (its environment set for the call only).
+Run as_rank_0_of_2(const std::vector<std::string>& args) {
   ::setenv("WORLD_SIZE", "2", 1), ::setenv("RANK", "0", 1), ::setenv("LOCAL_RANK", "0", 1);
   ::setenv("MASTER_ADDR", "127.0.0.1", 1), ::setenv("MASTER_PORT", "29511", 1);
-  const auto run = gpt_pretrain(with(kTiny, {"--steps", "2", "--device", "cpu", "--save-dir", dir.string()}));
+  const auto run = gpt_pretrain(args);
   for (const char* name : {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
+  return run;
+}
+
+TEST(GptPretrainTest, ATorchrunLaunchOnTheCpuIsAClearError) {
+  const auto dir = scratch("torchrun_cpu");
+  const auto run = as_rank_0_of_2(with(kTiny, {"--steps", "2", "--device", "cpu", "--save-dir", dir.string()}));
   EXPECT_NE(run.code, 0);
   EXPECT_NE(run.err.find("a torchrun launch (WORLD_SIZE 2) trains data-parallel over NCCL, each rank on "
                           "cuda:LOCAL_RANK, and needs --device auto or cuda, got \"cpu\""),
@@ -677,10 +683,7 @@ TEST(GptPretrainTest, ATorchrunLaunchOnTheCpuIsAClearError) {
 // the device is looked for (so the CPU machine sees this error, not "no CUDA GPU").
 TEST(GptPretrainTest, ATorchrunLaunchWithADeviceIndexIsAClearError) {
   const auto dir = scratch("torchrun_device_index");
-  ::setenv("WORLD_SIZE", "2", 1), ::setenv("RANK", "0", 1), ::setenv("LOCAL_RANK", "0", 1);
-  ::setenv("MASTER_ADDR", "127.0.0.1", 1), ::setenv("MASTER_PORT", "29512", 1);
-  const auto run = gpt_pretrain(with(kTiny, {"--steps", "2", "--device", "cuda:1", "--save-dir", dir.string()}));
-  for (const char* name : {"WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) ::unsetenv(name);
+  const auto run = as_rank_0_of_2(with(kTiny, {"--steps", "2", "--device", "cuda:1", "--save-dir", dir.string()}));
   EXPECT_NE(run.code, 0);
   EXPECT_NE(run.err.find("each rank on cuda:LOCAL_RANK, and needs --device auto or cuda, got \"cuda:1\""),
             std::string::npos)

@@ -437,11 +437,10 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     recipe.profile_steps = profile_steps;
     // Only "auto" precision looks at the device: bf16-mixed on a GPU, 32 on the CPU.
     const bool on_cuda = device == "auto" ? torch::cuda::is_available() : device.rfind("cuda", 0) == 0;
-    TORCH_CHECK(!cuda_graph || on_cuda, "--cuda-graph needs a CUDA GPU; the run is on ",
-                device == "auto" ? "the CPU (no GPU found)" : "--device " + device);
+    const std::string on_the_cpu = device == "auto" ? "the CPU (no GPU found)" : "--device " + device;
+    TORCH_CHECK(!cuda_graph || on_cuda, "--cuda-graph needs a CUDA GPU; the run is on ", on_the_cpu);
     const torch::Device precision_device = on_cuda ? torch::Device(torch::kCUDA) : torch::Device(torch::kCPU);
     // PyTorch's CPU attention and amp8's CPU GEMMs have no kernels to choose between.
-    const std::string on_the_cpu = device == "auto" ? "the CPU (no GPU found)" : "--device " + device;
     TORCH_CHECK(on_cuda || attention_backend == "auto", "--attention-backend ", attention_backend,
                 " chooses a GPU kernel; the run is on ", on_the_cpu);
     TORCH_CHECK(on_cuda || autotune_flag->count() == 0 || !fp8_gemm_autotune,
@@ -505,9 +504,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         // What continues the run: the command as it was where it already resumes from save-dir.
         const std::string go_on = recipe.resume_if_exists || recipe.resume == recipe.save_dir
                                       ? "the same command"
-                                      : recipe.resume.empty() ? "--resume " + recipe.save_dir
-                                                              : "--resume " + recipe.save_dir + " in place of --resume " +
-                                                                    recipe.resume;
+                                      : "--resume " + recipe.save_dir;
         err << "gpt_pretrain: " << stop_report(result, recipe.trainer.max_steps(), go_on) << std::endl;
         return stop_exit_code(result);
       }
