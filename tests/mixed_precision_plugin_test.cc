@@ -431,12 +431,20 @@ TEST_F(ConvertModuleTest, KnobsReachTheModelsOwnFp8Modules) {
                                      torch::nn::ReLU(), Fp8Linear(32, 16));
   torch::optim::SGD optimizer(model->parameters(), 0.1);
   MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_min_gemm_size(0)
-                                    .num_layers_at_start_in_bf16(1);
+                                    .num_layers_at_start_in_bf16(1).fp8_amax_history_len(16);
   plugin.connect(*model, optimizer);
   const std::vector<Fp8LinearImpl*> layers = {model->ptr(0)->as<Fp8LinearImpl>(),
                                               model->ptr(2)->as<Fp8LinearImpl>(),
                                               model->ptr(4)->as<Fp8LinearImpl>()};
-  for (auto* layer : layers) EXPECT_EQ(layer->options.fp8_min_gemm_size(), 0);
+  for (auto* layer : layers) {
+    EXPECT_EQ(layer->options.fp8_min_gemm_size(), 0);
+    // At connect, before any FP8 GEMM: a checkpoint written later (16 rows) loads into a model
+    // just connected (the buffers once kept 1024 rows until the first FP8 GEMM, and a resumed
+    // run with another history length refused its own checkpoint).
+    EXPECT_EQ(layer->options.fp8_amax_history_len(), 16);
+    EXPECT_EQ(layer->fp8_fwd_amax_history.size(0), 16);
+    EXPECT_EQ(layer->fp8_bwd_amax_history.size(0), 16);
+  }
   EXPECT_TRUE(layers[0]->options.keep_in_high_precision());
   EXPECT_FALSE(layers[1]->options.keep_in_high_precision());
   ASSERT_EQ(plugin.conversion().kept_in_high_precision.size(), 1u);

@@ -154,9 +154,12 @@ class Converter {
         }
       } else if (auto fp8 = std::dynamic_pointer_cast<Fp8LinearImpl>(child)) {
         // The model's own FP8 layers follow the same knobs as the swapped-in ones; one the model
-        // itself keeps in high precision stays so.
+        // itself keeps in high precision stays so. The amax history is resized now, not at the
+        // first FP8 GEMM: a checkpoint of its buffers must load into a model just connected.
         const bool kept_by_model = fp8->options.keep_in_high_precision();
-        fp8->options.fp8_min_gemm_size(options_.fp8_min_gemm_size()).keep_in_high_precision(keep_child || kept_by_model);
+        fp8->options.fp8_min_gemm_size(options_.fp8_min_gemm_size()).keep_in_high_precision(keep_child || kept_by_model)
+            .fp8_amax_history_len(options_.fp8_amax_history_len());
+        fp8->fp8_meta()->ensure_history_len(options_.fp8_amax_history_len());
         if (kept_by_model && !keep_child) {
           result_.kept_in_high_precision.push_back(path + " (keep_in_high_precision)");
         } else if (keep_child) {
