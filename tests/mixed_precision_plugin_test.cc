@@ -230,6 +230,10 @@ TEST(MixedPrecisionOptionsTest, BadConfigurationNamesTheKnobAndAcceptedValues) {
                         "params_dtype Float under precision \"bf16-mixed\" needs autocast_enabled = true");
   EXPECT_NO_THROW(make(recipes::bf16_mixed().params_dtype(at::kFloat).autocast_enabled(true))());
   EXPECT_NO_THROW(make(MixedPrecisionOptions("32").params_dtype(at::kFloat))());
+  // Autocast has no lower dtype to cast to under float32: the knob was once dropped silently.
+  ExpectErrorContaining(make(MixedPrecisionOptions("32").autocast_enabled(true)),
+                        "autocast_enabled = true needs a mixed precision (\"bf16-mixed\" or \"16-mixed\"); "
+                        "precision \"32\" computes in float32");
 }
 
 // A FusedAdamW's own moment dtypes would be replaced by the precision's at every step: a mismatch

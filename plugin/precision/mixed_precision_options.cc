@@ -102,6 +102,8 @@ void MixedPrecisionOptions::validate() const {
                 "under precision \"", precision, "\" needs autocast_enabled = true: otherwise nothing runs in ",
                 c10::toString(compute_dtype()), " and the run is float32 throughout");
   }
+  TORCH_CHECK(!autocast_enabled_ || precision != "32", "autocast_enabled = true needs a mixed precision "
+              "(\"bf16-mixed\" or \"16-mixed\"); precision \"32\" computes in float32: it would be ignored");
   check_fp8_min_gemm_size(fp8_min_gemm_size_, "fp8_min_gemm_size");
   const AdamMomentDtypes moments{exp_avg_dtype_, exp_avg_sq_dtype_};
   moments.check("MixedPrecisionOptions");

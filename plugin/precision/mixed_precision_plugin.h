@@ -38,7 +38,8 @@ struct MixedPrecisionOptions {
   /// float32), as NeMo's presets set it.
   TORCH_ARG(std::optional<c10::ScalarType>, params_dtype) = std::nullopt;
   /// Run the forward pass under at::autocast with the precision's dtype (for models whose
-  /// parameters stay float32). Default: false (NeMo's presets: the parameters are half).
+  /// parameters stay float32); an error under precision "32". Default: false (NeMo's presets:
+  /// the parameters are half).
   TORCH_ARG(bool, autocast_enabled) = false;
   /// Sum gradients in float32, as Megatron's float32 main_grad: across data-parallel ranks (the
   /// reduce-scatter) and across a step's micro-batches, on one rank too (from the first

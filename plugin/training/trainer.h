@@ -42,7 +42,9 @@ struct TrainerOptions {
   TORCH_ARG(bool, save_last) = true;
   /// Folder of the checkpoints (step_<N>.ckpt). Default: "" (none).
   TORCH_ARG(std::string, checkpoint_dir) = "";
-  /// Tokens in one micro-batch, for the tokens/s figure; 0 = not shown. Default: 0.
+  /// Tokens in one micro-batch summed over the data-parallel ranks (micro_batch × seq × world
+  /// size), for the tokens/s figure, which is the whole run's; model TFLOP/s per device divide
+  /// it by the ranks. 0 = not shown. Default: 0.
   TORCH_ARG(int64_t, tokens_per_micro_batch) = 0;
   /// Model FLOPs per token (e.g. 6 N + 12 layers hidden seq for a GPT), for the model TFLOP/s
   /// per device in the progress line; 0 = not shown. Default: 0.
@@ -51,8 +53,9 @@ struct TrainerOptions {
   /// device / peak; 0 = not shown. Default: 0.
   TORCH_ARG(double, peak_flops_per_device) = 0.0;
   /// What a non-finite (inf/NaN) loss does, checked before the optimizer step so the weights
-  /// never take it: "error" stops the run with an error naming the step (with a checkpoint_dir,
-  /// the weights after the previous step are saved first, and the error names the file);
+  /// never take it: "error" stops the run with an error naming the step (with a checkpoint_dir
+  /// and save_last or every_n_train_steps on, the weights after the previous step are saved
+  /// first, and the error names the file);
   /// "skip" drops the step's gradients, counts it as skipped and goes on. Default: "error".
   TORCH_ARG(std::string, nonfinite_loss) = "error";
   /// Also check the gradients when the loss is finite (Megatron's check_for_nan_in_grad): a
@@ -101,7 +104,7 @@ struct StepMetrics {
   bool stepped = true;      ///< false when the step was skipped (non-finite gradients)
   double loss_scale = 1.0;  ///< the scale after the step
   int64_t skipped_steps = 0;
-  double grad_norm = 0.0;   ///< before clipping; NaN when clipping is off
+  double grad_norm = 0.0;   ///< before clipping; NaN when neither clipping nor check_for_nan_in_grad measures it
 };
 
 class Trainer;
