@@ -8,6 +8,7 @@
 #include "ops/fp8_gemm.h"
 #include "recipes/data/gpt_dataset.h"
 #include "recipes/gpt/megatron_data.h"
+#include "recipes/gpt/pretrain.h"
 #include "tests/gpt_pretrain_cli.h"
 #include "tests/test_util.h"
 
@@ -15,7 +16,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 namespace amp8::recipes {
 namespace {
@@ -73,6 +77,27 @@ TEST(GptPretrainTest, TrainsWritesMetricsPictureAndCheckpoint) {
 // The Llama 3 configs go through the same recipe, flags, outputs and checkpoints: a tiny Llama
 // trains on bytes, in FP8 too (every GEMM: --fp8-min-gemm-size 0), validates, compares, and
 // resumes exactly; the GPT-only flag is refused by name.
+// Four trainer fields are derived by run_pretraining (the checkpoint folder from save_dir, the
+// throughput figures from the shapes and the GPU); set on the recipe they were replaced without
+// a word. Now each is an error naming the field and what decides it, before anything is written.
+TEST(GptPretrainTest, TrainerFieldsTheRecipeDerivesAreRefusedWhenSet) {
+  const std::vector<std::pair<std::function<void(TrainerOptions&)>, std::string>> cases = {
+      {[](TrainerOptions& t) { t.checkpoint_dir("elsewhere"); }, "recipe.trainer.checkpoint_dir is set by "
+                                                                 "run_pretraining from save_dir"},
+      {[](TrainerOptions& t) { t.tokens_per_micro_batch(4096); }, "recipe.trainer.tokens_per_micro_batch is set"},
+      {[](TrainerOptions& t) { t.flops_per_token(1e9); }, "recipe.trainer.flops_per_token is set"},
+      {[](TrainerOptions& t) { t.peak_flops_per_device(1e15); }, "recipe.trainer.peak_flops_per_device is set"},
+  };
+  for (const auto& [set, message] : cases) {
+    auto recipe = gpt_pretrain_recipe("tiny");
+    recipe.save_dir = scratch("derived").string();
+    set(recipe.trainer);
+    std::ostringstream log;
+    testing::ExpectErrorContaining([&] { run_pretraining(recipe, log); }, message);
+    EXPECT_FALSE(fs::exists(recipe.save_dir)) << message;
+  }
+}
+
 TEST(GptPretrainTest, LlamaConfigsTrainThroughTheSameRecipe) {
   const std::vector<std::string> llama = {"--config", "llama_tiny", "--device", "cpu", "--seq", "64",
                                           "--micro-batch", "8", "--log-every", "0"};

@@ -17,6 +17,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <ostream>
 
 #include "ops/fp8_gemm.h"
@@ -140,6 +141,21 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
   TORCH_CHECK(recipe.min_lr >= 0 && recipe.min_lr <= recipe.lr, "min_lr must be in [0, lr], got ",
               recipe.min_lr);
   TORCH_CHECK(recipe.trainer.max_steps() >= 1, "steps must be >= 1, got ", recipe.trainer.max_steps());
+  // What the recipe derives for the trainer from its other fields; a value set there would be
+  // replaced, so it is refused, naming the field that decides it.
+  const TrainerOptions trainer_defaults;
+  for (const auto& [set, field, from] :
+       {std::tuple{recipe.trainer.checkpoint_dir() != trainer_defaults.checkpoint_dir(), "checkpoint_dir",
+                   "save_dir (checkpoints go to <save_dir>/checkpoints)"},
+        std::tuple{recipe.trainer.tokens_per_micro_batch() != trainer_defaults.tokens_per_micro_batch(),
+                   "tokens_per_micro_batch", "micro_batch x seq x the data-parallel ranks"},
+        std::tuple{recipe.trainer.flops_per_token() != trainer_defaults.flops_per_token(), "flops_per_token",
+                   "the model and seq (on a GPU)"},
+        std::tuple{recipe.trainer.peak_flops_per_device() != trainer_defaults.peak_flops_per_device(),
+                   "peak_flops_per_device", "the GPU's name (on a GPU)"}}) {
+    TORCH_CHECK(!set, "recipe.trainer.", field, " is set by run_pretraining from ", from,
+                "; leave it at its default");
+  }
   TORCH_CHECK(recipe.profile_dir.empty() ||
                   (recipe.profile_first_step >= 0 && recipe.profile_first_step < recipe.trainer.max_steps()),
               "profile-first-step must be in [0, steps) = [0, ", recipe.trainer.max_steps(), "), got ",

@@ -16,7 +16,9 @@ namespace amp8::recipes {
 
 /// Everything a pretraining run of a GPT or a Llama 3 needs, in the spirit of NeMo's
 /// `pretrain_recipe()`: model, data, optimizer and LR schedule, trainer, precision. Change any
-/// field before run_pretraining:
+/// field before run_pretraining, except four of `trainer`'s, which run_pretraining derives
+/// (checkpoint_dir from save_dir, tokens_per_micro_batch, flops_per_token and
+/// peak_flops_per_device from the shapes and the GPU; set, they are an error):
 ///   auto recipe = amp8::recipes::gpt_pretrain_recipe("small");
 ///   recipe.precision = amp8::recipes::bf16_with_fp8_mixed();
 ///   recipe.trainer.max_steps(2000);
