@@ -117,6 +117,13 @@ TEST(LossScalerTest, BadOptionsNameTheKnob) {
   EXPECT_NE(message(LossScalerOptions().min_scale(-1)).find("min_loss_scale"), std::string::npos);
   EXPECT_NE(message(LossScalerOptions().growth_interval(0)).find("loss_scale_window"), std::string::npos);
   EXPECT_NE(message(LossScalerOptions().hysteresis(0)).find("hysteresis"), std::string::npos);
+  // A static scale with dynamic settings beside it (MixedPrecisionOptions refused the same; the
+  // scaler on its own took them and ignored them).
+  EXPECT_NE(message(LossScalerOptions().loss_scale(128.0).growth_interval(10).backoff_factor(0.25))
+                .find("the dynamic loss-scaling settings loss_scale_window, backoff_factor do not apply with a "
+                      "static loss_scale (128)"),
+            std::string::npos);
+  EXPECT_EQ(message(LossScalerOptions().loss_scale(128.0)), "no error");
 }
 
 TEST(LossScalerTest, UnscaleOnGpu_CUDA) {

@@ -36,6 +36,22 @@ void LossScalerOptions::validate(const std::string& knob_prefix) const {
               "growth_factor must be > 1, got ", growth_factor_);
   TORCH_CHECK(backoff_factor_ > 0.0 && backoff_factor_ < 1.0,
               "backoff_factor must be in (0, 1), got ", backoff_factor_);
+  if (loss_scale_) {
+    // A static scale never grows, backs off or reaches a floor: those settings would be dropped.
+    const LossScalerOptions defaults;
+    std::string unused;
+    const auto note = [&](bool changed, const std::string& knob) {
+      if (changed) unused += (unused.empty() ? "" : ", ") + knob;
+    };
+    note(initial_scale_ != defaults.initial_scale_, p + "initial_loss_scale");
+    note(min_scale_ != defaults.min_scale_, p + "min_loss_scale");
+    note(growth_interval_ != defaults.growth_interval_, p + "loss_scale_window");
+    note(hysteresis_ != defaults.hysteresis_, p + "hysteresis");
+    note(growth_factor_ != defaults.growth_factor_, "growth_factor");
+    note(backoff_factor_ != defaults.backoff_factor_, "backoff_factor");
+    TORCH_CHECK(unused.empty(), "the dynamic loss-scaling settings ", unused, " do not apply with a static ",
+                p, "loss_scale (", *loss_scale_, "): they would be ignored");
+  }
 }
 
 LossScaler::LossScaler(const LossScalerOptions& options)
