@@ -39,14 +39,13 @@ Run train(const MixedPrecisionOptions& precision, torch::Device device, bool gra
   model->to(device);
   MlpData data(11);
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.05));
-  Trainer trainer(TrainerOptions()
-                      .max_steps(steps)
-                      .accumulate_grad_batches(micro_batches)
-                      .gradient_clip_val(1.0)
-                      .log_every_n_steps(0)
-                      .cuda_graph(graphed)
-                      .cuda_graph_warmup_steps(2),
-                  precision);
+  auto options = TrainerOptions()
+                     .max_steps(steps)
+                     .accumulate_grad_batches(micro_batches)
+                     .gradient_clip_val(1.0)
+                     .log_every_n_steps(0);
+  if (graphed) options.cuda_graph(true).cuda_graph_warmup_steps(2);
+  Trainer trainer(options, precision);
   GraphableStep step;
   step.batch = [&](const TrainStepInput& in) {
     auto [x, y] = data.batch(in.step, in.micro_batch, kRows);

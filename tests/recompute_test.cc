@@ -257,8 +257,10 @@ TEST_F(RecomputeTest, BadSettingsAreNamed) {
       },
       "recompute num_layers must be in [1, 3] (the model's layers) with recompute method "
       "\"block\", got 4");
-  // Without a method, num_layers is not read.
-  recipes::GptModel(recipes::GptConfig().layers(2).recompute(RecomputeOptions().num_layers(9)));
+  // Without a method, num_layers would not be read: an error (it was accepted and dropped).
+  ExpectErrorContaining(
+      [] { recipes::GptModel(recipes::GptConfig().layers(2).recompute(RecomputeOptions().num_layers(9))); },
+      "recompute num_layers (9) applies with recompute method \"uniform\" or \"block\"; the method is \"none\"");
   ExpectErrorContaining([] { recompute_activations({}, torch::ones({1})); },
                         "function must not be empty");
 }

@@ -781,6 +781,16 @@ TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
   ExpectErrorContaining([&] {
     no_dir.fit(*other, other_optimizer, [](const TrainStepInput&) { return torch::zeros({1}); });
   }, "every_n_train_steps = 5 needs a checkpoint_dir");
+  // Settings another one turns on (they were dropped without it).
+  const auto no_step = [](const TrainStepInput&) { return torch::zeros({1}); };
+  for (const auto& [options, message] : std::vector<std::pair<TrainerOptions, std::string>>{
+           {TrainerOptions().cuda_graph_warmup_steps(5), "cuda_graph_warmup_steps = 5 applies with cuda_graph = true"},
+           {TrainerOptions().flops_per_token(1e9), "flops_per_token (1e+09) needs tokens_per_micro_batch"},
+           {TrainerOptions().tokens_per_micro_batch(64).peak_flops_per_device(1e15),
+            "peak_flops_per_device (1e+15) needs flops_per_token and tokens_per_micro_batch"}}) {
+    Trainer unused_setting(TrainerOptions(options).log_every_n_steps(0));
+    ExpectErrorContaining([&] { unused_setting.fit(*other, other_optimizer, no_step); }, message);
+  }
 }
 
 // ---- StepProfiler: device time of a few steps, by category ----

@@ -44,7 +44,12 @@ const char* to_string(RecomputeMethod method) {
 }
 
 void RecomputeOptions::validate(int64_t layers) const {
-  if (method_ == RecomputeMethod::kNone) return;
+  if (method_ == RecomputeMethod::kNone) {
+    // Megatron-Core: recompute_num_layers needs a recompute_method.
+    TORCH_CHECK(num_layers_ == RecomputeOptions().num_layers_, "recompute num_layers (", num_layers_,
+                ") applies with recompute method \"uniform\" or \"block\"; the method is \"none\"");
+    return;
+  }
   TORCH_CHECK(num_layers_ >= 1 && num_layers_ <= layers, "recompute num_layers must be in [1, ",
               layers, "] (the model's layers) with recompute method \"", to_string(method_),
               "\", got ", num_layers_);

@@ -34,7 +34,8 @@ const char* to_string(RecomputeMethod method);
 struct RecomputeOptions {
   /// Default: kNone.
   TORCH_ARG(RecomputeMethod, method) = RecomputeMethod::kNone;
-  /// The chunk length (kUniform) or how many layers from the first (kBlock). Default: 1.
+  /// The chunk length (kUniform) or how many layers from the first (kBlock); with kNone, an
+  /// error if set. Default: 1.
   TORCH_ARG(int64_t, num_layers) = 1;
 
  public:
