@@ -74,9 +74,6 @@ TEST(GptPretrainTest, TrainsWritesMetricsPictureAndCheckpoint) {
   EXPECT_TRUE(fs::exists(dir / "checkpoints" / "step_00000030.ckpt"));
 }
 
-// The Llama 3 configs go through the same recipe, flags, outputs and checkpoints: a tiny Llama
-// trains on bytes, in FP8 too (every GEMM: --fp8-min-gemm-size 0), validates, compares, and
-// resumes exactly; the GPT-only flag is refused by name.
 // Four trainer fields are derived by run_pretraining (the checkpoint folder from save_dir, the
 // throughput figures from the shapes and the GPU); set on the recipe they were replaced without
 // a word. Now each is an error naming the field and what decides it, before anything is written.
@@ -98,6 +95,9 @@ TEST(GptPretrainTest, TrainerFieldsTheRecipeDerivesAreRefusedWhenSet) {
   }
 }
 
+// The Llama 3 configs go through the same recipe, flags, outputs and checkpoints: a tiny Llama
+// trains on bytes, in FP8 too (every GEMM: --fp8-min-gemm-size 0), validates, compares, and
+// resumes exactly; the GPT-only flag is refused by name.
 TEST(GptPretrainTest, LlamaConfigsTrainThroughTheSameRecipe) {
   const std::vector<std::string> llama = {"--config", "llama_tiny", "--device", "cpu", "--seq", "64",
                                           "--micro-batch", "8", "--log-every", "0"};

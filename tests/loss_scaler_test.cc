@@ -120,7 +120,7 @@ TEST(LossScalerTest, BadOptionsNameTheKnob) {
   // A static scale with dynamic settings beside it (MixedPrecisionOptions refused the same; the
   // scaler on its own took them and ignored them).
   EXPECT_NE(message(LossScalerOptions().loss_scale(128.0).growth_interval(10).backoff_factor(0.25))
-                .find("the dynamic loss-scaling settings loss_scale_window, backoff_factor do not apply with a "
+                .find("the dynamic loss-scaling settings growth_interval, backoff_factor do not apply with a "
                       "static loss_scale (128)"),
             std::string::npos);
   EXPECT_EQ(message(LossScalerOptions().loss_scale(128.0)), "no error");

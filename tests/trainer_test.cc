@@ -788,8 +788,11 @@ TEST_F(TrainerTest, BadCheckpointsAreClearErrors) {
            {TrainerOptions().flops_per_token(1e9), "flops_per_token (1e+09) needs tokens_per_micro_batch"},
            {TrainerOptions().tokens_per_micro_batch(64).peak_flops_per_device(1e15),
             "peak_flops_per_device (1e+15) needs flops_per_token and tokens_per_micro_batch"}}) {
-    Trainer unused_setting(TrainerOptions(options).log_every_n_steps(0));
+    // Refused before the checkpoint folder is made.
+    const auto refused_dir = dir / "refused";
+    Trainer unused_setting(TrainerOptions(options).log_every_n_steps(0).checkpoint_dir(refused_dir.string()));
     ExpectErrorContaining([&] { unused_setting.fit(*other, other_optimizer, no_step); }, message);
+    EXPECT_FALSE(fs::exists(refused_dir)) << message;
   }
 }
 

@@ -43,9 +43,10 @@ void LossScalerOptions::validate(const std::string& knob_prefix) const {
     const auto note = [&](bool changed, const std::string& knob) {
       if (changed) unused += (unused.empty() ? "" : ", ") + knob;
     };
-    note(initial_scale_ != defaults.initial_scale_, p + "initial_loss_scale");
-    note(min_scale_ != defaults.min_scale_, p + "min_loss_scale");
-    note(growth_interval_ != defaults.growth_interval_, p + "loss_scale_window");
+    // Named as the caller knows them: the scaler's own setters, or the prefixed precision knobs.
+    note(initial_scale_ != defaults.initial_scale_, p.empty() ? "initial_scale" : p + "initial_loss_scale");
+    note(min_scale_ != defaults.min_scale_, p.empty() ? "min_scale" : p + "min_loss_scale");
+    note(growth_interval_ != defaults.growth_interval_, p.empty() ? "growth_interval" : p + "loss_scale_window");
     note(hysteresis_ != defaults.hysteresis_, p + "hysteresis");
     note(growth_factor_ != defaults.growth_factor_, "growth_factor");
     note(backoff_factor_ != defaults.backoff_factor_, "backoff_factor");

@@ -156,6 +156,19 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
               "gradient_clip_val must be >= 0, got ", options.gradient_clip_val());
   TORCH_CHECK(options.every_n_train_steps() >= 0, "every_n_train_steps must be >= 0, got ",
               options.every_n_train_steps());
+  TORCH_CHECK(options.nonfinite_loss() == "error" || options.nonfinite_loss() == "skip",
+              "nonfinite_loss must be \"error\" or \"skip\", got \"", options.nonfinite_loss(), "\"");
+  // Settings that only another one turns on would be dropped: errors instead, before anything
+  // is written.
+  const TrainerOptions defaults;
+  TORCH_CHECK(options.cuda_graph() || options.cuda_graph_warmup_steps() == defaults.cuda_graph_warmup_steps(),
+              "cuda_graph_warmup_steps = ", options.cuda_graph_warmup_steps(), " applies with cuda_graph = true");
+  TORCH_CHECK(options.flops_per_token() == 0.0 || options.tokens_per_micro_batch() > 0, "flops_per_token (",
+              options.flops_per_token(), ") needs tokens_per_micro_batch: the TFLOP/s figure is tokens/s x "
+              "flops_per_token");
+  TORCH_CHECK(options.peak_flops_per_device() == 0.0 || options.flops_per_token() > 0.0, "peak_flops_per_device (",
+              options.peak_flops_per_device(), ") needs flops_per_token and tokens_per_micro_batch: MFU is the "
+              "model FLOP/s per device over the peak");
   TORCH_CHECK(options.every_n_train_steps() == 0 || !options.checkpoint_dir().empty(),
               "every_n_train_steps = ", options.every_n_train_steps(),
               " needs a checkpoint_dir to write to");
@@ -170,18 +183,6 @@ void Trainer::fit_loop(torch::nn::Module& model, torch::optim::Optimizer& optimi
            << options.checkpoint_dir() << std::endl;
     }
   }
-  TORCH_CHECK(options.nonfinite_loss() == "error" || options.nonfinite_loss() == "skip",
-              "nonfinite_loss must be \"error\" or \"skip\", got \"", options.nonfinite_loss(), "\"");
-  // Settings that only another one turns on would be dropped: errors instead.
-  const TrainerOptions defaults;
-  TORCH_CHECK(options.cuda_graph() || options.cuda_graph_warmup_steps() == defaults.cuda_graph_warmup_steps(),
-              "cuda_graph_warmup_steps = ", options.cuda_graph_warmup_steps(), " applies with cuda_graph = true");
-  TORCH_CHECK(options.flops_per_token() == 0.0 || options.tokens_per_micro_batch() > 0, "flops_per_token (",
-              options.flops_per_token(), ") needs tokens_per_micro_batch: the TFLOP/s figure is tokens/s x "
-              "flops_per_token");
-  TORCH_CHECK(options.peak_flops_per_device() == 0.0 || options.flops_per_token() > 0.0, "peak_flops_per_device (",
-              options.peak_flops_per_device(), ") needs flops_per_token and tokens_per_micro_batch: MFU is the "
-              "model FLOP/s per device over the peak");
 
   if (options.deterministic()) use_deterministic_algorithms();
   connect(model, optimizer);
