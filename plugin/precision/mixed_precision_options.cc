@@ -82,14 +82,8 @@ void MixedPrecisionOptions::validate() const {
     note(fp16_hysteresis_ != defaults.fp16_hysteresis_, "fp16_hysteresis");
     TORCH_CHECK(unused.empty(), "the loss-scaling settings ", unused, " apply to precision \"16-mixed\" only "
                 "(bf16 and float32 need no loss scale), got \"", precision, "\": they would be ignored");
-  } else if (fp16_loss_scale_) {
-    note(fp16_initial_loss_scale_ != defaults.fp16_initial_loss_scale_, "fp16_initial_loss_scale");
-    note(fp16_min_loss_scale_ != defaults.fp16_min_loss_scale_, "fp16_min_loss_scale");
-    note(fp16_loss_scale_window_ != defaults.fp16_loss_scale_window_, "fp16_loss_scale_window");
-    note(fp16_hysteresis_ != defaults.fp16_hysteresis_, "fp16_hysteresis");
-    TORCH_CHECK(unused.empty(), "the dynamic loss-scaling settings ", unused, " do not apply with a static "
-                "fp16_loss_scale (", *fp16_loss_scale_, "): they would be ignored");
   }
+  // Dynamic settings beside a static fp16_loss_scale: refused by the scaler's own check below.
   if (params_dtype_) {
     TORCH_CHECK(*params_dtype_ == at::kFloat || *params_dtype_ == compute_dtype(), "params_dtype ",
                 c10::toString(*params_dtype_), " contradicts precision \"", precision, "\": use float32 or its "

@@ -17,8 +17,8 @@
 #include <functional>
 #include <limits>
 #include <optional>
-#include <tuple>
 #include <ostream>
+#include <tuple>
 
 #include "ops/fp8_gemm.h"
 #include "plugin/optim/fused_optimizer.h"
