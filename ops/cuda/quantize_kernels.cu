@@ -121,20 +121,15 @@ __global__ void __launch_bounds__(multi_tensor::kThreads)
 }
 
 // Fast cast+transpose: kTileRows x kTileCols tiles, 256 threads. Each thread loads 16-byte
-// chunks (four in flight), writes the row-major FP8 bytes with 8-byte stores, and drops them
-// into a transposed shared tile; the transposed output then leaves as whole 128-byte lines
-// (8 threads per output row, 16 bytes each). The shared tile is XOR-swizzled in 16-byte
-// chunks so that neither the byte stores nor the 16-byte reads conflict on banks.
+// chunks, writes the row-major FP8 bytes with 8-byte stores, and drops them into a transposed
+// shared tile; the transposed output then leaves as whole 128-byte lines (8 threads per output
+// row, 16 bytes each). The shared tile is XOR-swizzled in 16-byte chunks so that neither the
+// byte stores nor the 16-byte reads conflict on banks.
 // Needs cols % 8 == 0, rows % 16 == 0, 16-byte aligned x and out_t and an 8-byte aligned out
 // (rows out_stride bytes apart, a multiple of 8); partial tiles are handled chunk by chunk.
 // The transposed tile's layout and store: transposed_tile.cuh.
 // With kDbias, each tile also sums its columns (the bias gradient of a gradient tile, TE's
 // cast_transpose_dbias) into dbias_part[blockIdx.y, col], from the values the cast quantizes.
-// kDbias asks for four resident blocks per SM (at most 64 registers), as many as the plain
-// kernel's 48 allow at 128 columns, so that summing costs no occupancy; kGelu four too (62
-// registers); kDGelu, which holds a second tile of loads (the GELU's input), two (three
-// spilled); kSwiGlu, which holds one too (the up projection) but is launched with 64-column
-// tiles (half the loads per thread), four.
 // kAct: what is quantized (and summed, and its amax taken) is activation(x), not x (TE's
 // activation-fused casts): gelu(x), x · gelu'(gate), or swiglu(x, gate).
 // x and gate rows are x_stride elements apart (cols, but 2·cols for kSwiGlu, whose gate/up rows
@@ -143,9 +138,28 @@ __global__ void __launch_bounds__(multi_tensor::kThreads)
 template <CastActivation kAct>
 constexpr bool kTwoInputs = kAct == CastActivation::kDGelu || kAct == CastActivation::kSwiGlu;
 
+// Loads in flight against blocks per SM, per variant (H100, bench/results/cast_transpose_occupancy/):
+// the 128-column casts without an activation (plain and kDbias) and kSwiGlu (launched with
+// 64-column tiles) cast each pass's loads before the next pass loads, at four blocks per SM
+// (64 and 56 registers): the blocks' loads overlap each other's arithmetic, 1.02-1.16x (plain,
+// kDbias) and 1.39-1.45x (kSwiGlu) against loading every pass first. The others load every pass
+// first (more loads in flight per thread), which measured faster for them: 64-column plain
+// tiles (one block per SM asked), kGelu (four), kDGelu (two: it holds a second tile of loads,
+// GELU's input; one pass at a time at four blocks measured 0.95-0.98x at 8192 and 16384
+// rows, 1.12x at 4096).
+template <CastActivation kAct, int kTileCols>
+constexpr bool kCastPassByPass =
+    (kAct == CastActivation::kNone && kTileCols == 128) || kAct == CastActivation::kSwiGlu;
+
+template <CastActivation kAct, int kTileCols, bool kDbias>
+constexpr int kCastTransposeMinBlocks =
+    kAct == CastActivation::kDGelu ? 2
+    : (kDbias || kAct != CastActivation::kNone || kCastPassByPass<kAct, kTileCols>) ? 4
+                                                                                    : 1;
+
 template <typename T, bool kE5M2, int kTileCols, bool kDbias = false,
           CastActivation kAct = CastActivation::kNone>
-__global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 : (kDbias || kAct == CastActivation::kGelu || kAct == CastActivation::kSwiGlu ? 4 : 1))
+__global__ void __launch_bounds__(kThreads, (kCastTransposeMinBlocks<kAct, kTileCols, kDbias>))
     cast_transpose_kernel(const T* __restrict__ x, uint8_t* __restrict__ out,
                           uint8_t* __restrict__ out_t, int64_t rows, int64_t cols,
                           const float* __restrict__ scale_ptr, float* __restrict__ scale_inv,
@@ -168,39 +182,45 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
   constexpr bool kGated = kTwoInputs<kAct>;
   const int64_t stride = x_stride > 0 ? x_stride : cols;
   const int64_t ostride = out_stride > 0 ? out_stride : cols;
-  Pack8<T> packs[kLoadPasses];
-  Pack8<T> gates[kGated ? kLoadPasses : 1];
-#pragma unroll
-  for (int pass = 0; pass < kLoadPasses; ++pass) {
-    const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < cols) {
-      packs[pass] = *reinterpret_cast<const Pack8<T>*>(x + gr * stride + gc);
-      if constexpr (kGated) gates[pass] = *reinterpret_cast<const Pack8<T>*>(gate + gr * stride + gc);
-    }
-  }
   // kDbias: this thread's 8 columns summed over its rows as the cast reads them (summing in a
   // loop of their own kept every pack and sum live at once: 103 registers instead of 48, half
   // the occupancy, measured); then the kRowsPerPass threads of a column chunk add up through
   // shared memory after the barrier below, in a fixed order.
   float sums[kDbias ? 8 : 1] = {};
+  // The passes in groups of kGroup, each group loaded, then cast: one pass (kCastPassByPass)
+  // or all of them.
+  constexpr int kGroup = kCastPassByPass<kAct, kTileCols> ? 1 : kLoadPasses;
 #pragma unroll
-  for (int pass = 0; pass < kLoadPasses; ++pass) {
-    const int r = row_in_pass + pass * kRowsPerPass;
-    const int64_t gr = row0 + r;
-    uint64_t packed = 0;
-    if (gr < rows && gc < cols) {
-      float v[8];
-      activate8<kAct>(packs[pass], gates[kGated ? pass : 0], v);
-      if constexpr (kDbias) {
+  for (int group = 0; group < kLoadPasses; group += kGroup) {
+    Pack8<T> packs[kGroup];
+    Pack8<T> gates[kGated ? kGroup : 1];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) sums[j] += v[j];
+    for (int p = 0; p < kGroup; ++p) {
+      const int64_t gr = row0 + row_in_pass + (group + p) * kRowsPerPass;
+      if (gr < rows && gc < cols) {
+        packs[p] = *reinterpret_cast<const Pack8<T>*>(x + gr * stride + gc);
+        if constexpr (kGated) gates[p] = *reinterpret_cast<const Pack8<T>*>(gate + gr * stride + gc);
       }
-      packed = saturating_cast8<kE5M2>(v, scale, max_bits);
-      *reinterpret_cast<uint64_t*>(out + gr * ostride + gc) = packed;
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      tile_t[swizzled(chunk * 8 + j, r)] = static_cast<uint8_t>(packed >> (8 * j));
+    for (int p = 0; p < kGroup; ++p) {
+      const int r = row_in_pass + (group + p) * kRowsPerPass;
+      const int64_t gr = row0 + r;
+      uint64_t packed = 0;
+      if (gr < rows && gc < cols) {
+        float v[8];
+        activate8<kAct>(packs[p], gates[kGated ? p : 0], v);
+        if constexpr (kDbias) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sums[j] += v[j];
+        }
+        packed = saturating_cast8<kE5M2>(v, scale, max_bits);
+        *reinterpret_cast<uint64_t*>(out + gr * ostride + gc) = packed;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        tile_t[swizzled(chunk * 8 + j, r)] = static_cast<uint8_t>(packed >> (8 * j));
+      }
     }
   }
   [[maybe_unused]] __shared__ float column_sums[kDbias ? kRowsPerPass : 1][kDbias ? kTileCols : 1];
@@ -226,10 +246,13 @@ __global__ void __launch_bounds__(kThreads, kAct == CastActivation::kDGelu ? 2 :
 // gate_up [rows, 2·ffn] its input; what is quantized is [d gate | d up] [rows, 2·ffn]
 // (detail::swiglu_backward, float32). A block reads a kTileRows × 64 tile of dy, gate and up once
 // and writes both tiles they give, ffn columns apart, in both layouts: a grid over the output's
-// 2·ffn columns would read dy and the gate twice. Three tiles of loads per thread: two resident
-// blocks per SM. Needs ffn % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers.
+// 2·ffn columns would read dy and the gate twice. Each pass's three loads are cast before the
+// next pass loads: 63 registers, four resident blocks per SM, whose loads overlap each other's
+// arithmetic (all four passes loaded first took 128 registers, two blocks per SM, and ran at
+// 0.73 of the copy rate on an H100 against 0.93 so: bench/results/dswiglu_occupancy/).
+// Needs ffn % 8 == 0, rows % 16 == 0 and 16-byte aligned pointers.
 template <typename T, bool kE5M2>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 4)
     cast_transpose_dswiglu_kernel(const T* __restrict__ dy, const T* __restrict__ gate_up,
                                   uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
                                   int64_t rows, int64_t ffn, const float* __restrict__ scale_ptr,
@@ -249,27 +272,20 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int chunk = threadIdx.x % kChunksPerRow;
   const int row_in_pass = threadIdx.x / kChunksPerRow;
   const int64_t gc = col0 + chunk * 8;
-  Pack8<T> grads[kLoadPasses], gates[kLoadPasses], ups[kLoadPasses];
-#pragma unroll
-  for (int pass = 0; pass < kLoadPasses; ++pass) {
-    const int64_t gr = row0 + row_in_pass + pass * kRowsPerPass;
-    if (gr < rows && gc < ffn) {
-      grads[pass] = *reinterpret_cast<const Pack8<T>*>(dy + gr * ffn + gc);
-      gates[pass] = *reinterpret_cast<const Pack8<T>*>(gate_up + gr * cols + gc);
-      ups[pass] = *reinterpret_cast<const Pack8<T>*>(gate_up + gr * cols + ffn + gc);
-    }
-  }
 #pragma unroll
   for (int pass = 0; pass < kLoadPasses; ++pass) {
     const int r = row_in_pass + pass * kRowsPerPass;
     const int64_t gr = row0 + r;
     uint64_t packed_gate = 0, packed_up = 0;
     if (gr < rows && gc < ffn) {
+      const auto grad = *reinterpret_cast<const Pack8<T>*>(dy + gr * ffn + gc);
+      const auto gate = *reinterpret_cast<const Pack8<T>*>(gate_up + gr * cols + gc);
+      const auto up = *reinterpret_cast<const Pack8<T>*>(gate_up + gr * cols + ffn + gc);
       float d_gate[8], d_up[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const auto d = detail::swiglu_backward(to_float(grads[pass].v[j]),
-                                               to_float(gates[pass].v[j]), to_float(ups[pass].v[j]));
+        const auto d = detail::swiglu_backward(to_float(grad.v[j]), to_float(gate.v[j]),
+                                               to_float(up.v[j]));
         d_gate[j] = d.gate;
         d_up[j] = d.up;
       }

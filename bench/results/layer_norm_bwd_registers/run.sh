@@ -25,7 +25,7 @@ done
 CONFIGS="35:512 35:128 36:512 36:256 37:512 38:128 35:256 36:128"
 for c in $CONFIGS; do
   n=${c%:*}; t=${c#*:}
-  (cd /tmp/t$n && AMP8_LN_BWD_THREADS=$t timeout 100 ./layer_norm_test --gtest_filter='*_CUDA' > $R/test_${n}_$t.txt 2>&1
+  (cd /tmp/t$n && AMP8_LN_BWD_THREADS=$t timeout 100 ./layer_norm_test --gtest_filter='*_CUDA*' > $R/test_${n}_$t.txt 2>&1
    echo "test $n threads $t rc $? $(grep -E '^\[  (PASSED|FAILED) ' $R/test_${n}_$t.txt | tr '\n' ' ')")
 done
 for round in 1 2 3; do
