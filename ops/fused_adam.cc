@@ -8,6 +8,7 @@
 
 #include "ops/detail/checks.h"
 #include "ops/detail/cuda_ops.h"
+#include "ops/quantize.h"
 
 namespace amp8 {
 namespace {
@@ -16,7 +17,24 @@ constexpr const char* kOp = "fused_adam_step";
 
 void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device) {
   const std::string where = detail::step_entry_name(kOp, index);
-  detail::check_step_param_grad_copy(t.param, t.grad, t.model_copy, device, where);
+  const bool fp8_copy = t.model_copy.defined() && t.model_copy.scalar_type() == at::kFloat8_e4m3fn;
+  detail::check_step_param_grad_copy(t.param, t.grad, fp8_copy ? at::Tensor() : t.model_copy, device, where);
+  if (fp8_copy) {
+    TORCH_CHECK(t.model_copy.sizes() == t.param.sizes() && t.model_copy.device() == device &&
+                    t.model_copy.is_contiguous(),
+                where, "model_copy must be contiguous, of param's shape ", t.param.sizes(), " and on ", device,
+                ", got ", t.model_copy.sizes(), " on ", t.model_copy.device(),
+                t.model_copy.is_contiguous() ? "" : ", not contiguous");
+    TORCH_CHECK(t.model_copy_scale.defined() && t.model_copy_scale.scalar_type() == at::kFloat &&
+                    t.model_copy_scale.numel() == 1 && t.model_copy_scale.device() == device,
+                where, "model_copy_scale must be one float32 element on ", device,
+                " (a float8_e4m3fn model_copy is written at it), got ",
+                t.model_copy_scale.defined() ? toString(t.model_copy_scale.scalar_type()) : "none");
+  } else {
+    TORCH_CHECK(!t.model_copy_scale.defined(), where,
+                "model_copy_scale applies to a float8_e4m3fn model_copy only, got ",
+                t.model_copy.defined() ? toString(t.model_copy.scalar_type()) : "no model_copy");
+  }
   detail::check_step_tensor(t.exp_avg, t.param, device, where, "exp_avg", detail::StepDtypes::kFloat32OrBFloat16);
   detail::check_step_tensor(t.exp_avg_sq, t.param, device, where, "exp_avg_sq",
                             detail::StepDtypes::kFloat32OrBFloat16);
@@ -51,7 +69,14 @@ void fused_adam_step_cpu(const std::vector<AdamStepTensor>& tensors, const AdamS
     p.addcdiv_(exp_avg, denom, -(o.lr / bias_correction1));
     if (!exp_avg.is_same(t.exp_avg)) t.exp_avg.copy_(exp_avg);
     if (!exp_avg_sq.is_same(t.exp_avg_sq)) t.exp_avg_sq.copy_(exp_avg_sq);
-    if (t.model_copy.defined()) t.model_copy.copy_(p);
+    if (t.model_copy_scale.defined()) {
+      // quantize's saturating cast: the bytes the kernel writes for the same param.
+      if (p.numel() > 0) {
+        quantize(p, t.model_copy_scale, Fp8Format::kE4M3, /*amax=*/{}, /*accumulate_amax=*/false, t.model_copy);
+      }
+    } else if (t.model_copy.defined()) {
+      t.model_copy.copy_(p);
+    }
     if (t.amax.defined() && p.numel() > 0) {
       // at::maximum and max() both propagate NaN, as the kernel's max over |x|'s bits does.
       t.amax.copy_(at::maximum(t.amax.reshape({}), p.abs().max()).reshape(t.amax.sizes()));

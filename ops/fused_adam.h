@@ -27,7 +27,9 @@ struct AdamStepTensor {
   at::Tensor exp_avg_sq;  ///< float32 or bfloat16, param's shape, updated in place
   int64_t step = 1;       ///< the step count including this step (1 for the first)
   /// Optional: a bfloat16 / float16 tensor of param's shape (the model's half parameter) that
-  /// receives the updated param, rounded to nearest even.
+  /// receives the updated param, rounded to nearest even; or, with model_copy_scale, a
+  /// float8_e4m3fn one (an FP8 weight) that receives quantize(param, model_copy_scale) in the
+  /// same pass: TE's FusedAdam on Float8Tensor params, at the scale the weight already has.
   at::Tensor model_copy;
   /// Optional: one float32 element on param's device that becomes max(amax, max|param|) over
   /// the updated param (NaN if it holds one): an FP8 weight's amax measured by the step's own
@@ -36,6 +38,9 @@ struct AdamStepTensor {
   /// must start at zero or above (on CUDA the max is taken over the bits of |x|: a negative
   /// start, −0.0 included, would stay).
   at::Tensor amax;
+  /// With a float8_e4m3fn model_copy (and only then): one float32 element on param's device,
+  /// the scale the copy is written at (values beyond ±448 saturate, as quantize's).
+  at::Tensor model_copy_scale;
 };
 
 /// torch::optim::Adam / AdamW's update for many tensors at once, each gradient first multiplied

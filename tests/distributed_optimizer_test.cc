@@ -244,6 +244,15 @@ TEST(DistributedOptimizerTest, HalfAndFp8PrecisionsMatchSingleRankWithinTheirRou
       {"bf16 + fp8 hybrid, fp8_params, bf16 moments",
        recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16),
        1e-2},
+      // FP8 weights written at the last step's scale: every rank writes its pieces at the scale
+      // of the all-reduced amax, so the gathered weight has one scale (the unfused step on the
+      // CPU with float32 moments, the fused one with bfloat16 moments).
+      {"bf16 + fp8 hybrid, fp8_params, delayed weight scaling",
+       recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_params_scaling("delayed"), 1e-2},
+      {"bf16 + fp8 hybrid, fp8_params, delayed weight scaling, bf16 moments",
+       recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_params_scaling("delayed").exp_avg_dtype(at::kBFloat16)
+           .exp_avg_sq_dtype(at::kBFloat16),
+       1e-2},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -326,7 +335,8 @@ TEST(DistributedOptimizerTest, ARankWhoseShardIsOnlyPaddingStepsWithBfloat16Mome
   EXPECT_EQ(max_abs_diff(params[1], params[0]), 0.0);
 }
 
-// fp32, bf16 and bf16 + FP8 fp8_params with the loss bounds of the tests above (fp32 to
+// fp32, bf16 and bf16 + FP8 fp8_params (its weights written at the current scale, and at the
+// last step's through the fused step) with the loss bounds of the tests above (fp32 to
 // rounding; bf16 and FP8 per HalfAndFp8PrecisionsMatchSingleRankWithinTheirRounding).
 struct PrecisionCase {
   const char* name;
@@ -338,6 +348,10 @@ std::vector<PrecisionCase> fp32_bf16_fp8_cases() {
       {"32", MixedPrecisionOptions("32"), 1e-5},
       {"bf16-mixed", recipes::bf16_mixed(), 2e-3},
       {"bf16 + fp8 hybrid, fp8_params", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0), 1e-2},
+      {"bf16 + fp8 hybrid, fp8_params, delayed weight scaling, bf16 moments",
+       recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_params_scaling("delayed").exp_avg_dtype(at::kBFloat16)
+           .exp_avg_sq_dtype(at::kBFloat16),
+       1e-2},
   };
 }
 

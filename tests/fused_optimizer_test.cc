@@ -406,6 +406,19 @@ TEST_F(FusedOptimizerTest, BadInputNamesTheEntryAndField) {
   ExpectErrorContaining(
       [&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, {}, torch::zeros({1}, at::kDouble)}}, options); },
       "tensors[0].amax must be one float32 element on cpu, got Double [1] on cpu");
+  // An FP8 copy is written at a scale it must be given; a scale goes with an FP8 copy only.
+  const auto fp8_copy = torch::empty({8, 8}, at::kFloat8_e4m3fn);
+  ExpectErrorContaining([&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, fp8_copy}}, options); },
+                        "tensors[0].model_copy_scale must be one float32 element on cpu (a float8_e4m3fn "
+                        "model_copy is written at it), got none");
+  ExpectErrorContaining(
+      [&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, torch::empty({8, 8}, at::kBFloat16), {}, torch::ones({1})}},
+                            options); },
+      "tensors[0].model_copy_scale applies to a float8_e4m3fn model_copy only, got BFloat16");
+  ExpectErrorContaining(
+      [&] { fused_adam_step({{p, torch::randn({8, 8}), m, v, 1, torch::empty({8, 7}, at::kFloat8_e4m3fn), {},
+                              torch::ones({1})}}, options); },
+      "tensors[0].model_copy must be contiguous, of param's shape [8, 8] and on cpu, got [8, 7] on cpu");
   auto other_param = torch::randn({4}).requires_grad_(true);
   torch::optim::RMSprop rmsprop({other_param}, torch::optim::RMSpropOptions(0.1));
   EXPECT_FALSE(is_fusable(rmsprop));
@@ -460,6 +473,41 @@ TEST_F(FusedOptimizerTest, AmaxIsThatOfTheUpdatedParamAccumulated) {
   EXPECT_EQ(amaxes[5].item<float>(), 0.0f) << "no slot given";
   EXPECT_EQ(amaxes[6].item<float>(), 0.0f) << "an empty param";
   EXPECT_EQ(amaxes[7].item<float>(), 0.0f);
+}
+
+// An FP8 weight written in the step's own pass (TE's FusedAdam on Float8Tensor params): the copy
+// is quantize(updated param, its scale), saturating where the scale puts a value beyond 448
+// (here the largest half of each tensor's range), and the update itself is the one without a
+// copy, bit for bit.
+TEST_F(FusedOptimizerTest, Fp8CopyIsTheUpdatedParamQuantizedAtItsScale) {
+  const AdamStepOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1, true};
+  std::vector<torch::Tensor> params, plain, copies, scales, m, v, m_plain, v_plain;
+  for (const auto& shape : shapes()) {
+    params.push_back(torch::randn(shape));
+    plain.push_back(params.back().clone());
+    copies.push_back(torch::empty(shape, at::kFloat8_e4m3fn));
+    scales.push_back((448.0 / (0.5 * params.back().abs().max())).reshape({1}).to(at::kFloat));
+    for (auto* moments : {&m, &v, &m_plain, &v_plain}) moments->push_back(torch::zeros(shape));
+  }
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<AdamStepTensor> with_copy, without;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto grad = torch::randn(params[i].sizes());
+      with_copy.push_back({params[i], grad, m[i], v[i], step, copies[i], {}, scales[i]});
+      without.push_back({plain[i], grad, m_plain[i], v_plain[i], step});
+    }
+    fused_adam_step(with_copy, options);
+    fused_adam_step(without, options);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(BytesEqual(params[i], plain[i])) << "param " << i << ", step " << step;
+      const auto expected = quantize(params[i], scales[i], Fp8Format::kE4M3);
+      EXPECT_TRUE(BytesEqual(copies[i].view(at::kByte), expected.data.view(at::kByte)))
+          << "copy " << i << ", step " << step;
+      if (params[i].numel() > 1) {
+        EXPECT_TRUE(copies[i].to(at::kFloat).abs().eq(448.0f).any().item<bool>()) << "saturates " << i;
+      }
+    }
+  }
 }
 
 // FusedAdamW / FusedSGD as the user's optimizer under the distributed optimizer: each rank steps
@@ -753,6 +801,44 @@ TEST_F(FusedOptimizerTest, KernelsMatchTheCpuReference_CUDA) {
         }
       }
     }
+  }
+}
+
+// The kernel's FP8 copy: quantize of the kernel's own updated param at the copy's scale, byte for
+// byte, by the CUDA quantize and by the CPU reference, with saturating values; 130 tensors (two
+// launch tables); the param and moments as without a copy; the amax still measured.
+TEST_F(FusedOptimizerTest, Fp8CopyKernelIsQuantizeOfItsParam_CUDA) {
+  AMP8_REQUIRE_CUDA();
+  const AdamStepOptions options{1e-2, 0.9, 0.95, 1e-8, 0.1, true};
+  const auto cuda = torch::Device(torch::kCUDA);
+  std::vector<torch::Tensor> params, plain, copies, scales, amaxes, m, v, m_plain, v_plain;
+  const auto all_shapes = shapes();
+  for (int i = 0; i < 130; ++i) {
+    const auto& shape = all_shapes[i % all_shapes.size()];
+    params.push_back(torch::randn(shape, cuda));
+    plain.push_back(params.back().clone());
+    copies.push_back(torch::empty(shape, torch::TensorOptions(at::kFloat8_e4m3fn).device(cuda)));
+    scales.push_back((448.0 / (0.5 * params.back().abs().max())).reshape({1}).to(at::kFloat));
+    amaxes.push_back(torch::zeros({1}, cuda));
+    for (auto* moments : {&m, &v, &m_plain, &v_plain}) moments->push_back(torch::zeros(shape, cuda));
+  }
+  std::vector<AdamStepTensor> with_copy, without;
+  for (size_t i = 0; i < params.size(); ++i) {
+    // One gradient dtype: the 130 tensors are one launch group, so two tables.
+    const auto grad = torch::randn(params[i].sizes(), cuda).to(at::kBFloat16);
+    with_copy.push_back({params[i], grad, m[i], v[i], 1, copies[i], amaxes[i], scales[i]});
+    without.push_back({plain[i], grad, m_plain[i], v_plain[i], 1});
+  }
+  fused_adam_step(with_copy, options);
+  fused_adam_step(without, options);
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(BytesEqual(params[i], plain[i])) << "param " << i;
+    EXPECT_TRUE(BytesEqual(m[i], m_plain[i]) && BytesEqual(v[i], v_plain[i])) << "moments " << i;
+    const auto on_gpu = quantize(params[i], scales[i], Fp8Format::kE4M3);
+    const auto on_cpu = quantize(params[i].cpu(), scales[i].cpu(), Fp8Format::kE4M3);
+    EXPECT_TRUE(BytesEqual(copies[i].view(at::kByte), on_gpu.data.view(at::kByte))) << "copy " << i;
+    EXPECT_TRUE(BytesEqual(copies[i].view(at::kByte).cpu(), on_cpu.data.view(at::kByte))) << "copy " << i;
+    EXPECT_TRUE(testing::SameFloat(amaxes[i].item<float>(), compute_amax(params[i]).item<float>())) << "amax " << i;
   }
 }
 

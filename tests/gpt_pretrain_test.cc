@@ -393,6 +393,45 @@ TEST(GptPretrainTest, Fp8RecipeTensorwiseTrainsAndIsRecordedInTheCheckpoint) {
   EXPECT_NE(mxfp8.err.find("NVIDIA Blackwell"), std::string::npos) << mxfp8.err;
 }
 
+// --fp8-params-scaling delayed: FP8 weights written at the last step's scale (in the fused Adam
+// pass on a GPU). It learns; the checkpoint records it, so a resume under the other scaling,
+// which writes other bytes from the same masters, is refused by name; --compare reports it per
+// run (none where a run keeps no FP8 weights); without FP8 weights it is an error.
+TEST(GptPretrainTest, Fp8ParamsScalingDelayedTrainsAndIsASettingOfTheCheckpoint) {
+  const auto dir = scratch("fp8_params_scaling");
+  const auto every_layer = with(kTiny, {"--fp8-min-gemm-size", "0", "--num-layers-at-start-in-bf16", "0",
+                                        "--num-layers-at-end-in-bf16", "0", "--log-every", "0"});
+  const auto common = with(every_layer, {"--precision", "bf16-mixed", "--fp8", "hybrid"});
+  const auto run = gpt_pretrain(with(common, {"--steps", "30", "--fp8-params-scaling", "delayed", "--save-dir",
+                                              dir.string()}));
+  ASSERT_EQ(run.code, 0) << run.err;
+  const auto lines = metrics(dir);
+  ASSERT_EQ(lines.size(), 30u);
+  EXPECT_LT(lines.back()["loss"].get<double>(), lines.front()["loss"].get<double>() - 1.0) << "it learns";
+  const auto longer = with(common, {"--steps", "32", "--allow-changes", "steps", "--resume", dir.string(), "--save-dir",
+                                    dir.string()});
+  const auto other = gpt_pretrain(longer);
+  EXPECT_NE(other.code, 0);
+  EXPECT_NE(other.err.find("fp8_params_scaling delayed (this run: current)"), std::string::npos) << other.err;
+  const auto same = gpt_pretrain(with(longer, {"--fp8-params-scaling", "delayed"}));
+  EXPECT_EQ(same.code, 0) << same.err;
+
+  const auto compared = scratch("fp8_params_scaling_compare");
+  const auto both = gpt_pretrain(with(every_layer, {"--steps", "2", "--fp8-params-scaling", "delayed", "--save-dir",
+                                               compared.string(), "--compare",
+                                               "bf16-mixed+fp8+fp8-params,bf16-mixed+fp8+bf16-params"}));
+  ASSERT_EQ(both.code, 0) << both.err;
+  const auto rows = compare_rows(compared);
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0]["fp8_params_scaling"], "delayed");
+  EXPECT_TRUE(rows[1]["fp8_params_scaling"].is_null()) << rows[1].dump();
+
+  const auto without = gpt_pretrain(with(common, {"--fp8-params", "false", "--fp8-params-scaling", "delayed",
+                                                  "--save-dir", scratch("fp8_params_scaling_bf16").string()}));
+  EXPECT_NE(without.code, 0);
+  EXPECT_NE(without.err.find("--fp8-params-scaling applies with --fp8-params true"), std::string::npos) << without.err;
+}
+
 // --fp8-recipe blockwise: Megatron-Bridge's subchannel preset (weights in high precision, every
 // layer in FP8); it learns, the checkpoint names it, and --fp8-params true is refused by name.
 TEST(GptPretrainTest, Fp8RecipeBlockwiseTrainsAndIsRecordedInTheCheckpoint) {

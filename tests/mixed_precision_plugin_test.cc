@@ -869,6 +869,64 @@ TEST_F(MasterParamsTest, Fp8WeightsAfterTheFusedStepAreTheirMastersQuantized) {
   }
 }
 
+// fp8_params_scaling "delayed" (TE's FusedAdam on Float8Tensor params): the fused step writes
+// each FP8 weight in its own pass at the scale of the master's amax after the previous step
+// (before the first step: the masters as connected), and scale_inv is that scale's; the next
+// scale comes from this step's amax. Large steps (lr 0.05) make some weights' max grow, so
+// some values saturate where the current scale would not have. float32 moments step unfused on
+// the CPU (the weights written after the step), bfloat16 ones through the fused step (the
+// weights written in its pass).
+TEST_F(MasterParamsTest, DelayedFp8WeightsAreWrittenAtTheLastStepsScale) {
+  for (const auto moments : {at::kFloat, at::kBFloat16}) {
+  SCOPED_TRACE(c10::toString(moments));
+  auto model = testing::make_mlp();
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(5e-2));
+  MixedPrecisionPlugin plugin = recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_params_scaling("delayed")
+                                    .exp_avg_dtype(moments).exp_avg_sq_dtype(moments);
+  plugin.connect(*model, optimizer);
+  std::vector<Fp8LinearImpl*> layers;
+  for (const auto& module : model->modules(/*include_self=*/false)) {
+    if (auto* linear = module->as<Fp8LinearImpl>()) layers.push_back(linear);
+  }
+  ASSERT_GE(layers.size(), 2u);
+  const auto params = model->parameters();
+  std::vector<size_t> indices;
+  for (auto* layer : layers) {
+    indices.push_back(static_cast<size_t>(
+        std::find_if(params.begin(), params.end(), [&](const torch::Tensor& p) { return p.is_same(layer->weight); }) -
+        params.begin()));
+  }
+  // The scales the first step writes at: the connected masters' amaxes.
+  std::vector<torch::Tensor> scales;
+  for (size_t index : indices) {
+    scales.push_back(compute_current_scale(compute_amax(plugin.master_params()[index]), Fp8Format::kE4M3));
+  }
+  MlpData data(7);
+  bool saturated_where_current_would_not = false;
+  for (int step = 0; step < 4; ++step) {
+    auto [x, y] = data.batch(step, 0, 32);
+    forward_backward(plugin, model, x, y);
+    ASSERT_TRUE(plugin.optimizer_step(optimizer));
+    const auto masters = plugin.master_params();
+    for (size_t k = 0; k < layers.size(); ++k) {
+      const auto& master = masters[indices[k]];
+      const auto expected = quantize(master, scales[k], Fp8Format::kE4M3);
+      const auto fp8 = layers[k]->fp8_weight();
+      EXPECT_TRUE(BytesEqual(fp8.data.view(at::kByte), expected.data.view(at::kByte))) << "step " << step << ", " << k;
+      EXPECT_TRUE(BytesEqual(fp8.scale_inv, expected.scale_inv)) << "step " << step << ", " << k;
+      const auto amax = compute_amax(master);
+      const auto current = compute_current_scale(amax, Fp8Format::kE4M3);
+      saturated_where_current_would_not |= (master * scales[k]).abs().gt(448.0f).any().item<bool>();
+      scales[k] = current;
+    }
+  }
+  EXPECT_TRUE(saturated_where_current_would_not) << "lr 0.05 should grow some weight's max within 4 steps";
+  }
+  ExpectErrorContaining([] { MixedPrecisionPlugin(recipes::bf16_with_fp8_mixed().fp8_params(false).fp8_params_scaling("delayed")); },
+                        "fp8_params_scaling \"delayed\" applies to fp8_params with one scale per weight (fp8_params = "
+                        "false");
+}
+
 // Back to plain LibTorch: the trained model's FP32 masters, written under the model's names,
 // load into the unmodified fp32 architecture (torch::nn::Linear where FP8 swapped in
 // Fp8Linear; FP8 weights under fp8_params).

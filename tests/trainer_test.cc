@@ -123,6 +123,13 @@ std::vector<ResumeCase> resume_cases() {
       // Adam's moments in bfloat16: the checkpoint holds them as they are.
       {"bf16_with_fp8_mixed_bf16_moments",
        recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).exp_avg_dtype(at::kBFloat16).exp_avg_sq_dtype(at::kBFloat16)},
+      // FP8 weights written at the last step's scale: the resumed run takes its first scales from
+      // the loaded masters, which an uninterrupted run took from the same values. bfloat16
+      // moments: through the fused step on the CPU too.
+      {"bf16_with_fp8_mixed_delayed_weights", recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_params_scaling("delayed")},
+      {"bf16_with_fp8_mixed_delayed_weights_bf16_moments",
+       recipes::bf16_with_fp8_mixed().fp8_min_gemm_size(0).fp8_params_scaling("delayed").exp_avg_dtype(at::kBFloat16)
+           .exp_avg_sq_dtype(at::kBFloat16)},
   };
 }
 

@@ -46,10 +46,17 @@ void* optional_mutable_ptr(const at::Tensor& t) {
   return t.defined() ? t.mutable_data_ptr() : nullptr;
 }
 
-// The model copy an optimizer kernel writes: none, bf16 or fp16.
+// The model copy an optimizer kernel writes: none, bf16, fp16 or (Adam only) FP8 E4M3.
 cuda::CopyType copy_type(const at::Tensor& copy) {
   if (!copy.defined()) return cuda::CopyType::kNone;
-  return copy.scalar_type() == at::kBFloat16 ? cuda::CopyType::kBFloat16 : cuda::CopyType::kHalf;
+  switch (copy.scalar_type()) {
+    case at::kBFloat16:
+      return cuda::CopyType::kBFloat16;
+    case at::kFloat8_e4m3fn:
+      return cuda::CopyType::kFloat8E4M3;
+    default:
+      return cuda::CopyType::kHalf;
+  }
 }
 
 // The type an Adam moment is stored in: float32 or bfloat16 (fused_adam_step checks).
@@ -527,7 +534,8 @@ void fused_adam_step_cuda(const std::vector<AdamStepTensor>& tensors, const Adam
                 optional_mutable_ptr(t.model_copy),
                 static_cast<float*>(optional_mutable_ptr(t.amax)), t.param.numel(),
                 static_cast<float>(o.lr / (1 - std::pow(o.beta1, t.step))),
-                static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t.step)))};
+                static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t.step))),
+                t.model_copy_scale.defined() ? t.model_copy_scale.const_data_ptr<float>() : nullptr};
       },
       [&](const cuda::AdamTensorPointers* pointers, int n, const auto& types) {
         const auto [grad, copy, exp_avg, exp_avg_sq] = types;

@@ -27,7 +27,11 @@ __device__ __forceinline__ void store_moment(void* moments, int64_t i, float val
   }
 }
 
-// Copy = void: no model copy. ExpAvg, ExpAvgSq: float or __nv_bfloat16.
+// The FP8 (E4M3) model copy's tag: written as quantize writes it, at the tensor's copy_scale.
+struct Fp8E4M3Copy {};
+
+// Copy = void: no model copy; Fp8E4M3Copy: FP8 bytes at copy_scale. ExpAvg, ExpAvgSq: float or
+// __nv_bfloat16.
 template <typename Grad, typename Copy, typename ExpAvg, typename ExpAvgSq>
 __global__ void __launch_bounds__(kThreads)
     fused_adam_kernel(const __grid_constant__ Table<AdamTensorPointers> table, const AdamScalars s) {
@@ -36,6 +40,8 @@ __global__ void __launch_bounds__(kThreads)
   const float neg_step_size = -tensor.step_size;
   const float inv_bias_correction2_sqrt = 1.0f / tensor.bias_correction2_sqrt;
   uint32_t max_bits = 0;  // max|p| as ordered bits (NaN above +inf), when tensor.amax is set
+  [[maybe_unused]] float copy_scale = 0.0f;
+  if constexpr (std::is_same_v<Copy, Fp8E4M3Copy>) copy_scale = *tensor.copy_scale;
 
 #pragma unroll
   for (int k = 0; k < kItemsPerThread; ++k) {
@@ -59,7 +65,11 @@ __global__ void __launch_bounds__(kThreads)
     tensor.param[i] = p;
     store_moment<ExpAvg>(tensor.exp_avg, i, m);
     store_moment<ExpAvgSq>(tensor.exp_avg_sq, i, v);
-    store_copy<Copy>(tensor.model_copy, i, p);
+    if constexpr (std::is_same_v<Copy, Fp8E4M3Copy>) {
+      static_cast<uint8_t*>(tensor.model_copy)[i] = saturating_cast<false>(p, copy_scale);
+    } else {
+      store_copy<Copy>(tensor.model_copy, i, p);
+    }
     max_bits = max(max_bits, abs_bits(p));
   }
   // The block's chunk is one tensor's, so the branch is the same for every thread of it.
@@ -86,7 +96,14 @@ int dispatch_moment(MomentType type, F&& f) {
 
 int launch_fused_adam(const AdamTensorPointers* tensors, int num_tensors, const AdamLaunchTypes& types,
                       const AdamScalars& scalars, Stream stream) {
-  return dispatch(types.grad, types.copy, [&](auto grad, auto copy) {
+  // The FP8 copy here, not in multi_tensor::dispatch, which the SGD kernel shares.
+  const auto with_copy = [&](auto&& f) {
+    if (types.copy == CopyType::kFloat8E4M3) {
+      return dispatch_input(types.grad, [&](auto grad) { return f(grad, TypeTag<Fp8E4M3Copy>{}); });
+    }
+    return dispatch(types.grad, types.copy, f);
+  };
+  return with_copy([&](auto grad, auto copy) {
     return dispatch_moment(types.exp_avg, [&](auto exp_avg) {
       return dispatch_moment(types.exp_avg_sq, [&](auto exp_avg_sq) {
         using Grad = decltype(grad);

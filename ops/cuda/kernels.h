@@ -178,6 +178,9 @@ struct AdamTensorPointers {
   int64_t numel;
   float step_size;              // lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  // CopyType::kFloat8E4M3: the copy's scale (copy = E4M3(param · *copy_scale), saturated at
+  // ±448, as quantize writes it); null otherwise.
+  const float* copy_scale;
 };
 struct AdamScalars {
   float param_decay;      // AdamW: 1 - lr·weight_decay (1 = none)
@@ -185,7 +188,8 @@ struct AdamScalars {
   float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
   float grad_multiplier;  // every gradient is multiplied by it first
 };
-enum class CopyType { kNone, kBFloat16, kHalf };
+// kFloat8E4M3: Adam only (an FP8 weight written in the step's own pass at the scale it has).
+enum class CopyType { kNone, kBFloat16, kHalf, kFloat8E4M3 };
 // The types every tensor of one fused Adam call has.
 struct AdamLaunchTypes {
   InputType grad;

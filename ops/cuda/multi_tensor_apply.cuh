@@ -102,6 +102,8 @@ int dispatch(InputType grad_type, CopyType copy_type, F&& f) {
         return f(grad, TypeTag<__nv_bfloat16>{});
       case CopyType::kHalf:
         return f(grad, TypeTag<__half>{});
+      case CopyType::kFloat8E4M3:  // Adam's alone: launch_fused_adam dispatches it itself
+        break;
     }
     return static_cast<int>(cudaErrorInvalidValue);
   });

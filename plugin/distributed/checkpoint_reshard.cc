@@ -269,6 +269,7 @@ void DistributedOptimizer::load_resharded(std::vector<CheckpointShard>& shards, 
   for (size_t i = 0; i < pieces_.size(); ++i) {
     if (!master_is_model(i)) pieces_[i].master.copy_(masters[i].view(pieces_[i].master.sizes()));
   }
+  masters_loaded();
 }
 
 }  // namespace amp8

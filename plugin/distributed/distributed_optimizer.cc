@@ -342,9 +342,14 @@ void DistributedOptimizer::step(torch::optim::Optimizer& optimizer, const std::o
   // FP8 weights with one scale: the fused Adam step measures each piece's amax as it writes the
   // master, so that publish_params does not read the masters a second time for them.
   torch::Tensor piece_amaxes;
-  std::vector<bool> measured;
+  std::vector<bool> measured, written;
+  const bool delayed = fp8_weight_scaling_ == Fp8WeightScaling::kPerTensorDelayed && !fp8_params_.empty();
+  if (delayed && !fp8_weight_scales_.defined()) {
+    // The first step after connect or a load: the scales from the masters as they are.
+    fp8_weight_scales_ = compute_current_scale(fp8_weight_amaxes({}, {}), Fp8Format::kE4M3);
+  }
   if (fused) {
-    std::function<torch::Tensor(const torch::Tensor&)> amax_of;
+    std::function<torch::Tensor(const torch::Tensor&)> amax_of, fp8_copy_of, copy_scale_of;
     if (fp8_piece_slots_.defined() && fp8_weight_scaling_ != Fp8WeightScaling::kBlocks128x128 &&
         is_fusable_adam(optimizer)) {
       piece_amaxes = torch::zeros({fp8_piece_slots_.numel()},
@@ -356,70 +361,98 @@ void DistributedOptimizer::step(torch::optim::Optimizer& optimizer, const std::o
         measured[static_cast<size_t>(ordinal)] = true;
         return piece_amaxes.narrow(0, ordinal, 1);
       };
+      if (delayed) {
+        // The FP8 weights written by the step itself, at the scales they already have.
+        written.assign(measured.size(), false);
+        fp8_copy_of = [&](const torch::Tensor& master) {
+          const auto index = piece_index_.at(key(master));
+          const int64_t ordinal = fp8_piece_ordinal_[index];
+          if (ordinal < 0) return torch::Tensor();
+          written[static_cast<size_t>(ordinal)] = true;
+          return pieces_[index].target.view(master.sizes());
+        };
+        copy_scale_of = [&](const torch::Tensor& master) {
+          const auto& param = params_[pieces_[piece_index_.at(key(master))].param];
+          return fp8_weight_scales_.narrow(0, param.fp8_slot, 1);
+        };
+      }
     }
     fused_optimizer_step(
         optimizer, fused->grad_multiplier,
         [&](const torch::Tensor& master) { return grads_[piece_index_.at(key(master))]; },
-        [&](const torch::Tensor& master) { return half_copy(pieces_[piece_index_.at(key(master))]); },
-        fused->moment_dtypes, amax_of);
+        [&](const torch::Tensor& master) {
+          if (fp8_copy_of) {
+            if (auto fp8 = fp8_copy_of(master); fp8.defined()) return fp8;
+          }
+          return half_copy(pieces_[piece_index_.at(key(master))]);
+        },
+        fused->moment_dtypes, amax_of, copy_scale_of);
   } else {
     optimizer.step();
   }
-  publish_params(/*half_copies_written=*/fused.has_value(), piece_amaxes, measured);
+  publish_params(/*half_copies_written=*/fused.has_value(), piece_amaxes, measured, written);
+}
+
+torch::Tensor DistributedOptimizer::fp8_weight_amaxes(torch::Tensor piece_amaxes, const std::vector<bool>& measured) {
+  std::vector<torch::Tensor> fp8_masters;
+  for (const auto& piece : pieces_) {
+    if (params_[piece.param].fp8_meta) fp8_masters.push_back(piece.master.detach());
+  }
+  const auto device = params_[fp8_params_.front()].model.device();
+  auto amaxes = torch::zeros({static_cast<int64_t>(fp8_params_.size())},
+                             torch::TensorOptions().dtype(at::kFloat).device(device));
+  if (!fp8_masters.empty()) {
+    // max|x| of each piece (NaN when it holds one), into its weight's slot: as the fused Adam
+    // step measured it, else read from the master here (every piece after an unfused or SGD
+    // step; after a fused Adam step, a piece it did not update, having no gradient).
+    if (!piece_amaxes.defined()) {
+      piece_amaxes = compute_amax_many(fp8_masters);
+    } else {
+      std::vector<torch::Tensor> unmeasured;
+      std::vector<size_t> unmeasured_ordinals;
+      for (size_t j = 0; j < fp8_masters.size(); ++j) {
+        if (measured[j]) continue;
+        unmeasured.push_back(fp8_masters[j]);
+        unmeasured_ordinals.push_back(j);
+      }
+      if (!unmeasured.empty()) {
+        // Device-to-device copies into the slots (an index tensor from the host would wait
+        // for the stream).
+        const auto read = compute_amax_many(unmeasured);
+        for (size_t k = 0; k < unmeasured.size(); ++k) {
+          piece_amaxes.narrow(0, static_cast<int64_t>(unmeasured_ordinals[k]), 1)
+              .copy_(read.narrow(0, static_cast<int64_t>(k), 1));
+        }
+      }
+    }
+    amaxes.index_copy_(0, fp8_piece_slots_, piece_amaxes);
+  }
+  if (world_size_ > 1) {
+    std::vector<torch::Tensor> tensors{amaxes};
+    group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
+  }
+  return amaxes;
 }
 
 void DistributedOptimizer::publish_params(bool half_copies_written, torch::Tensor piece_amaxes,
-                                          const std::vector<bool>& measured) {
+                                          const std::vector<bool>& measured, const std::vector<bool>& written) {
   torch::NoGradGuard no_grad;
   const bool in_blocks = fp8_weight_scaling_ == Fp8WeightScaling::kBlocks128x128;
+  const bool delayed = fp8_weight_scaling_ == Fp8WeightScaling::kPerTensorDelayed;
   // FP8 weights with one scale: the amax of each whole weight (all-reduced over the ranks) gives
-  // its scale. Batched over the weights (one multi-tensor amax, one scale kernel, one
-  // multi-tensor history update): per weight, these were ~10 small launches, at 350m most of the
-  // FP8 step's host time after the backward pass.
+  // its scale, now (current) or at the next step (delayed: this step's weights are written at
+  // the scales the last one gave). Batched over the weights (one multi-tensor amax, one scale
+  // kernel, one multi-tensor history update): per weight, these were ~10 small launches, at 350m
+  // most of the FP8 step's host time after the backward pass.
   torch::Tensor amaxes, scales, scale_invs;
   if (!fp8_params_.empty() && !in_blocks) {
-    std::vector<torch::Tensor> fp8_masters;
-    for (const auto& piece : pieces_) {
-      if (params_[piece.param].fp8_meta) fp8_masters.push_back(piece.master.detach());
-    }
-    const auto device = params_[fp8_params_.front()].model.device();
-    amaxes = torch::zeros({static_cast<int64_t>(fp8_params_.size())},
-                          torch::TensorOptions().dtype(at::kFloat).device(device));
-    if (!fp8_masters.empty()) {
-      // max|x| of each piece (NaN when it holds one), into its weight's slot: as the fused Adam
-      // step measured it, else read from the master here (every piece after an unfused or SGD
-      // step; after a fused Adam step, a piece it did not update, having no gradient).
-      if (!piece_amaxes.defined()) {
-        piece_amaxes = compute_amax_many(fp8_masters);
-      } else {
-        std::vector<torch::Tensor> unmeasured;
-        std::vector<size_t> unmeasured_ordinals;
-        for (size_t j = 0; j < fp8_masters.size(); ++j) {
-          if (measured[j]) continue;
-          unmeasured.push_back(fp8_masters[j]);
-          unmeasured_ordinals.push_back(j);
-        }
-        if (!unmeasured.empty()) {
-          // Device-to-device copies into the slots (an index tensor from the host would wait
-          // for the stream).
-          const auto read = compute_amax_many(unmeasured);
-          for (size_t k = 0; k < unmeasured.size(); ++k) {
-            piece_amaxes.narrow(0, static_cast<int64_t>(unmeasured_ordinals[k]), 1)
-                .copy_(read.narrow(0, static_cast<int64_t>(k), 1));
-          }
-        }
-      }
-      amaxes.index_copy_(0, fp8_piece_slots_, piece_amaxes);
-    }
-    if (world_size_ > 1) {
-      std::vector<torch::Tensor> tensors{amaxes};
-      group_->allreduce(tensors, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
-    }
-    scales = compute_current_scale(amaxes, Fp8Format::kE4M3);
+    amaxes = fp8_weight_amaxes(piece_amaxes, measured);
+    scales = delayed && fp8_weight_scales_.defined() ? fp8_weight_scales_
+                                                    : compute_current_scale(amaxes, Fp8Format::kE4M3);
     scale_invs = scales.reciprocal();
   }
   // The FP8 weights from their masters in one multi-tensor launch (in blocks: from their
-  // pieces); the half copies the fused step has not written.
+  // pieces), but those the fused step wrote; the half copies the fused step has not written.
   std::vector<torch::Tensor> fp8_masters, fp8_targets;
   std::vector<int64_t> fp8_slots;
   std::vector<size_t> fp8_pieces;
@@ -429,6 +462,10 @@ void DistributedOptimizer::publish_params(bool half_copies_written, torch::Tenso
     if (param.fp8_meta && in_blocks) {
       fp8_pieces.push_back(i);
     } else if (param.fp8_meta) {
+      const int64_t ordinal = fp8_piece_ordinal_[i];
+      if (ordinal >= 0 && static_cast<size_t>(ordinal) < written.size() && written[static_cast<size_t>(ordinal)]) {
+        continue;
+      }
       fp8_masters.push_back(piece.master.detach());
       fp8_targets.push_back(piece.target);
       fp8_slots.push_back(param.fp8_slot);
@@ -438,7 +475,7 @@ void DistributedOptimizer::publish_params(bool half_copies_written, torch::Tenso
   }
   if (in_blocks) {
     write_fp8_weight_blocks(fp8_pieces);
-  } else {
+  } else if (!fp8_masters.empty()) {
     quantize_many(fp8_masters, scales, fp8_slots, Fp8Format::kE4M3, fp8_targets);
   }
   if (buffer_) buffer_->gather_params();
@@ -447,6 +484,7 @@ void DistributedOptimizer::publish_params(bool half_copies_written, torch::Tenso
     metas.reserve(fp8_params_.size());
     for (size_t index : fp8_params_) metas.push_back(params_[index].fp8_meta.get());
     Fp8Meta::weights_written(metas, amaxes, scale_invs, "DistributedOptimizer");
+    if (delayed) fp8_weight_scales_ = compute_current_scale(amaxes, Fp8Format::kE4M3);
   }
 }
 

@@ -56,9 +56,12 @@ class DistributedOptimizer {
   using StepCommunication = ParamAndGradBuffer::StepCommunication;
 
   /// How FP8 weights (fp8_params) are quantized from their masters after each step: one scale
-  /// per weight from its amax (current scaling), or one power-of-two scale per 128×128 block
-  /// (the blockwise recipe's weights, TE's Float8BlockScaling).
-  enum class Fp8WeightScaling { kPerTensor, kBlocks128x128 };
+  /// per weight from its amax (current scaling: a second read of the masters after the step);
+  /// one scale per weight from its amax after the previous step (delayed: a fused Adam step
+  /// writes the weight in its own pass, as TE's FusedAdam does for Float8Tensor params; values
+  /// beyond the scale's range saturate for that step); or one power-of-two scale per 128×128
+  /// block (the blockwise recipe's weights, TE's Float8BlockScaling).
+  enum class Fp8WeightScaling { kPerTensor, kPerTensorDelayed, kBlocks128x128 };
 
   /// `group`: the data-parallel ranks; null (or a group of one) is a world of one.
   DistributedOptimizer(c10::intrusive_ptr<c10d::ProcessGroup> group, DistributedOptimizerOptions options,
@@ -166,6 +169,9 @@ class DistributedOptimizer {
   /// torch::optim optimizer but LBFGS); anything else is an error that names it. Reads and
   /// checks everything before it changes anything.
   void load_resharded(std::vector<CheckpointShard>& shards, torch::optim::Optimizer& optimizer);
+  /// The masters were loaded (MixedPrecisionPlugin::load): kPerTensorDelayed's next scales come
+  /// from them, as an uninterrupted run's came from the same values.
+  void masters_loaded() { fp8_weight_scales_ = torch::Tensor(); }
 
   /// The optimizer's tensors: this rank's FP32 masters, in the optimizer's order.
   const std::vector<torch::Tensor>& master_shards() const { return master_shards_; }
@@ -207,8 +213,12 @@ class DistributedOptimizer {
   void point_optimizer_at_masters(torch::optim::Optimizer& optimizer);
   // `piece_amaxes`: the FP8 pieces' amaxes (fp8_piece_slots_'s order) where the fused step
   // measured them (`measured[j]`); the others, or all when undefined, are read from the masters.
+  // `written[j]`: kPerTensorDelayed, the fused step wrote FP8 piece j at fp8_weight_scales_.
   void publish_params(bool half_copies_written, torch::Tensor piece_amaxes = {},
-                      const std::vector<bool>& measured = {});
+                      const std::vector<bool>& measured = {}, const std::vector<bool>& written = {});
+  // Each FP8 weight's amax over its pieces and the ranks (slot order), from piece_amaxes where
+  // measured and from the masters elsewhere.
+  torch::Tensor fp8_weight_amaxes(torch::Tensor piece_amaxes, const std::vector<bool>& measured);
   // publish_params' FP8 weights in 128×128 blocks, from the FP8 pieces (pieces_ indices).
   void write_fp8_weight_blocks(const std::vector<size_t>& fp8_pieces);
   torch::Tensor half_copy(const Piece& piece) const;
@@ -238,6 +248,11 @@ class DistributedOptimizer {
   std::vector<torch::Tensor> static_grads_;  // per params_ entry
   bool static_gradients_on_ = false;
   torch::Tensor fp8_piece_slots_;   // int64, on the masters' device: each local FP8 piece's slot
+  // kPerTensorDelayed: the scale each FP8 weight is written at in the next step (slot order),
+  // from its amax after the last one; undefined until the first step after connect or a load,
+  // which takes it from the masters as they are (so a resumed run writes what an uninterrupted
+  // one writes).
+  torch::Tensor fp8_weight_scales_;
   std::vector<int64_t> fp8_piece_ordinal_;  // per pieces_ entry: its index among the FP8 pieces, or -1
 };
 

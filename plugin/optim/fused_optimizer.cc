@@ -33,7 +33,8 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
                  const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                  const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
                  const AdamMomentDtypes& moment_dtypes,
-                 const std::function<torch::Tensor(const torch::Tensor&)>& amax_of) {
+                 const std::function<torch::Tensor(const torch::Tensor&)>& amax_of,
+                 const std::function<torch::Tensor(const torch::Tensor&)>& copy_scale_of) {
   auto& states = optimizer.state();
   for (auto& group : optimizer.param_groups()) {
     const auto& options = static_cast<const Options&>(group.options());
@@ -69,6 +70,9 @@ void step_groups(torch::optim::Optimizer& optimizer, bool decoupled, double grad
         created.push_back(nullptr);
       }
       if (copy_of) entry.model_copy = copy_of(param);
+      if (copy_scale_of && entry.model_copy.defined() && entry.model_copy.scalar_type() == at::kFloat8_e4m3fn) {
+        entry.model_copy_scale = copy_scale_of(param);
+      }
       if (amax_of) entry.amax = amax_of(param);
       tensors.push_back(std::move(entry));
     }
@@ -196,7 +200,8 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
                           const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                           const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
                           const AdamMomentDtypes& moment_dtypes,
-                          const std::function<torch::Tensor(const torch::Tensor&)>& amax_of) {
+                          const std::function<torch::Tensor(const torch::Tensor&)>& amax_of,
+                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_scale_of) {
   TORCH_CHECK(is_fusable(optimizer),
               "fused_optimizer_step: expected a torch::optim::Adam or AdamW without amsgrad, or "
               "a torch::optim::SGD");
@@ -209,10 +214,10 @@ void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multip
     step_sgd_groups(optimizer, grad_multiplier, grad_of, copy_of);
   } else if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
     step_groups<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of, moment_dtypes, amax_of);
+        optimizer, /*decoupled=*/true, grad_multiplier, grad_of, copy_of, moment_dtypes, amax_of, copy_scale_of);
   } else {
     step_groups<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of, moment_dtypes, amax_of);
+        optimizer, /*decoupled=*/false, grad_multiplier, grad_of, copy_of, moment_dtypes, amax_of, copy_scale_of);
   }
 }
 

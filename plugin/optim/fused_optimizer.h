@@ -51,11 +51,16 @@ struct AdamMomentDtypes {
 /// (one float32 element, zeroed by the caller) becomes max(amax, max|param|) over the updated
 /// param, measured by the step's own pass (AdamStepTensor::amax). SGD steps measure nothing and
 /// never ask: the caller measures what it was not asked for.
+///
+/// `copy_scale_of(param)`: for Adam / AdamW, asked where copy_of gave a float8_e4m3fn copy (an
+/// FP8 weight): the scale (one float32 element) the copy is written at in the step's own pass
+/// (AdamStepTensor::model_copy_scale). SGD takes no FP8 copy.
 void fused_optimizer_step(torch::optim::Optimizer& optimizer, double grad_multiplier,
                           const std::function<torch::Tensor(const torch::Tensor&)>& grad_of,
                           const std::function<torch::Tensor(const torch::Tensor&)>& copy_of = {},
                           const AdamMomentDtypes& moment_dtypes = {},
-                          const std::function<torch::Tensor(const torch::Tensor&)>& amax_of = {});
+                          const std::function<torch::Tensor(const torch::Tensor&)>& amax_of = {},
+                          const std::function<torch::Tensor(const torch::Tensor&)>& copy_scale_of = {});
 
 /// Converts an Adam / AdamW optimizer's moments that are not in `moment_dtypes` (a checkpoint
 /// written with other dtypes) to them; other optimizers are left alone. For a step that is not

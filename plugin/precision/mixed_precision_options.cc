@@ -54,6 +54,11 @@ void MixedPrecisionOptions::validate() const {
                 "takes only fp8 = \"none\"");
     fp8_recipe_options().validate();
   }
+  TORCH_CHECK(fp8_params_scaling_ == "current" || fp8_params_scaling_ == "delayed",
+              "fp8_params_scaling must be \"current\" or \"delayed\", got \"", fp8_params_scaling_, "\"");
+  TORCH_CHECK(fp8_params_scaling_ == "current" || (fp8_params_ && fp8_recipe_ != "blockwise"),
+              "fp8_params_scaling \"delayed\" applies to fp8_params with one scale per weight (fp8_params = ",
+              fp8_params_ ? "true" : "false", ", fp8_recipe \"", fp8_recipe_, "\"): it would be ignored");
   TORCH_CHECK(fp8_params_ == false || fp8_enabled(),
               "fp8_params = true needs fp8 = \"hybrid\" or \"e4m3\", got fp8 = \"none\"");
   // Settings of a part this precision does not run would be dropped: errors instead.

@@ -152,6 +152,8 @@ void MixedPrecisionPlugin::convert_optimizer(torch::optim::Optimizer& optimizer)
   // The blockwise recipe reads its weights in 128×128 blocks: the FP8 weights are written so.
   const auto fp8_weight_scaling = options_.fp8_enabled() && fp8_recipe_.blockwise()
                                       ? DistributedOptimizer::Fp8WeightScaling::kBlocks128x128
+                                  : options_.fp8_params_scaling() == "delayed"
+                                      ? DistributedOptimizer::Fp8WeightScaling::kPerTensorDelayed
                                       : DistributedOptimizer::Fp8WeightScaling::kPerTensor;
   optimizer_ = std::make_unique<DistributedOptimizer>(group_, distributed_options_,
                                                       options_.grad_reduce_in_fp32(), fp8_weight_scaling);
@@ -551,6 +553,7 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
   for (size_t i = 0; i < masters.size(); ++i) {
     if (values[i].defined()) masters[i].copy_(values[i]);
   }
+  optimizer_->masters_loaded();
   scaler_ = std::move(common.scaler);
   skipped_steps_ = common.skipped_steps;
   clear_gradients();

@@ -80,6 +80,13 @@ struct MixedPrecisionOptions {
   /// Keep linear weights only in FP8 (TE's fp8_model_init); the masters are seeded from the
   /// high-precision values. Default: false (the FP8 presets set true, as NeMo's).
   TORCH_ARG(bool, fp8_params) = false;
+  /// Under fp8_params with one scale per weight: the scale an FP8 weight is written at after an
+  /// optimizer step. "current": from the updated master's own amax (exact; a second read of
+  /// every master after the step). "delayed": from the amax after the previous step, so that a
+  /// fused Adam step writes the FP8 weight in its own pass, as TE's FusedAdam does for
+  /// Float8Tensor params (values beyond that scale's range saturate for one step). Default:
+  /// "current".
+  TORCH_ARG(std::string, fp8_params_scaling) = "current";
   /// As Fp8LinearOptions::fp8_min_gemm_size, for every Fp8Linear of the model (those
   /// convert_module swaps in and those the model already has). Default: kDefaultFp8MinGemmSize
   /// (per shape, where FP8 was measured faster; plugin/fp8/fp8_gemm_choice.h).

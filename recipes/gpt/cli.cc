@@ -190,6 +190,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
   int64_t history = 1024, steps = -1, micro_batch = -1, grad_accum = 1, seq = -1, log_every = -1,
           save_every = 0;
   bool fp8_params = true, overlap_grad_reduce = true, resume_if_exists = false, fused_mlp = true;
+  std::string fp8_params_scaling = "current";
   bool fp8_gemm_autotune = PretrainRecipe().fp8_gemm_autotune;
   bool overlap_param_gather = false;
   bool grad_reduce_in_fp32 = true;  // applied only when given: each precision has its default
@@ -247,6 +248,13 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                      "blockwise: false, and true stores them in 128x128 blocks)")
           ->capture_default_str()->transform(boolean());
   fp8_flags.push_back(fp8_params_flag);
+  auto* fp8_params_scaling_flag =
+      app.add_option("--fp8-params-scaling", fp8_params_scaling,
+                     "with --fp8-params true (one scale per weight): the scale FP8 weights are written at after "
+                     "a step: current (from the updated master's amax) or delayed (from the previous step's, "
+                     "written in the fused Adam pass, as TE's FusedAdam)")
+          ->capture_default_str()->transform(lower_case())->check(CLI::IsMember({"current", "delayed"}));
+  fp8_flags.push_back(fp8_params_scaling_flag);
   fp8_flags.push_back(app.add_option("--fp8-min-gemm-size", fp8_min_gemm_size,
                                      "with FP8: GEMMs smaller than this (rows x in x out) run in high precision; 0 = all in "
                                      "FP8; -1 = per shape, where FP8 was measured faster on an H200")
@@ -446,6 +454,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
     TORCH_CHECK(on_cuda || autotune_flag->count() == 0 || !fp8_gemm_autotune,
                 "--fp8-gemm-autotune true times GPU kernels; the run is on ", on_the_cpu);
 
+    bool fp8_params_scaling_reached = false;  // --fp8-params-scaling applied to a run
     auto precision_for = [&](const std::string& name, const std::string& fp8_format, const std::string& recipe_name) {
       auto options = precision_from_flags(name, fp8_format, precision_device, recipe_name);
       if (options.fp8_enabled()) {
@@ -454,6 +463,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         // The blockwise presets keep weights in high precision (Megatron-Bridge's
         // fp8_param_gather = False); an explicit --fp8-params true stores them in 128x128 blocks.
         if (recipe_name != "blockwise" || fp8_params_flag->count() > 0) options.fp8_params(fp8_params);
+        // Reaches the runs that keep FP8 weights with one scale each (a --compare run's
+        // +bf16-params turns it back below); a single run it cannot reach is an error there.
+        if (fp8_params_scaling_flag->count() > 0 && options.fp8_params() && recipe_name != "blockwise") {
+          options.fp8_params_scaling(fp8_params_scaling);
+          fp8_params_scaling_reached = true;
+        }
         if (layers_start_bf16 >= 0) options.num_layers_at_start_in_bf16(layers_start_bf16);
         if (layers_end_bf16 >= 0) options.num_layers_at_end_in_bf16(layers_end_bf16);
         // The amax history belongs to delayed scaling alone; a margin to the recipes with one
@@ -489,6 +504,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
 
     if (compare.empty()) {
       recipe.precision = precision_for(precision, fp8, fp8_recipe);
+      TORCH_CHECK(fp8_params_scaling_flag->count() == 0 || fp8_params_scaling_reached,
+                  "--fp8-params-scaling applies with --fp8-params true and an FP8 recipe with one scale per weight "
+                  "(delayed or tensorwise)");
       const auto result = run_pretraining(recipe, out);
       if (result.rank != 0) {  // rank 0 reports; every rank says its memory
         if (result.peak_memory_bytes > 0) out << "gpt_pretrain: rank " << result.rank << memory_summary(result) << std::endl;
@@ -544,6 +562,7 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                   " (an FP8 recipe) needs +fp8");
       auto options = precision_for(name, format, recipe_name);
       if (params) options.fp8_params(*params);
+      if (!options.fp8_params()) options.fp8_params_scaling("current");  // +bf16-params: no FP8 weights
       runs.emplace_back(item, options);
     }
     TORCH_CHECK(!runs.empty(), "--compare needs at least one precision, got \"", compare, "\"");
@@ -653,6 +672,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                          {"fp8", options.fp8_enabled() ? options.fp8() : "none"},
                          {"fp8_recipe", options.fp8_enabled() ? options.fp8_recipe() : "none"},
                          {"fp8_params", options.fp8_enabled() && options.fp8_params()},
+                         {"fp8_params_scaling", options.fp8_enabled() && options.fp8_params()
+                                                    ? nlohmann::json(options.fp8_params_scaling())
+                                                    : nlohmann::json()},
                          {"steps", result.start_step + static_cast<int64_t>(result.history.size())},
                          {"final_loss", result.final_loss},
                          {"final_val_loss", std::isfinite(result.final_val_loss) ? nlohmann::json(result.final_val_loss)

@@ -322,6 +322,8 @@ PretrainResult run_pretraining(const PretrainRecipe& recipe, std::ostream& log) 
                                  {"fp8_min_gemm_size", std::to_string(p.fp8_min_gemm_size())},
                                  {"num_layers_at_start_in_bf16", std::to_string(p.num_layers_at_start_in_bf16())},
                                  {"num_layers_at_end_in_bf16", std::to_string(p.num_layers_at_end_in_bf16())}});
+    // The scale FP8 weights are written at: the other one writes other bytes from the same masters.
+    if (p.fp8_params()) trainer.run_settings["fp8_params_scaling"] = p.fp8_params_scaling();
   }
   // The dtype gradients are summed in: across ranks, and across micro-batches on one GPU.
   if (world > 1 || trainer_options.accumulate_grad_batches() > 1) {
