@@ -29,7 +29,10 @@ void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device
                     t.model_copy_scale.numel() == 1 && t.model_copy_scale.device() == device,
                 where, "model_copy_scale must be one float32 element on ", device,
                 " (a float8_e4m3fn model_copy is written at it), got ",
-                t.model_copy_scale.defined() ? toString(t.model_copy_scale.scalar_type()) : "none");
+                t.model_copy_scale.defined()
+                    ? c10::str(toString(t.model_copy_scale.scalar_type()), " ", t.model_copy_scale.sizes(), " on ",
+                               t.model_copy_scale.device())
+                    : std::string("none"));
   } else {
     TORCH_CHECK(!t.model_copy_scale.defined(), where,
                 "model_copy_scale applies to a float8_e4m3fn model_copy only, got ",

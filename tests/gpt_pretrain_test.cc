@@ -417,9 +417,10 @@ TEST(GptPretrainTest, Fp8ParamsScalingDelayedTrainsAndIsASettingOfTheCheckpoint)
   EXPECT_EQ(same.code, 0) << same.err;
 
   const auto compared = scratch("fp8_params_scaling_compare");
-  const auto both = gpt_pretrain(with(every_layer, {"--steps", "2", "--fp8-params-scaling", "delayed", "--save-dir",
-                                               compared.string(), "--compare",
-                                               "bf16-mixed+fp8+fp8-params,bf16-mixed+fp8+bf16-params"}));
+  // --fp8-params false: the first run's +fp8-params gives it FP8 weights, and the flag reaches it.
+  const auto both = gpt_pretrain(with(every_layer, {"--steps", "2", "--fp8-params", "false", "--fp8-params-scaling",
+                                                    "delayed", "--save-dir", compared.string(), "--compare",
+                                                    "bf16-mixed+fp8+fp8-params,bf16-mixed+fp8"}));
   ASSERT_EQ(both.code, 0) << both.err;
   const auto rows = compare_rows(compared);
   ASSERT_EQ(rows.size(), 2u);
@@ -430,6 +431,15 @@ TEST(GptPretrainTest, Fp8ParamsScalingDelayedTrainsAndIsASettingOfTheCheckpoint)
                                                   "--save-dir", scratch("fp8_params_scaling_bf16").string()}));
   EXPECT_NE(without.code, 0);
   EXPECT_NE(without.err.find("--fp8-params-scaling applies with --fp8-params true"), std::string::npos) << without.err;
+  const auto none_compared = gpt_pretrain(with(every_layer, {"--fp8-params-scaling", "delayed", "--save-dir",
+                                                             scratch("fp8_params_scaling_none").string(), "--compare",
+                                                             "bf16-mixed,bf16-mixed+fp8+bf16-params"}));
+  EXPECT_NE(none_compared.code, 0);
+  EXPECT_NE(none_compared.err.find("--fp8-params-scaling applies with FP8 weights (--fp8-params true or a run's "
+                                   "+fp8-params) and an FP8 recipe with one scale per weight (delayed or "
+                                   "tensorwise); no --compare run has them"),
+            std::string::npos)
+      << none_compared.err;
 }
 
 // --fp8-recipe blockwise: Megatron-Bridge's subchannel preset (weights in high precision, every

@@ -284,6 +284,28 @@ TEST(MixedPrecisionPluginTest, AnUnfusedStepWidensBfloat16MomentsFromACheckpoint
   }
 }
 
+// A plugin never connected to a model saves its state (no masters, no layout) and another
+// unconnected one loads it: the scaler's state comes back, nothing else is asked of the
+// optimizer it does not have.
+TEST(MixedPrecisionPluginTest, AnUnconnectedPluginLoadsWhatAnUnconnectedOneSaved) {
+  const auto options = recipes::fp16_with_fp8_mixed().fp8_params_scaling("delayed").fp16_initial_loss_scale(1024);
+  MixedPrecisionPlugin saved(options);
+  torch::serialize::OutputArchive out;
+  saved.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  const auto data = bytes.str();
+  in.load_from(data.data(), data.size());
+  auto other_start = options;
+  MixedPrecisionPlugin loaded(other_start.fp16_initial_loss_scale(8));
+  loaded.load(in);
+  EXPECT_TRUE(loaded.master_params().empty());
+  EXPECT_EQ(loaded.skipped_steps(), 0);
+  ASSERT_TRUE(loaded.scaler().has_value());
+  EXPECT_EQ(loaded.scaler()->scale(), 1024.0);
+}
+
 // The number of ranks a checkpoint says wrote it is checked before the Trainer looks for their
 // files: none, fewer or more than an int holds is an error naming dp_world_size (a fuzzed file
 // once claimed 2^31 - 1 ranks, another one that wraps to a negative int).

@@ -102,8 +102,10 @@ class Fp8Meta : public torch::CustomClassHolder {
   bool weight_in_blocks() const { return weight_scale_inv_.defined() && weight_scale_inv_.dim() == 2; }
   MainGrad& main_grad() { return main_grad_; }
 
-  /// Records that an optimizer wrote the FP8 weights of `metas` (fp8_params) in place, quantized
-  /// with compute_current_scale(amax, E4M3): float32 `amaxes` and `scale_invs` [metas.size()],
+  /// Records that an optimizer wrote the FP8 weights of `metas` (fp8_params) in place, at the
+  /// scales whose inverses are `scale_invs` (compute_current_scale of `amaxes`, the written
+  /// masters' amaxes; under fp8_params_scaling "delayed", of the previous step's amaxes):
+  /// float32 `amaxes` and `scale_invs` [metas.size()],
   /// layer i's at i, max-merged into each weight's history slot and taken as its scale_inv, in a
   /// few launches for all layers. `caller` names the API in errors.
   static void weights_written(const std::vector<Fp8Meta*>& metas, const at::Tensor& amaxes,

@@ -553,7 +553,7 @@ void MixedPrecisionPlugin::load(torch::serialize::InputArchive& archive) {
   for (size_t i = 0; i < masters.size(); ++i) {
     if (values[i].defined()) masters[i].copy_(values[i]);
   }
-  optimizer_->masters_loaded();
+  if (optimizer_) optimizer_->masters_loaded();  // unconnected: no masters
   scaler_ = std::move(common.scaler);
   skipped_steps_ = common.skipped_steps;
   clear_gradients();

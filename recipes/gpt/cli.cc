@@ -455,7 +455,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                 "--fp8-gemm-autotune true times GPU kernels; the run is on ", on_the_cpu);
 
     bool fp8_params_scaling_reached = false;  // --fp8-params-scaling applied to a run
-    auto precision_for = [&](const std::string& name, const std::string& fp8_format, const std::string& recipe_name) {
+    // params: a --compare run's +fp8-params / +bf16-params, over --fp8-params.
+    auto precision_for = [&](const std::string& name, const std::string& fp8_format, const std::string& recipe_name,
+                             std::optional<bool> params = std::nullopt) {
       auto options = precision_from_flags(name, fp8_format, precision_device, recipe_name);
       if (options.fp8_enabled()) {
         options.fp8_margin(fp8_margin).fp8_amax_history_len(history).fp8_amax_compute_algo(algo)
@@ -463,8 +465,9 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
         // The blockwise presets keep weights in high precision (Megatron-Bridge's
         // fp8_param_gather = False); an explicit --fp8-params true stores them in 128x128 blocks.
         if (recipe_name != "blockwise" || fp8_params_flag->count() > 0) options.fp8_params(fp8_params);
-        // Reaches the runs that keep FP8 weights with one scale each (a --compare run's
-        // +bf16-params turns it back below); a single run it cannot reach is an error there.
+        if (params) options.fp8_params(*params);
+        // Reaches the runs that keep FP8 weights with one scale each; a flag that reaches no run
+        // is an error below.
         if (fp8_params_scaling_flag->count() > 0 && options.fp8_params() && recipe_name != "blockwise") {
           options.fp8_params_scaling(fp8_params_scaling);
           fp8_params_scaling_reached = true;
@@ -560,12 +563,12 @@ int gpt_pretrain_main(int argc, const char* const* argv, std::ostream& out, std:
                   "\": +fp8-params/+bf16-params need +fp8");
       TORCH_CHECK(!recipe_named || format != "none", "--compare: \"", item, "\": +", recipe_name,
                   " (an FP8 recipe) needs +fp8");
-      auto options = precision_for(name, format, recipe_name);
-      if (params) options.fp8_params(*params);
-      if (!options.fp8_params()) options.fp8_params_scaling("current");  // +bf16-params: no FP8 weights
-      runs.emplace_back(item, options);
+      runs.emplace_back(item, precision_for(name, format, recipe_name, params));
     }
     TORCH_CHECK(!runs.empty(), "--compare needs at least one precision, got \"", compare, "\"");
+    TORCH_CHECK(fp8_params_scaling_flag->count() == 0 || fp8_params_scaling_reached,
+                "--fp8-params-scaling applies with FP8 weights (--fp8-params true or a run's +fp8-params) and an "
+                "FP8 recipe with one scale per weight (delayed or tensorwise); no --compare run has them");
     std::vector<LossCurve> curves;
     std::vector<std::string> curve_runs;  // the run of each curve
     std::vector<nlohmann::json> summary;
