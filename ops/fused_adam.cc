@@ -15,24 +15,22 @@ namespace {
 
 constexpr const char* kOp = "fused_adam_step";
 
+// One float32 element on `device` (amax, model_copy_scale), else an error naming `field`.
+void check_one_float(const at::Tensor& x, const at::Device& device, const std::string& where, const char* field,
+                     const char* role = "") {
+  TORCH_CHECK(x.defined() && x.scalar_type() == at::kFloat && x.numel() == 1 && x.device() == device, where, field,
+              " must be one float32 element on ", device, role, ", got ",
+              x.defined() ? c10::str(x.scalar_type(), " ", x.sizes(), " on ", x.device()) : std::string("none"));
+}
+
 void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device) {
   const std::string where = detail::step_entry_name(kOp, index);
   const bool fp8_copy = t.model_copy.defined() && t.model_copy.scalar_type() == at::kFloat8_e4m3fn;
   detail::check_step_param_grad_copy(t.param, t.grad, fp8_copy ? at::Tensor() : t.model_copy, device, where);
   if (fp8_copy) {
-    TORCH_CHECK(t.model_copy.sizes() == t.param.sizes() && t.model_copy.device() == device &&
-                    t.model_copy.is_contiguous(),
-                where, "model_copy must be contiguous, of param's shape ", t.param.sizes(), " and on ", device,
-                ", got ", t.model_copy.sizes(), " on ", t.model_copy.device(),
-                t.model_copy.is_contiguous() ? "" : ", not contiguous");
-    TORCH_CHECK(t.model_copy_scale.defined() && t.model_copy_scale.scalar_type() == at::kFloat &&
-                    t.model_copy_scale.numel() == 1 && t.model_copy_scale.device() == device,
-                where, "model_copy_scale must be one float32 element on ", device,
-                " (a float8_e4m3fn model_copy is written at it), got ",
-                t.model_copy_scale.defined()
-                    ? c10::str(toString(t.model_copy_scale.scalar_type()), " ", t.model_copy_scale.sizes(), " on ",
-                               t.model_copy_scale.device())
-                    : std::string("none"));
+    detail::check_step_tensor(t.model_copy, t.param, device, where, "model_copy", detail::StepDtypes::kFloat8E4M3);
+    check_one_float(t.model_copy_scale, device, where, "model_copy_scale",
+                    " (a float8_e4m3fn model_copy is written at it)");
   } else {
     TORCH_CHECK(!t.model_copy_scale.defined(), where,
                 "model_copy_scale applies to a float8_e4m3fn model_copy only, got ",
@@ -42,11 +40,7 @@ void check_entry(const AdamStepTensor& t, size_t index, const at::Device& device
   detail::check_step_tensor(t.exp_avg_sq, t.param, device, where, "exp_avg_sq",
                             detail::StepDtypes::kFloat32OrBFloat16);
   TORCH_CHECK(t.step >= 1, where, "step must be >= 1 (the count including this step), got ", t.step);
-  if (t.amax.defined()) {
-    TORCH_CHECK(t.amax.scalar_type() == at::kFloat && t.amax.numel() == 1 && t.amax.device() == device,
-                where, "amax must be one float32 element on ", device, ", got ", t.amax.scalar_type(), " ",
-                t.amax.sizes(), " on ", t.amax.device());
-  }
+  if (t.amax.defined()) check_one_float(t.amax, device, where, "amax");
 }
 
 // torch::optim::Adam / AdamW (torch/csrc/api/src/optim/adam*.cpp), operation for operation.

@@ -106,6 +106,7 @@ enum class StepDtypes {
   kFloat32,            // a master, SGD's momentum buffer
   kFloat32OrBFloat16,  // an Adam moment
   kHighPrecision,      // a gradient, a model copy: float32, bfloat16 or float16
+  kFloat8E4M3,         // an FP8 weight Adam's step writes (AdamStepTensor::model_copy_scale)
 };
 
 // One tensor of an entry: defined, on `device` (the first param's), contiguous, of the param's
@@ -129,6 +130,9 @@ inline void check_step_tensor(const at::Tensor& x, const at::Tensor& param, cons
       break;
     case StepDtypes::kHighPrecision:
       TORCH_CHECK(is_high_precision(dtype), where, field, " must be float32, bfloat16 or float16, got ", dtype);
+      break;
+    case StepDtypes::kFloat8E4M3:
+      TORCH_CHECK(dtype == at::kFloat8_e4m3fn, where, field, " must be float8_e4m3fn, got ", dtype);
       break;
   }
 }
